@@ -1,0 +1,474 @@
+"""One transformer trunk, four training objectives, and the Bamboo configurations.
+
+Bamboo (Xue et al., ICML 2023, "A Study on Transformer Configuration and Training
+Objective") argues that token-level objectives (MAE, BERT-style MLM, next-token) resist
+over-smoothing, so models trained with them should be deeper and narrower at equal
+FLOPs: Bamboo-B is 48x384 instead of 12x768. This file holds:
+
+  Config   a dataclass, validated, with named PRESETS (Bamboo Tables 1 and 2 + laptop sizes)
+  MLP, Block, DropPath   the pre-norm transformer block (attention lives in neutreno.py)
+  Bamboo   the model: image or text stem -> Blocks -> one of four heads
+             mae  masked autoencoder (He et al. 2021): the encoder sees visible patches only
+             cls  ViT classifier with mean or CLS pooling
+             mlm  BERT masked tokens, 80/10/10 corruption done inside the model
+             next GPT next-token prediction, causal, tied embeddings
+
+Each objective owns its corruption, so data.py hands over clean images and clean token
+windows and any batch can be run (or probed) under any objective.
+
+Run: python -c "from bamboo import *; m = Bamboo(Config.from_preset('bamboo-b')); print(m.num_params())"
+"""
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from neutreno import Attention
+
+OBJECTIVES = ("mae", "cls", "mlm", "next")
+IMAGE_OBJECTIVES = ("mae", "cls")
+
+
+@dataclass
+class Config:
+    objective: str = "cls"      # training objective: mae | cls | mlm | next
+    depth: int = 6              # number of transformer blocks in the trunk
+    width: int = 192            # hidden size of every token
+    heads: int = 0              # attention heads; 0 means width // 64 (head dim 64), at least 1
+    mlp_ratio: float = 4.0      # MLP hidden size = mlp_ratio * width
+    dropout: float = 0.0        # dropout on embeddings, attention probabilities and residual branches
+    drop_path: float = 0.0      # stochastic depth rate of the last block (linear from 0 at the first)
+    image_size: int = 32        # images are image_size x image_size (mae, cls)
+    patch_size: int = 4         # square patches; (image_size / patch_size)^2 tokens
+    channels: int = 3           # image channels
+    num_classes: int = 10       # classes of the cls head
+    pool: str = "mean"          # cls pooling: mean of patch tokens, or a learned CLS token
+    vocab_size: int = 50257     # text vocabulary (GPT-2 BPE); [MASK] gets id vocab_size
+    seq_len: int = 256          # longest text window (learned positions)
+    mask_ratio: float = 0.75    # MAE: fraction of patches hidden from the encoder
+    decoder_depth: int = 4      # MAE decoder blocks
+    decoder_width: int = 192    # MAE decoder hidden size
+    decoder_heads: int = 3      # MAE decoder heads
+    norm_pix_loss: bool = False # MAE: regress per-patch normalised pixels
+    mlm_prob: float = 0.15      # MLM: fraction of positions chosen for the loss
+    neutreno: float = 0.0       # NeuTRENO lambda; 0 is plain attention (papers: 0.6 vision, 0.4 language)
+
+    def __post_init__(self):
+        if self.heads == 0:
+            self.heads = max(1, self.width // 64)
+        checks = [
+            ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
+            ("depth", self.depth >= 1, "must be at least 1"),
+            ("width", self.width >= 1, "must be at least 1"),
+            ("heads", self.heads >= 1 and self.width % self.heads == 0,
+             f"must divide width={self.width}; pick heads so that width // heads is the head dim"),
+            ("mlp_ratio", self.mlp_ratio > 0, "must be positive"),
+            ("dropout", 0 <= self.dropout < 1, "must be in [0, 1)"),
+            ("drop_path", 0 <= self.drop_path < 1, "must be in [0, 1)"),
+            ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0,
+             f"must divide image_size={self.image_size}"),
+            ("image_size", self.image_size >= 1, "must be at least 1"),
+            ("channels", self.channels >= 1, "must be at least 1"),
+            ("num_classes", self.num_classes >= 2, "must be at least 2"),
+            ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
+            ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
+            ("seq_len", self.seq_len >= 2, "must be at least 2"),
+            ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
+            ("mask_ratio", self.num_visible() >= 1, "leaves no visible patch; lower it"),
+            ("decoder_depth", self.decoder_depth >= 1, "must be at least 1"),
+            ("decoder_heads", self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,
+             f"must divide decoder_width={self.decoder_width}"),
+            ("decoder_width", self.decoder_width % 4 == 0, "must be a multiple of 4 (2-D sin-cos positions)"),
+            ("mlm_prob", 0 < self.mlm_prob < 1, "must be in (0, 1)"),
+            ("neutreno", self.neutreno >= 0, "must be >= 0 (0 turns NeuTRENO off)"),
+        ]
+        if self.objective in IMAGE_OBJECTIVES:
+            checks.append(("width", self.width % 4 == 0, "must be a multiple of 4 for 2-D sin-cos positions"))
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"Config.{name}={getattr(self, name)!r} {why}")
+
+    def num_patches(self):
+        return (self.image_size // self.patch_size) ** 2
+
+    def num_visible(self):
+        return round(self.num_patches() * (1 - self.mask_ratio))
+
+    @property
+    def is_image(self):
+        return self.objective in IMAGE_OBJECTIVES
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        """Rebuild from a checkpoint's plain dict, refusing keys this version does not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config fields {unknown}; the checkpoint comes from another version")
+        return cls(**d)
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _trunk(depth, width, heads=0):
+    return dict(depth=depth, width=width, heads=heads)
+
+
+# Head dim 64 unless stated. Table 1: depth sweeps at (roughly) constant compute.
+# Table 2: each original configuration beside its Bamboo counterpart.
+PRESETS = {
+    "base-12x768": _trunk(12, 768),    # ViT-B / BERT-B / MAE-B: Table 1 and 2 "original Base"
+    "base-24x512": _trunk(24, 512),
+    "base-48x384": _trunk(48, 384),
+    "base-96x256": _trunk(96, 256),
+    "large-24x1024": _trunk(24, 1024),  # "original Large"
+    "large-48x768": _trunk(48, 768),
+    "large-60x640": _trunk(60, 640),
+    "large-96x512": _trunk(96, 512),
+    "huge-32x1280": _trunk(32, 1280, 16),  # "original Huge": head dim 80, as in ViT-H
+    "bamboo-b": _trunk(48, 384),          # Table 2 Bamboo-B = base-48x384
+    "bamboo-l": _trunk(48, 768),          # Table 2 Bamboo-L = large-48x768
+    "bamboo-h": _trunk(64, 896),          # Table 2 Bamboo-H: 14 heads of 64
+    # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
+    "cifar-tiny": dict(depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64, decoder_heads=2),
+    "cifar-small": dict(depth=6, width=192, heads=3, decoder_depth=2, decoder_width=128, decoder_heads=2),
+    "cifar-deep": dict(depth=24, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2),
+    # WikiText with the GPT-2 tokenizer, 128-token windows.
+    "wikitext-small": dict(depth=6, width=256, heads=4, seq_len=128),
+    "wikitext-deep": dict(depth=24, width=128, heads=2, seq_len=128),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, width, hidden, dropout):
+        super().__init__()
+        self.fc = nn.Linear(width, hidden)
+        self.proj = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop a sample's whole residual branch with probability p."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p
+        return x * keep.to(x.dtype) / (1 - self.p)
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)). Returns (x, v, attention probs)."""
+
+    def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False, neutreno=0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads, causal=causal, neutreno=neutreno, dropout=dropout)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = MLP(width, int(mlp_ratio * width), dropout)
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x, v0=None, need_weights=False):
+        a, v, probs = self.attn(self.ln1(x), v0, need_weights)
+        x = x + self.drop_path(a)
+        x = x + self.drop_path(self.mlp(self.ln2(x)))
+        return x, v, probs
+
+
+def sincos_2d(width, grid):
+    """Fixed 2-D sine-cosine positions (MAE): a quarter of the channels per sin/cos of x/y."""
+    omega = 1.0 / 10000 ** (torch.arange(width // 4, dtype=torch.float64) / (width // 4))
+    ys, xs = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    x_angles = xs.flatten()[:, None] * omega[None]  # (grid*grid, width/4)
+    y_angles = ys.flatten()[:, None] * omega[None]
+    pos = torch.cat([x_angles.sin(), x_angles.cos(), y_angles.sin(), y_angles.cos()], dim=1)
+    return pos.float().unsqueeze(0)  # (1, grid*grid, width)
+
+
+def patchify(imgs, p):
+    """(B, C, H, W) -> (B, L, p*p*C), patches in row-major order."""
+    B, C, H, W = imgs.shape
+    x = imgs.reshape(B, C, H // p, p, W // p, p)
+    return torch.einsum("bchpwq->bhwpqc", x).reshape(B, (H // p) * (W // p), p * p * C)
+
+
+def unpatchify(x, p, channels):
+    """(B, L, p*p*C) -> (B, C, H, W), the inverse of patchify."""
+    B, L, _ = x.shape
+    g = int(math.isqrt(L))
+    x = x.reshape(B, g, g, p, p, channels)
+    return torch.einsum("bhwpqc->bchpwq", x).reshape(B, channels, g * p, g * p)
+
+
+def random_masking(x, mask_ratio, noise=None):
+    """MAE's argsort-of-noise masking of (B, L, D) tokens.
+
+    Returns the visible tokens (B, round(L * (1 - mask_ratio)), D), the mask (B, L) with
+    1 = hidden, in the original order, and ids_restore (B, L) that undoes the shuffle.
+    """
+    B, L, D = x.shape
+    keep = round(L * (1 - mask_ratio))
+    if noise is None:
+        noise = torch.rand(B, L, device=x.device)
+    ids_shuffle = noise.argsort(dim=1)  # ascending: the smallest noise is kept
+    ids_restore = ids_shuffle.argsort(dim=1)
+    ids_keep = ids_shuffle[:, :keep]
+    visible = x.gather(1, ids_keep[..., None].expand(-1, -1, D))
+    mask = torch.ones(B, L, device=x.device)
+    mask[:, :keep] = 0
+    return visible, mask.gather(1, ids_restore), ids_restore
+
+
+class Bamboo(nn.Module):
+    """The trunk with the stem and head of `config.objective`.
+
+    out, loss = model(x, y=None)
+      mae:  x images (B, C, H, W) -> out = predicted patches (B, L, p*p*C); loss on masked patches
+      cls:  x images, y labels (B,) -> out = logits (B, num_classes); loss if y is given
+      mlm:  x tokens (B, T) -> out = logits (B, T, vocab); 80/10/10 masking done here
+      next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
+            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = c = config
+        self.mask_id = c.vocab_size  # [MASK] sits just beyond the vocabulary
+        if c.is_image:
+            self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # = conv with stride p
+            grid = c.image_size // c.patch_size
+            self.register_buffer("pos_embed", sincos_2d(c.width, grid), persistent=False)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.pool == "cls" else None
+        else:
+            self.tok_embed = nn.Embedding(c.vocab_size + 1, c.width)  # +1 row for [MASK]
+            self.pos_embed = nn.Parameter(torch.zeros(1, c.seq_len, c.width))
+        self.embed_drop = nn.Dropout(c.dropout)
+        rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # stochastic depth grows linearly
+        self.blocks = nn.ModuleList(
+            Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno) for rate in rates
+        )
+        self.ln_f = nn.LayerNorm(c.width)
+
+        if c.objective == "cls":
+            self.head = nn.Linear(c.width, c.num_classes)
+        elif c.objective == "mae":
+            self.decoder_embed = nn.Linear(c.width, c.decoder_width)
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_width))
+            self.register_buffer("decoder_pos_embed", sincos_2d(c.decoder_width, grid), persistent=False)
+            self.decoder_blocks = nn.ModuleList(
+                Block(c.decoder_width, c.decoder_heads, c.mlp_ratio) for _ in range(c.decoder_depth)
+            )
+            self.decoder_norm = nn.LayerNorm(c.decoder_width)
+            self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size ** 2 * c.channels)
+        elif c.objective == "mlm":  # BERT's transform before the tied output embedding
+            self.mlm_transform = nn.Sequential(nn.Linear(c.width, c.width), nn.GELU(), nn.LayerNorm(c.width))
+            self.mlm_bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each residual projection adds to a stream summed over depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.depth))
+        for p in (getattr(self, "cls_token", None), getattr(self, "mask_token", None)):
+            if p is not None:
+                nn.init.normal_(p, std=0.02)
+        if not c.is_image:
+            nn.init.normal_(self.pos_embed, std=0.02)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # ---- stem and trunk, shared by forward() and hidden_states() ----
+
+    def embed(self, x, mask_ratio=0.0, noise=None):
+        """Stem: images -> patch tokens + 2-D positions (+ CLS), tokens -> embeddings + positions.
+
+        With mask_ratio > 0 (images only) the patch tokens are MAE-masked before the CLS
+        token is prepended. Returns (h, mask, ids_restore); the last two are None unmasked.
+        """
+        c = self.config
+        if c.is_image:
+            if x.dim() != 4 or x.shape[1:] != (c.channels, c.image_size, c.image_size):
+                raise ValueError(f"expected images (B, {c.channels}, {c.image_size}, {c.image_size}), "
+                                 f"got {tuple(x.shape)}")
+            h = self.patch_embed(patchify(x, c.patch_size)) + self.pos_embed  # (B, L, D)
+            mask = ids_restore = None
+            if mask_ratio > 0:
+                h, mask, ids_restore = random_masking(h, mask_ratio, noise)
+            if self.cls_token is not None:
+                h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
+        else:
+            if x.dim() != 2 or x.dtype != torch.long or x.shape[1] > c.seq_len:
+                raise ValueError(f"expected tokens (B, T<={c.seq_len}) of dtype long, got {tuple(x.shape)} {x.dtype}")
+            h, mask, ids_restore = self.tok_embed(x) + self.pos_embed[:, : x.shape[1]], None, None
+        return self.embed_drop(h), mask, ids_restore
+
+    def run_blocks(self, h, collect=False, need_weights=False):
+        """The trunk. Layer 0's values become V0 for NeuTRENO in every later layer.
+
+        Returns (h, hiddens, attns): hiddens holds the input and every block's output
+        when collect=True, attns every layer's (B, nh, T, T) probabilities when need_weights.
+        """
+        hiddens, attns, v0 = [h] if collect else [], [], None
+        for block in self.blocks:
+            h, v, probs = block(h, v0, need_weights)
+            v0 = v if v0 is None else v0
+            if collect:
+                hiddens.append(h)
+            if need_weights:
+                attns.append(probs)
+        return h, hiddens, attns
+
+    def hidden_states(self, x, need_weights=False):
+        """depth+1 tensors (B, T, width): the stem's output, then every block's output.
+
+        All tokens, no masking, no corruption, whatever the objective. With need_weights=True
+        returns (hiddens, attns) where attns holds depth tensors (B, nh, T, T).
+        """
+        h, _, _ = self.embed(x)
+        _, hiddens, attns = self.run_blocks(h, collect=True, need_weights=need_weights)
+        return (hiddens, attns) if need_weights else hiddens
+
+    # ---- the four objectives ----
+
+    def forward(self, x, y=None):
+        return getattr(self, f"forward_{self.config.objective}")(x, y)
+
+    def forward_cls(self, x, y=None):
+        h, _, _ = self.run_blocks(self.embed(x)[0])
+        h = self.ln_f(h)
+        pooled = h[:, 0] if self.cls_token is not None else h.mean(dim=1)
+        logits = self.head(pooled)
+        return logits, (F.cross_entropy(logits, y) if y is not None else None)
+
+    def forward_encoder(self, imgs, mask_ratio, noise=None):
+        h, mask, ids_restore = self.embed(imgs, mask_ratio, noise)
+        h, _, _ = self.run_blocks(h)
+        return self.ln_f(h), mask, ids_restore
+
+    def forward_decoder(self, latent, ids_restore):
+        h = self.decoder_embed(latent)
+        prefix = 1 if self.cls_token is not None else 0
+        B, L = ids_restore.shape
+        masked = self.mask_token.expand(B, L + prefix - h.shape[1], -1)
+        patches = torch.cat([h[:, prefix:], masked], dim=1)
+        patches = patches.gather(1, ids_restore[..., None].expand(-1, -1, h.shape[2]))  # un-shuffle
+        h = torch.cat([h[:, :prefix], patches + self.decoder_pos_embed], dim=1)
+        for block in self.decoder_blocks:
+            h, _, _ = block(h)
+        return self.decoder_pred(self.decoder_norm(h))[:, prefix:]  # (B, L, p*p*C)
+
+    def forward_loss(self, imgs, pred, mask):
+        """Mean squared error over masked patches only."""
+        target = patchify(imgs, self.config.patch_size)
+        if self.config.norm_pix_loss:
+            mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1e-6).sqrt()
+        per_patch = ((pred - target) ** 2).mean(dim=-1)
+        return (per_patch * mask).sum() / mask.sum()
+
+    def forward_mae(self, imgs, y=None, noise=None):
+        latent, mask, ids_restore = self.forward_encoder(imgs, self.config.mask_ratio, noise)
+        pred = self.forward_decoder(latent, ids_restore)
+        return pred, self.forward_loss(imgs, pred, mask)
+
+    def mask_tokens(self, tokens):
+        """BERT corruption: choose mlm_prob of positions; 80% -> [MASK], 10% random, 10% kept.
+
+        Returns (inputs, targets) with targets = -100 (ignored) at unchosen positions.
+        """
+        chosen = torch.rand(tokens.shape, device=tokens.device) < self.config.mlm_prob
+        roll = torch.rand(tokens.shape, device=tokens.device)
+        random_ids = torch.randint_like(tokens, self.config.vocab_size)
+        inputs = torch.where(chosen & (roll < 0.8), self.mask_id, tokens)
+        inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+        return inputs, tokens.masked_fill(~chosen, -100)
+
+    def token_logits(self, h):
+        """Tied output embedding over the real vocabulary ([MASK] is never predicted)."""
+        return h @ self.tok_embed.weight[: self.config.vocab_size].T
+
+    def forward_mlm(self, tokens, y=None):
+        inputs, targets = self.mask_tokens(tokens)
+        h, _, _ = self.run_blocks(self.embed(inputs)[0])
+        logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias
+        # A sum over chosen positions / their count: no NaN when a tiny batch chose none.
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        return logits, loss / (targets != -100).sum().clamp(min=1)
+
+    def forward_next(self, tokens, y=None):
+        inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
+        h, _, _ = self.run_blocks(self.embed(inputs)[0])
+        logits = self.token_logits(self.ln_f(h))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    # ---- bookkeeping ----
+
+    def num_params(self, trunk_only=False):
+        """All parameters, or only the Blocks' (the 'comparable compute' of Bamboo Table 1)."""
+        params = self.blocks.parameters() if trunk_only else self.parameters()
+        return sum(p.numel() for p in params)
+
+    def flops_per_sample(self):
+        """Training FLOPs (forward + backward = 3x forward) for one sample, matmuls only.
+
+        A block costs 2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token
+        for Q K^T and A V (PaLM appendix B; the causal half is not discounted).
+        """
+        c = self.config
+
+        def blocks(n, tokens, width, mlp):
+            return n * tokens * (2 * (4 * width ** 2 + 2 * width * mlp) + 4 * tokens * width)
+
+        mlp = int(c.mlp_ratio * c.width)
+        prefix = 1 if c.is_image and c.pool == "cls" else 0
+        if c.objective == "cls":
+            T = c.num_patches() + prefix
+            fwd = c.num_patches() * 2 * c.patch_size ** 2 * c.channels * c.width + blocks(c.depth, T, c.width, mlp)
+            fwd += 2 * c.width * c.num_classes
+        elif c.objective == "mae":
+            L, dw = c.num_patches(), c.decoder_width
+            fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
+            fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
+            fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw)) + 2 * L * dw * c.patch_size ** 2 * c.channels
+        else:
+            T = c.seq_len
+            fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
+            if c.objective == "mlm":
+                fwd += 2 * T * c.width ** 2
+        return 3 * fwd
+
+    def load_encoder(self, state_dict):
+        """Load a pretrained trunk (e.g. MAE) into this model for fine-tuning.
+
+        Copies every tensor whose name and shape match, except the pretraining heads
+        (decoder_*, mask_token, mlm_*, head). Returns (loaded names, skipped names).
+        """
+        own = self.state_dict()
+        pretrain_only = ("decoder_", "mask_token", "mlm_", "head.")
+        loaded, skipped = [], []
+        for name, tensor in state_dict.items():
+            if name in own and own[name].shape == tensor.shape and not name.startswith(pretrain_only):
+                loaded.append(name)
+            else:
+                skipped.append(name)
+        self.load_state_dict({k: state_dict[k] for k in loaded}, strict=False)
+        return loaded, skipped

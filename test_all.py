@@ -1,0 +1,346 @@
+"""The whole test suite: trunk, NeuTRENO, objectives, training CLI and probe metrics.
+
+CPU only, offline, and fast: every test makes its own tiny data.
+Run: python -m pytest -q test_all.py
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, unpatchify
+from neutreno import Attention, explicit_attention
+
+torch.set_num_threads(2)
+
+
+def tiny(objective, **overrides):
+    """A config small enough to train in a second on CPU."""
+    base = dict(objective=objective, depth=2, width=32, heads=2, image_size=16, patch_size=4,
+                vocab_size=64, seq_len=16, decoder_depth=1, decoder_width=32, decoder_heads=2)
+    return Config(**{**base, **overrides})
+
+
+def batch(config, B=4, seed=0):
+    """A clean batch for the config: smooth images in [0, 1] with labels, or token windows.
+
+    Images are 2x2 random colours blown up bilinearly, so that, as in real photos, the
+    visible patches say something about the hidden ones and MAE has something to learn.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if config.is_image:
+        corners = torch.rand(B, config.channels, 2, 2, generator=g)
+        x = F.interpolate(corners, size=config.image_size, mode="bilinear", align_corners=True)
+        return x, torch.randint(0, config.num_classes, (B,), generator=g)
+    return torch.randint(0, config.vocab_size, (B, config.seq_len), generator=g), None
+
+
+def mean_cos(h):
+    """Mean pairwise cosine over i != j of (B, T, D) tokens (the probe's `cos`, kept local here)."""
+    h = F.normalize(h, dim=-1)
+    T = h.shape[1]
+    return ((h @ h.transpose(1, 2)).sum((1, 2)) - T).div(T * (T - 1)).mean().item()
+
+
+# ---------------------------------------------------------------- the trunk
+
+@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
+def test_objective_shapes_loss_and_gradients(objective):
+    torch.manual_seed(0)
+    c = tiny(objective, pool="cls" if objective == "cls" else "mean")
+    model = Bamboo(c)
+    x, y = batch(c)
+    out, loss = model(x, y)
+    expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels), "cls": (4, c.num_classes),
+                "mlm": (4, c.seq_len, c.vocab_size), "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
+    assert out.shape == expected
+    assert torch.isfinite(loss)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    if objective in ("mlm", "next"):  # positions beyond the window and the [MASK] row may get nothing
+        missing = [n for n in missing if n not in ("pos_embed", "tok_embed.weight")]
+    assert missing == []
+
+
+def test_hidden_states_cover_every_layer_and_every_token():
+    for objective in ("mae", "cls", "mlm", "next"):
+        c = tiny(objective, depth=3)
+        x, _ = batch(c)
+        hs = Bamboo(c).hidden_states(x)
+        T = c.num_patches() if c.is_image else c.seq_len
+        assert len(hs) == c.depth + 1
+        assert all(h.shape == (4, T, c.width) for h in hs)
+
+
+def test_hidden_states_match_the_forward_pass():
+    torch.manual_seed(0)
+    c = tiny("cls")
+    model = Bamboo(c).eval()
+    x, y = batch(c)
+    logits, _ = model(x, y)
+    last = model.ln_f(model.hidden_states(x)[-1])
+    assert torch.allclose(model.head(last.mean(1)), logits, atol=1e-6)
+
+
+def test_attention_probabilities_on_request():
+    c = tiny("next", depth=3)
+    hs, attns = Bamboo(c).hidden_states(batch(c)[0], need_weights=True)
+    assert len(attns) == 3 and attns[0].shape == (4, c.heads, c.seq_len, c.seq_len)
+    assert torch.allclose(attns[1].sum(-1), torch.ones(4, c.heads, c.seq_len), atol=1e-5)
+    assert attns[2][0, 0].triu(1).abs().max() == 0  # causal: no weight on the future
+
+
+def test_sdpa_path_equals_explicit_softmax_path():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 10, 8).unbind(0)
+    for causal in (False, True):
+        fused = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.allclose(fused, explicit_attention(q, k, v, causal)[0], atol=1e-5)
+    c = tiny("mlm", neutreno=0.6, depth=3)
+    model = Bamboo(c).eval()
+    x, _ = batch(c)
+    with_probs, _ = model.hidden_states(x, need_weights=True)
+    for a, b in zip(with_probs, model.hidden_states(x)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_causal_outputs_ignore_the_future():
+    for lam in (0.0, 0.4):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("next", neutreno=lam, depth=3)).eval()
+        x, _ = batch(model.config)
+        t = 7
+        changed = x.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] + 5) % 64
+        a, b = model.hidden_states(x), model.hidden_states(changed)
+        for ha, hb in zip(a, b):
+            assert torch.equal(ha[:, : t + 1], hb[:, : t + 1])
+        assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])  # the change did reach later tokens
+
+
+# ---------------------------------------------------------------- NeuTRENO
+
+def test_neutreno_zero_lambda_is_plain_attention_exactly():
+    torch.manual_seed(0)
+    attn = Attention(32, 2, neutreno=0.0)
+    x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
+    assert torch.equal(attn(x, v0)[0], attn(x)[0])
+
+
+def test_neutreno_leaves_layer_zero_and_changes_later_layers():
+    torch.manual_seed(0)
+    plain = Bamboo(tiny("cls", depth=3))
+    torch.manual_seed(0)
+    neu = Bamboo(tiny("cls", depth=3, neutreno=0.6))
+    x, _ = batch(plain.config)
+    hp, hn = plain.hidden_states(x), neu.hidden_states(x)
+    assert torch.equal(hp[0], hn[0]) and torch.equal(hp[1], hn[1])  # stem and block 0
+    assert not torch.allclose(hp[2], hn[2]) and not torch.allclose(hp[3], hn[3])
+
+
+def test_neutreno_term_matches_the_formula():
+    torch.manual_seed(0)
+    attn = Attention(32, 2, neutreno=0.6)
+    x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
+    q, k, v = (t.view(2, 5, 2, 16).transpose(1, 2) for t in attn.qkv(x).split(32, dim=2))
+    o = explicit_attention(q, k, v)[0] + 0.6 * (v0 - v)
+    expected = attn.proj(o.transpose(1, 2).reshape(2, 5, 32))
+    assert torch.allclose(attn(x, v0)[0], expected, atol=1e-6)
+
+
+def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", depth=3, neutreno=0.6))
+    x, _ = batch(model.config)
+    model.hidden_states(x)[-1].pow(2).sum().backward()
+    width = model.config.width
+    with_term = model.blocks[0].attn.qkv.weight.grad[2 * width:].clone()  # W_V rows of layer 0
+    model.zero_grad()
+    # The same loss with the later layers' V0 cut off from layer 0: layer 0's W_V gradient changes.
+    h = model.embed(x)[0]
+    h, v0, _ = model.blocks[0](h)
+    for block in model.blocks[1:]:
+        h, _, _ = block(h, v0.detach())
+    h.pow(2).sum().backward()
+    assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
+
+
+@pytest.mark.parametrize("objective", ["cls", "mlm"])
+def test_neutreno_lowers_last_layer_cosine_at_init(objective):
+    """NeuTRENO G.3: a randomly initialised 24-layer model smooths less with the term on."""
+    cos = {}
+    for lam in (0.0, 0.6):
+        torch.manual_seed(0)
+        model = Bamboo(Config(objective=objective, depth=24, width=64, heads=1, neutreno=lam,
+                              vocab_size=256, seq_len=64)).eval()
+        x, _ = batch(model.config, B=8, seed=1)
+        with torch.no_grad():
+            cos[lam] = mean_cos(model.hidden_states(x)[-1])
+    assert cos[0.6] < cos[0.0]
+
+
+# ---------------------------------------------------------------- MAE
+
+def test_mae_masking_keeps_the_right_number_and_restores_order():
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, 8)
+    for ratio in (0.75, 0.5, 0.9):
+        visible, mask, ids_restore = random_masking(x, ratio)
+        keep = round(64 * (1 - ratio))
+        assert visible.shape == (3, keep, 8)
+        assert (mask.sum(1) == 64 - keep).all()
+        # gathering the shuffled sequence with ids_restore gives back the original order
+        ids_shuffle = ids_restore.argsort(1)
+        shuffled = x.gather(1, ids_shuffle[..., None].expand(-1, -1, 8))
+        assert torch.equal(shuffled.gather(1, ids_restore[..., None].expand(-1, -1, 8)), x)
+        assert torch.equal(shuffled[:, :keep], visible)
+        kept = (mask == 0)
+        assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
+
+
+def test_patchify_round_trip():
+    imgs = torch.randn(2, 3, 16, 16)
+    p = patchify(imgs, 4)
+    assert p.shape == (2, 16, 48)
+    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))  # row-major patches
+    assert torch.equal(unpatchify(p, 4, 3), imgs)
+
+
+def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
+    torch.manual_seed(0)
+    for norm_pix in (False, True):
+        model = Bamboo(tiny("mae", norm_pix_loss=norm_pix)).eval()
+        imgs, _ = batch(model.config)
+        noise = torch.rand(4, model.config.num_patches())
+        latent, mask, ids_restore = model.forward_encoder(imgs, 0.75, noise)
+        pred = model.forward_decoder(latent, ids_restore)
+        loss = model.forward_loss(imgs, pred, mask)
+        pixel_mask = unpatchify(mask[..., None].expand(-1, -1, 48), 4, 3)  # 1 on hidden pixels
+        # the loss ignores the visible patches' targets
+        visible_changed = imgs + (1 - pixel_mask) * torch.randn_like(imgs)
+        assert torch.allclose(model.forward_loss(visible_changed, pred, mask), loss)
+        # the encoder never sees hidden patches: changing them leaves the prediction as it is
+        hidden_changed = imgs + pixel_mask * torch.randn_like(imgs)
+        pred2, loss2 = model.forward_mae(hidden_changed, noise=noise)
+        assert torch.allclose(pred2, pred, atol=1e-6) and not torch.allclose(loss2, loss)
+        # ...while changing a visible patch does reach it
+        assert not torch.allclose(model.forward_mae(visible_changed, noise=noise)[0], pred)
+
+
+# ---------------------------------------------------------------- MLM
+
+def test_mlm_masking_rates():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mlm", vocab_size=1000))
+    tokens = torch.randint(0, 1000, (64, 1024))  # 65,536 positions
+    inputs, targets = model.mask_tokens(tokens)
+    chosen = targets != -100
+    n = chosen.sum().item()
+    # Binomial standard errors: 0.14% on the 15% rate, about 0.4% on the splits; allow ~5 sigma.
+    assert abs(n / tokens.numel() - 0.15) < 0.007
+    masked = (inputs == model.mask_id) & chosen
+    unchanged = (inputs == tokens) & chosen
+    assert abs(masked.sum().item() / n - 0.80) < 0.02
+    # "random" can land on the original id with probability 1/1000; it counts as unchanged here
+    assert abs(unchanged.sum().item() / n - 0.10) < 0.015
+    assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
+    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen], tokens[chosen])
+
+
+# ---------------------------------------------------------------- presets and configs
+
+def test_table1_comparable_compute():
+    def size(name):
+        with torch.device("meta"):  # shapes only: no memory, no init time
+            model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16, num_classes=1000))
+        return model.num_params(trunk_only=True), model.flops_per_sample()
+
+    (p_base, f_base), (p_bam, f_bam) = size("base-12x768"), size("bamboo-b")
+    assert abs(p_bam / p_base - 1) < 0.05 and abs(f_bam / f_base - 1) < 0.05
+    assert 80e6 < p_bam < 90e6
+    # Table 1's 0.9x rows hold within 5% as well
+    assert abs(size("base-24x512")[0] / p_base - 0.9) < 0.05
+    assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
+
+
+@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
+def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
+    torch.manual_seed(0)
+    model = Bamboo(Config.from_preset("bamboo-b", objective=objective))
+    assert 84e6 < model.num_params(trunk_only=True) < 86e6
+    x = torch.rand(8, 3, 32, 32) if model.config.is_image else torch.randint(0, 50257, (8, 256))
+    y = torch.randint(0, 10, (8,)) if objective == "cls" else None
+    _, loss = model(x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[-1].mlp.fc.weight.grad is not None
+
+
+def test_every_preset_builds_a_valid_config():
+    for name in PRESETS:
+        c = Config.from_preset(name)
+        assert c.width % c.heads == 0 and c.width // c.heads in (32, 64, 80, 96)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
+    ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
+    ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
+    ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1), ("channels", 0),
+])
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"Config\.{field}="):
+        Config(**{field: value})
+
+
+def test_unknown_preset_and_unknown_field():
+    with pytest.raises(ValueError, match="unknown preset"):
+        Config.from_preset("bamboo-xl")
+    with pytest.raises(ValueError, match="unknown config fields"):
+        Config.from_preset("bamboo-b", widht=3)
+
+
+def test_wrong_input_shape_is_a_clear_error():
+    model = Bamboo(tiny("cls"))
+    with pytest.raises(ValueError, match="expected images"):
+        model(torch.rand(2, 3, 32, 32))
+    text = Bamboo(tiny("next"))
+    with pytest.raises(ValueError, match="expected tokens"):
+        text(torch.randint(0, 64, (2, 40)))
+
+
+# ---------------------------------------------------------------- overfitting one batch
+
+@pytest.mark.parametrize("objective,steps,lr", [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3),
+                                                ("next", 150, 3e-3)])
+def test_tiny_model_overfits_one_batch(objective, steps, lr):
+    torch.manual_seed(0)
+    c = tiny(objective, width=64, depth=2, decoder_width=64, vocab_size=32)
+    model = Bamboo(c)
+    x, y = batch(c, B=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    first = None
+    for _ in range(steps):
+        _, loss = model(x, y)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()  # measure without the random corruption of this step's draw
+    torch.manual_seed(1)
+    final = sum(model(x, y)[1].item() for _ in range(5)) / 5
+    assert final < 0.1 * first, f"{objective}: loss {first:.3f} -> {final:.3f}"
+
+
+# ---------------------------------------------------------------- fine-tuning from MAE
+
+def test_load_mae_encoder_into_cls():
+    torch.manual_seed(0)
+    mae = Bamboo(tiny("mae"))
+    cls = Bamboo(tiny("cls"))
+    loaded, skipped = cls.load_encoder(mae.state_dict())
+    assert loaded and all(n.startswith(("blocks.", "patch_embed", "ln_f")) for n in loaded)
+    assert any(n.startswith("decoder_") for n in skipped)
+    own = cls.state_dict()
+    assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
+    assert math.isclose(len(loaded), len([n for n in own if not n.startswith("head.")]))
