@@ -19,6 +19,7 @@ windows and any batch can be run (or probed) under any objective.
 Run: python -c "from bamboo import *; m = Bamboo(Config.from_preset('bamboo-b')); print(m.num_params())"
 """
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -241,7 +242,8 @@ class Bamboo(nn.Module):
     out, loss = model(x, y=None)
       mae:  x images (B, C, H, W) -> out = predicted patches (B, L, p*p*C); loss on masked patches
       cls:  x images, y labels (B,) -> out = logits (B, num_classes); loss if y is given
-      mlm:  x tokens (B, T) -> out = logits (B, T, vocab); 80/10/10 masking done here
+      mlm:  x tokens (B, T) -> out = logits (B, T, vocab); 80/10/10 masking done here;
+            or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
       next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
             or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
     """
@@ -407,7 +409,7 @@ class Bamboo(nn.Module):
         return h @ self.tok_embed.weight[: self.config.vocab_size].T
 
     def forward_mlm(self, tokens, y=None):
-        inputs, targets = self.mask_tokens(tokens)
+        inputs, targets = self.mask_tokens(tokens) if y is None else (tokens, y)
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
         logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias
         # A sum over chosen positions / their count: no NaN when a tiny batch chose none.
@@ -472,3 +474,32 @@ class Bamboo(nn.Module):
                 skipped.append(name)
         self.load_state_dict({k: state_dict[k] for k in loaded}, strict=False)
         return loaded, skipped
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message is one line and says why."""
+
+
+def load_checkpoint(path):
+    """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes OUT_DIR/ckpt.pt)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
+                              "use another checkpoint or train again") from None
+    if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
+        raise CheckpointError(f"{path} is not a bamboo checkpoint (no config and model inside)")
+    return ckpt
+
+
+def model_from_checkpoint(path):
+    """Rebuild the exact model a checkpoint holds."""
+    ckpt = load_checkpoint(path)
+    model = Bamboo(Config.from_dict(ckpt["config"]))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit its config ({str(e).splitlines()[0]})") from None
+    return model, ckpt

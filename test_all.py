@@ -3,8 +3,16 @@
 CPU only, offline, and fast: every test makes its own tiny data.
 Run: python -m pytest -q test_all.py
 """
+import json
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -344,3 +352,236 @@ def test_load_mae_encoder_into_cls():
     own = cls.state_dict()
     assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
     assert math.isclose(len(loaded), len([n for n in own if not n.startswith("head.")]))
+
+
+# ---------------------------------------------------------------- training (data.py, train.py)
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_size", "16", "--patch_size", "4",
+                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2"]
+TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32", "--tokenizer", "bytes"]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """An ImageFolder of two colour classes written with PIL, and a train/val pair of text files.
+
+    Each image is its class colour plus a smooth wave of random phase and light noise, so
+    that hidden patches are predictable from visible ones, as in real photos.
+    """
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 48), ("test", 16)):
+        for label, colour in (("red", (200, 40, 40)), ("blue", (40, 40, 200))):
+            folder = root / "images" / split / label
+            folder.mkdir(parents=True)
+            for i in range(n):
+                wave = 60 * np.sin(np.arange(16)[:, None] / 3 + rng.uniform(0, 6.3))[..., None]
+                noise = rng.normal(0, 5, (16, 16, 3))
+                pixels = np.clip(np.array(colour) + wave + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    text = root / "text"
+    text.mkdir()
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat".split()
+    for name, n in (("train.txt", 3000), ("val.txt", 600)):
+        (text / name).write_text(" ".join(words[i % len(words)] for i in range(n)))
+    return root
+
+
+def run_train(*flags, out_dir, timeout=120):
+    """The real CLI in a subprocess; returns (exit code, stdout + stderr, the log.jsonl records)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *flags, "--out_dir", str(out_dir), "--log_interval", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    log = out_dir / "log.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, records
+
+
+def train_losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def image_flags(tiny_data, objective, *extra):
+    lr = "1e-2" if objective == "mae" else "3e-3"  # the tiny MAE needs a higher lr to learn in 40 steps
+    return ["--objective", objective, "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
+            *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr, "--warmup", "2", *extra]
+
+
+def text_flags(tiny_data, objective, *extra):
+    return ["--objective", objective, "--dataset", "text", "--data_dir", str(tiny_data / "text"),
+            "--cache_dir", str(tiny_data / "cache"), *TINY_TEXT_FLAGS, "--batch_size", "16", "--lr", "3e-3",
+            "--warmup", "2", *extra]
+
+
+@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
+def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, objective):
+    flags = (image_flags if objective in ("mae", "cls") else text_flags)(tiny_data, objective)
+    code, out, records = run_train(*flags, "--max_iters", "40", "--eval_interval", "20", out_dir=tmp_path)
+    assert code == 0, out
+    losses = list(train_losses(records).values())
+    assert len(losses) == 40
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+    evals = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in evals] == [20, 40]
+    headline = {"mae": "val_loss", "cls": "top1", "mlm": "mlm_acc", "next": "ppl"}[objective]
+    assert all(math.isfinite(r[headline]) for r in evals) and "done: " in out
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 40 and ckpt["config"]["objective"] == objective and isinstance(ckpt["config"], dict)
+
+
+def test_resume_continues_exactly(tiny_data, tmp_path):
+    """MAE draws random masks every step, so this also checks that the RNG states are restored."""
+    flags = image_flags(tiny_data, "mae", "--max_iters", "8", "--eval_interval", "4")
+    code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
+    assert code == 0, out
+    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
+    assert code == 0 and "time limit reached at step 1" in out, out
+    code, out, parts = run_train("--resume", out_dir=tmp_path / "parts")
+    assert code == 0 and "resumed" in out, out
+    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 8
+    final = [r for r in parts if r.get("eval")][-1]
+    assert final["val_loss"] == [r for r in whole if r.get("eval")][-1]["val_loss"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits(tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
+    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out_dir", str(tmp_path), "--log_interval", "1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not ((tmp_path / "log.jsonl").exists() and (tmp_path / "log.jsonl").read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted at step" in out and "Traceback" not in out
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
+
+
+def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "3", "--eval_interval", "3"),
+                             out_dir=tmp_path / "mae")
+    assert code == 0, out
+    # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
+                             "--init_from", str(tmp_path / "mae" / "ckpt.pt"), "--lr", "0", "--min_lr", "0",
+                             "--layer_decay", "0.65", out_dir=tmp_path / "cls")
+    assert code == 0, out
+    match = re.search(r"loaded (\d+) tensors, skipped (\d+)", out)
+    assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, out
+    mae = torch.load(tmp_path / "mae" / "ckpt.pt", weights_only=True)["model"]
+    cls = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)["model"]
+    shared = [k for k in cls if k in mae and not k.startswith("head")]
+    assert len(shared) == int(match.group(1))
+    assert all(torch.equal(cls[k], mae[k]) for k in shared)
+
+
+def test_layer_decay_scales_each_layer():
+    import train
+
+    model = Bamboo(tiny("cls", depth=3))
+    cfg = train.TrainConfig(layer_decay=0.5)
+    groups = train.make_optimizer(model, cfg, torch.device("cpu")).param_groups
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    assert scale[id(model.head.weight)] == 1.0 and scale[id(model.blocks[2].mlp.fc.weight)] == 0.5
+    assert scale[id(model.blocks[0].mlp.fc.weight)] == 0.125 and scale[id(model.patch_embed.weight)] == 0.0625
+    decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    assert decays[id(model.blocks[0].ln1.weight)] == 0 and decays[id(model.blocks[0].mlp.fc.bias)] == 0
+    assert decays[id(model.blocks[0].mlp.fc.weight)] == cfg.weight_decay
+
+
+def test_get_lr_warms_up_then_decays():
+    import train
+
+    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
+    lrs = [train.get_lr(i, cfg) for i in range(111)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_ddp_two_processes_match_one(tiny_data, tmp_path):
+    """2-process gloo DDP on the same global batch: same data shards, so the losses agree to 1e-4."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6", "--batch_size", "8",
+                        "--out_dir", str(tmp_path / "ddp"), "--log_interval", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "train.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ddp = [json.loads(line) for line in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
+    assert "2 x 1 x 4" in proc.stdout
+    code, out, single = run_train(*image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6",
+                                               "--batch_size", "8"), out_dir=tmp_path / "one")
+    assert code == 0, out
+    a, b = train_losses(ddp), train_losses(single)
+    assert len(a) == 6 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+
+
+# ---------------------------------------------------------------- one-line errors
+
+def cli_error(capsys, *argv):
+    """Run train.main in-process; it must return 2 and print exactly one line, no traceback."""
+    import train
+
+    assert train.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and err.rstrip().endswith(lines[0]) and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_error_missing_data_directory(capsys, tmp_path):
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"), "--out_dir", str(tmp_path))
+    assert "does not exist" in err and "--data_dir" in err
+
+
+def test_error_download_without_network(capsys, tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir", str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path))
+    assert "could not download wikitext2" in err and "--dataset text" in err
+    assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]  # nothing half-written left behind
+    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir", str(tmp_path))
+    assert "could not download cifar10" in err
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+
+
+def test_error_objective_dataset_mismatch(capsys, tmp_path):
+    err = cli_error(capsys, "--objective", "next", "--dataset", "cifar10", "--out_dir", str(tmp_path))
+    assert "--objective next needs a text dataset" in err
+
+
+def test_error_bad_model_flag(capsys, tiny_data, tmp_path):
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--heads", "3", "--out_dir", str(tmp_path))
+    assert "Config.heads=3" in err
+
+
+def test_error_resume_with_another_objective_and_truncated_checkpoint(capsys, tiny_data, tmp_path):
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1", "--eval_interval", "1"),
+                             out_dir=tmp_path)
+    assert code == 0, out
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), "--objective", "cls")
+    assert "objective='mae'" in err and "--init_from" in err
+    blob = (tmp_path / "ckpt.pt").read_bytes()
+    (tmp_path / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+    assert "corrupt or truncated" in err
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(capsys, tiny_data, tmp_path):
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1"),
+                             out_dir=tmp_path)
+    assert code == 0, out
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
+                                         "--grad_clip", "0", "--warmup", "0"), "--lr", "1e30", "--out_dir", str(tmp_path))
+    assert "loss is nan" in err or "loss is inf" in err
+    assert (tmp_path / "ckpt.pt").read_bytes() == good

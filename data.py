@@ -1,0 +1,286 @@
+"""Datasets for the four objectives: images decoded once to uint8 on the device, text tokenized once.
+
+Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir) or `folder`
+(any ImageFolder tree with train/ and test/ or val/). The whole split lives on the training
+device as one uint8 tensor and whole batches are augmented there (random crop with
+4-pixel padding and a horizontal flip), so loading is never the bottleneck.
+
+Text (mlm, next): `wikitext2`, `wikitext103` (downloaded from the author's mirror, with a
+Hugging Face fallback) or `text` (any train/val pair of text files). Tokenized once with
+tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random windows.
+`--tokenizer bytes` is a 256-id byte-level tiktoken Encoding built in memory (no download).
+
+Every failure a user can meet (no network, missing files) raises DataError with one line:
+what is missing, where to put it, and which flag points elsewhere.
+
+Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt', 'cache', 128).vocab_size)"
+"""
+import hashlib
+import io
+import os
+import urllib.request
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
+TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
+USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"  # the WikiText mirror answers 403 to urllib's default
+
+
+class DataError(Exception):
+    """A data problem the user can fix; its message is one line and says how."""
+
+
+# ----------------------------------------------------------------------------- images
+
+def _cifar(name, data_dir, train):
+    import torchvision
+
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    try:
+        ds = cls(data_dir, train=train, download=True)
+    except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
+        partial = os.path.join(data_dir, cls.filename)
+        if os.path.exists(partial):
+            os.remove(partial)  # leave no half-written archive behind
+        raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
+                        f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
+                        "with an ImageFolder tree") from None
+    return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets), len(ds.classes)
+
+
+def _decode(path, size):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        if im.size != (size, size):
+            im = im.resize((size, size), Image.BICUBIC)
+        return np.asarray(im)
+
+
+def _folder(data_dir, split, image_size):
+    from torchvision.datasets import ImageFolder
+
+    names = ("train",) if split == "train" else ("test", "val")
+    roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
+    if not roots:
+        raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an image folder dataset "
+                        f"needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg "
+                        "(point --data_dir at such a tree)")
+    try:
+        tree = ImageFolder(roots[0])
+    except (FileNotFoundError, RuntimeError) as e:
+        raise DataError(f"{roots[0]} is not an image folder tree ({e}); expected <class>/<image> inside") from None
+    with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
+        pixels = list(pool.map(lambda s: _decode(s[0], image_size), tree.samples))
+    images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
+    return images, torch.tensor(tree.targets), len(tree.classes)
+
+
+class ImageData:
+    """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
+
+    def __init__(self, name, data_dir, device, image_size=32):
+        if name == "folder":
+            if not os.path.isdir(data_dir):
+                raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image folder "
+                                "tree with train/ and test/ inside")
+            (self.train_x, self.train_y, self.num_classes), (self.test_x, self.test_y, _) = (
+                _folder(data_dir, "train", image_size), _folder(data_dir, "test", image_size))
+            # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair sample.
+            order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
+            self.test_x, self.test_y = self.test_x[order], self.test_y[order]
+        else:
+            os.makedirs(data_dir, exist_ok=True)
+            (self.train_x, self.train_y, self.num_classes), (self.test_x, self.test_y, _) = (
+                _cifar(name, data_dir, True), _cifar(name, data_dir, False))
+        self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
+        self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
+        # Per-channel statistics of the training pixels, for normalisation.
+        flat = self.train_x[:10000].float().div(255).transpose(0, 1).flatten(1)
+        self.mean, self.std = flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
+        self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
+
+    def num_train(self):
+        return len(self.train_x)
+
+    def normalize(self, x):
+        return (x.float() / 255 - self.mean) / self.std
+
+    def sample(self, n, generator):
+        """The random draws of one global batch: which images, where to crop, whether to flip."""
+        return {"index": torch.randint(0, len(self.train_x), (n,), generator=generator),
+                "offset": torch.randint(0, 9, (n, 2), generator=generator),
+                "flip": torch.rand(n, generator=generator) < 0.5}
+
+    def train_batch(self, recipe):
+        """Augmented, normalised images and their labels for (a shard of) a sampled batch."""
+        index = recipe["index"].to(self.train_x.device)
+        x = random_crop_flip(self.train_x[index], recipe["offset"], recipe["flip"])
+        return self.normalize(x), self.train_y[index]
+
+    def eval_batches(self, batch_size, limit=None):
+        """The first `limit` test images, in order, un-augmented."""
+        n = len(self.test_x) if limit is None else min(limit, len(self.test_x))
+        for i in range(0, n, batch_size):
+            j = min(i + batch_size, n)
+            yield self.normalize(self.test_x[i:j]), self.test_y[i:j]
+
+
+def random_crop_flip(x, offsets, flips, pad=4):
+    """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where flips (B,).
+
+    One gather on x's device for the whole batch.
+    """
+    B, C, H, W = x.shape
+    offsets, flips = offsets.to(x.device), flips.to(x.device)[:, None]
+    rows = torch.arange(H, device=x.device) + offsets[:, :1]  # (B, H) rows of the padded image
+    cols = torch.arange(W, device=x.device).expand(B, W)
+    cols = torch.where(flips, W - 1 - cols, cols) + offsets[:, 1:]  # (B, W)
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    b = torch.arange(B, device=x.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+
+
+# ----------------------------------------------------------------------------- text
+
+WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging Face config)
+    "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw", "wikitext-2-raw-v1"),
+    "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw", "wikitext-103-raw-v1"),
+}
+HF_PARQUET = "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/{config}/{split}-00000-of-00001.parquet"
+
+
+def _fetch(url, timeout=30):
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read()
+
+
+def _write_atomic(path, data):
+    """Write to path.part, then rename: a crash never leaves a half-written file under the real name."""
+    with open(path + ".part", "wb") as f:
+        f.write(data)
+    os.replace(path + ".part", path)
+
+
+def _from_mirror(url, folder, target):
+    """The author's zip: checked (CRC and expected members) before anything is written."""
+    archive = zipfile.ZipFile(io.BytesIO(_fetch(url)))
+    if archive.testzip() is not None:
+        raise OSError("corrupt zip")
+    for split in ("train", "valid", "test"):
+        text = archive.read(f"{folder}/wiki.{split}.raw")
+        if len(text) < 100_000:
+            raise OSError(f"wiki.{split}.raw is only {len(text)} bytes")
+        _write_atomic(os.path.join(target, f"{split}.txt"), text)
+
+
+def _from_hugging_face(config, target):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise OSError("the Hugging Face fallback needs pyarrow (pip install pyarrow)") from None
+    for split, name in (("train", "train"), ("valid", "validation"), ("test", "test")):
+        table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name))))
+        _write_atomic(os.path.join(target, f"{split}.txt"), "".join(table.column("text").to_pylist()).encode())
+
+
+def download_wikitext(name, data_dir):
+    """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless it is there already."""
+    url, folder, hf_config = WIKITEXT[name]
+    target = os.path.join(data_dir, folder)
+    if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid", "test")):
+        return target
+    os.makedirs(target, exist_ok=True)
+    errors = []
+    for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
+                          ("huggingface.co", lambda: _from_hugging_face(hf_config, target))):
+        try:
+            fetch()
+            return target
+        except Exception as e:  # network errors, HTTP errors, corrupt archives
+            errors.append(f"{source}: {type(e).__name__}: {e}")
+    for s in ("train", "valid", "test"):  # nothing half-done survives a failed download
+        for leftover in (os.path.join(target, f"{s}.txt"), os.path.join(target, f"{s}.txt.part")):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    raise DataError(f"could not download {name} ({'; '.join(errors)}); put train.txt and valid.txt in "
+                    f"{target}, or use --dataset text --data_dir DIR with your own files")
+
+
+def get_tokenizer(name):
+    """A tiktoken Encoding by name, or 'bytes': 256 ids, one per byte, built in memory."""
+    import tiktoken
+
+    if name == "bytes":
+        return tiktoken.Encoding("bytes", pat_str=r"[\s\S]", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={})
+    try:
+        return tiktoken.get_encoding(name)
+    except ValueError:
+        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, r50k_base, "
+                        "cl100k_base, ...) or bytes") from None
+    except Exception as e:
+        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without network set "
+                        "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's ranks are r50k_base's), "
+                        "or use --tokenizer bytes") from None
+
+
+def tokenize_cached(path, tokenizer, cache_dir):
+    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
+    stat = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}".encode())
+    dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
+    cache = os.path.join(cache_dir, f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
+    if not os.path.exists(cache):
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = tokenizer.encode_ordinary(f.read())
+        _write_atomic(cache, np.asarray(ids, dtype=dtype).tobytes())
+    return np.memmap(cache, dtype=dtype, mode="r")
+
+
+class TextData:
+    """Train and validation token streams, with random training windows and fixed eval windows."""
+
+    def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len):
+        self.tokenizer = get_tokenizer(tokenizer)
+        if name in WIKITEXT:
+            data_dir = download_wikitext(name, data_dir)
+            train_file, val_file = "train.txt", "valid.txt"
+        paths = [os.path.join(data_dir, f) for f in (train_file, val_file)]
+        for path, flag in zip(paths, ("--train_file", "--val_file")):
+            if not os.path.isfile(path):
+                raise DataError(f"missing text file {path}; put it there, or point --data_dir and {flag} elsewhere")
+        self.train, self.val = (tokenize_cached(p, self.tokenizer, cache_dir) for p in paths)
+        self.vocab_size = self.tokenizer.n_vocab
+        self.seq_len = seq_len
+        for split, tokens in (("train", self.train), ("val", self.val)):
+            if len(tokens) <= seq_len:
+                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}; "
+                                "use more text or a smaller --seq_len")
+
+    def sample(self, n, generator):
+        """The random draws of one global batch: where each window starts."""
+        return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
+
+    def train_batch(self, recipe):
+        """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no labels."""
+        starts = recipe["start"].tolist()
+        return torch.from_numpy(np.stack([self.train[s: s + self.seq_len] for s in starts]).astype(np.int64)), None
+
+    def num_train(self):
+        return len(self.train) - self.seq_len + 1
+
+    def eval_batches(self, batch_size, limit=None):
+        """Consecutive non-overlapping validation windows, in order: the same every time."""
+        n = (len(self.val) - 1) // self.seq_len
+        n = n if limit is None else min(n, limit)
+        for i in range(0, n, batch_size):
+            rows = [self.val[k * self.seq_len: (k + 1) * self.seq_len] for k in range(i, min(i + batch_size, n))]
+            yield torch.from_numpy(np.stack(rows).astype(np.int64)), None
