@@ -339,13 +339,14 @@ class Bamboo(nn.Module):
                 attns.append(probs)
         return h, hiddens, attns
 
-    def hidden_states(self, x, need_weights=False):
+    def hidden_states(self, x, need_weights=False, mask_ratio=0.0, noise=None):
         """depth+1 tensors (B, T, width): the stem's output, then every block's output.
 
-        All tokens, no masking, no corruption, whatever the objective. With need_weights=True
+        All tokens, no masking, no corruption, whatever the objective; mask_ratio > 0 (images)
+        keeps only the visible patches, as MAE training sees them. With need_weights=True
         returns (hiddens, attns) where attns holds depth tensors (B, nh, T, T).
         """
-        h, _, _ = self.embed(x)
+        h, _, _ = self.embed(x, mask_ratio, noise)
         _, hiddens, attns = self.run_blocks(h, collect=True, need_weights=need_weights)
         return (hiddens, attns) if need_weights else hiddens
 

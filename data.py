@@ -81,27 +81,32 @@ def _folder(data_dir, split, image_size):
     return images, torch.tensor(tree.targets), len(tree.classes)
 
 
+def _load_split(name, data_dir, split, image_size):
+    return _folder(data_dir, split, image_size) if name == "folder" else _cifar(name, data_dir, split == "train")
+
+
 class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
-    def __init__(self, name, data_dir, device, image_size=32):
+    def __init__(self, name, data_dir, device, image_size=32, train=True):
+        """train=False loads the test split only (the probe needs nothing else)."""
         if name == "folder":
             if not os.path.isdir(data_dir):
                 raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image folder "
                                 "tree with train/ and test/ inside")
-            (self.train_x, self.train_y, self.num_classes), (self.test_x, self.test_y, _) = (
-                _folder(data_dir, "train", image_size), _folder(data_dir, "test", image_size))
+        else:
+            os.makedirs(data_dir, exist_ok=True)
+        self.test_x, self.test_y, self.num_classes = _load_split(name, data_dir, "test", image_size)
+        self.train_x, self.train_y, _ = (_load_split(name, data_dir, "train", image_size) if train
+                                         else (self.test_x[:0], self.test_y[:0], None))
+        if name == "folder":
             # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair sample.
             order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
             self.test_x, self.test_y = self.test_x[order], self.test_y[order]
-        else:
-            os.makedirs(data_dir, exist_ok=True)
-            (self.train_x, self.train_y, self.num_classes), (self.test_x, self.test_y, _) = (
-                _cifar(name, data_dir, True), _cifar(name, data_dir, False))
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # Per-channel statistics of the training pixels, for normalisation.
-        flat = self.train_x[:10000].float().div(255).transpose(0, 1).flatten(1)
+        # Per-channel statistics of the training pixels (test pixels without a train split), to normalise.
+        flat = (self.train_x if train else self.test_x)[:10000].float().div(255).transpose(0, 1).flatten(1)
         self.mean, self.std = flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
 
@@ -248,19 +253,23 @@ def tokenize_cached(path, tokenizer, cache_dir):
 class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
-    def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len):
+    def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len, train=True):
+        """train=False reads the validation file only (the probe needs nothing else)."""
         self.tokenizer = get_tokenizer(tokenizer)
         if name in WIKITEXT:
             data_dir = download_wikitext(name, data_dir)
             train_file, val_file = "train.txt", "valid.txt"
-        paths = [os.path.join(data_dir, f) for f in (train_file, val_file)]
-        for path, flag in zip(paths, ("--train_file", "--val_file")):
+        wanted = ((train_file, "--train_file"),) if train else ()
+        tokens = []
+        for file, flag in wanted + ((val_file, "--val_file"),):
+            path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
                 raise DataError(f"missing text file {path}; put it there, or point --data_dir and {flag} elsewhere")
-        self.train, self.val = (tokenize_cached(p, self.tokenizer, cache_dir) for p in paths)
+            tokens.append(tokenize_cached(path, self.tokenizer, cache_dir))
+        self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size = self.tokenizer.n_vocab
         self.seq_len = seq_len
-        for split, tokens in (("train", self.train), ("val", self.val)):
+        for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
             if len(tokens) <= seq_len:
                 raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}; "
                                 "use more text or a smaller --seq_len")

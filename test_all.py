@@ -585,3 +585,180 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(capsys, tiny_data, tm
                                          "--grad_clip", "0", "--warmup", "0"), "--lr", "1e30", "--out_dir", str(tmp_path))
     assert "loss is nan" in err or "loss is inf" in err
     assert (tmp_path / "ckpt.pt").read_bytes() == good
+
+
+# ---------------------------------------------------------------- probe.py: metrics at known extremes
+
+def test_identical_tokens_are_fully_smoothed():
+    from probe import token_metrics
+
+    h = torch.randn(3, 1, 16).expand(3, 10, 16)
+    m = token_metrics(h)
+    assert m["cos"] == pytest.approx(1.0) and m["std"] == pytest.approx(0.0, abs=1e-9)
+    assert m["hc_dc"] == pytest.approx(0.0, abs=1e-9) and m["erank"] == pytest.approx(1.0)
+
+
+def test_orthogonal_tokens_have_zero_cosine():
+    from probe import token_metrics
+
+    h = (torch.eye(12)[:8] * torch.arange(1, 9)[:, None]).expand(2, 8, 12)  # 8 orthogonal tokens
+    assert token_metrics(h)["cos"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gaussian_tokens_centred_cosine_is_minus_one_over_t_minus_one():
+    from probe import token_metrics
+
+    torch.manual_seed(0)
+    T = 16
+    m = token_metrics(torch.randn(8, T, 4096) + 5.0)  # a shared offset: raw cos is high, centred is not
+    assert m["cos_centered"] == pytest.approx(-1 / (T - 1), abs=0.005)
+    assert m["cos"] > 0.9
+
+
+def test_effective_rank_of_rank_k_matrices():
+    from probe import token_metrics
+
+    torch.manual_seed(0)
+    for k in (1, 3, 7):
+        u, _ = torch.linalg.qr(torch.randn(20, k, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(32, k, dtype=torch.float64))
+        assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
+
+
+def test_metrics_in_batches_equal_one_sample_at_a_time():
+    from probe import token_metrics
+
+    torch.manual_seed(0)
+    h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)
+    whole = token_metrics(h)
+    for name, value in whole.items():
+        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]), rel=1e-9)
+
+
+def hand_built_block(gain):
+    """A width-8, 2-head block whose per-head W_V W_O (gain folded in) is diag(eigs_h * gain_h)."""
+    from bamboo import Block
+
+    block = Block(8, 2)
+    eigs = torch.tensor([[3.0, -1.0, 0.5, 0.2], [-2.0, 1.0, 1.0, 1.0]])
+    with torch.no_grad():
+        block.attn.qkv.weight[16:] = torch.eye(8)  # W_V: head h reads channels 4h..4h+3
+        block.attn.proj.weight.copy_(torch.diag(eigs.flatten()))  # W_O: head h writes them back, scaled
+        block.ln1.weight.copy_(gain)
+    return block, eigs
+
+
+def test_h_spectrum_of_a_hand_built_value_output_product():
+    from probe import h_spectrum
+
+    model = Bamboo(tiny("cls", width=8, heads=2, depth=1))
+    model.blocks[0], _ = hand_built_block(torch.ones(8))
+    dominant, positive = h_spectrum(model)
+    assert dominant == [0.0] and positive == [pytest.approx(6 / 8)]  # head 0: +3 dominates, head 1: -2
+    # LayerNorm gain is folded in: flipping head 1's channels flips its eigenvalues' signs
+    model.blocks[0], _ = hand_built_block(torch.tensor([1.0] * 4 + [-1.0] * 4))
+    dominant, positive = h_spectrum(model)
+    assert dominant == [1.0] and positive == [pytest.approx(4 / 8)]
+
+
+def test_head_products_have_the_eigenvalues_of_the_full_matrix():
+    from probe import head_value_output
+
+    torch.manual_seed(0)
+    block = Bamboo(tiny("cls", width=32, heads=2, depth=1)).blocks[0]
+    with torch.no_grad():
+        block.ln1.weight.normal_()
+    small = head_value_output(block)
+    w_v, w_o, g = block.attn.qkv.weight.detach().double()[64:], block.attn.proj.weight.detach().double(), \
+        block.ln1.weight.detach().double()
+    for h in range(2):
+        full = torch.diag(g) @ w_v[16 * h:16 * (h + 1)].T @ w_o[:, 16 * h:16 * (h + 1)].T  # (32, 32), rank 16
+        big = torch.linalg.eigvals(full)
+        big = big[big.abs().argsort(descending=True)][:16]
+        assert torch.allclose(torch.linalg.eigvals(small[h]).abs().sort().values, big.abs().sort().values, atol=1e-8)
+
+
+def test_beta_of_a_model_against_itself_is_one():
+    from probe import beta
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", depth=3))
+    qk, v = beta(model, model)
+    assert qk == [1.0, 1.0, 1.0] and v == [1.0, 1.0, 1.0]
+    scaled = Bamboo(tiny("cls", depth=3))
+    scaled.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for block in scaled.blocks:
+            block.attn.qkv.weight.mul_(2)
+    qk, v = beta(scaled, model)
+    assert qk == pytest.approx([4.0] * 3) and v == pytest.approx([2.0] * 3)
+
+
+# ---------------------------------------------------------------- probe.py: the command line
+
+@pytest.fixture(scope="module")
+def trained_checkpoints(tiny_data, tmp_path_factory):
+    """A tiny cls checkpoint and a tiny next-token checkpoint, trained for two steps."""
+    out = tmp_path_factory.mktemp("probe_ckpts")
+    code, log, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2"),
+                             out_dir=out / "cls")
+    assert code == 0, log
+    code, log, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "2", "--eval_interval", "2"),
+                             out_dir=out / "next")
+    assert code == 0, log
+    return out
+
+
+def probe_cli(capsys, *argv):
+    import probe
+
+    code = probe.main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints, tmp_path):
+    argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
+            "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples", "8",
+            "--batch_size", "3", "--attn"]
+    code, out = probe_cli(capsys, *argv, "--json", tmp_path / "a.json", "--plot", tmp_path / "a.png")
+    assert code == 0, out.err
+    code, _ = probe_cli(capsys, *argv, "--json", tmp_path / "b.json", "--relative", "--plot", tmp_path / "b.png")
+    assert code == 0
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["labels"] == ["trained", "init"] and report["layers"] == [0, 1, 2, 3, 4]
+    for name in ("std", "cos", "cos_centered", "hc_dc", "erank", "h_dominant", "h_positive", "beta_qk", "beta_v",
+                 "attn_sim"):
+        for label in report["labels"]:
+            assert len(report["metrics"][name][label]) == 5
+    assert report["metrics"]["beta_v"]["trained"] == [None, 1.0, 1.0, None, None]  # itself; padded to 5
+    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4  # depth 2 against depth 4: no pairs
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "trained" in out.out and "cos_centered" in out.out
+
+
+def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
+    import probe
+
+    model, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
+    samples = torch.rand(4, 3, 16, 16)
+    full = probe.probe_model(model, samples, 4)
+    masked = probe.probe_model(model, samples, 4, mask=True)
+    assert full["std"] != masked["std"]
+    visible = model.hidden_states(samples, mask_ratio=0.75, noise=torch.rand(4, 16))[-1]
+    assert visible.shape[1] == 4  # round(16 * 0.25) patches
+
+
+def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_path):
+    cases = [
+        ([trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir", tiny_data / "images"],
+         "cannot be probed with --dataset folder"),
+        ([tmp_path / "missing.pt"], "no checkpoint at"),
+        (["init:bamboo-zz"], "unknown preset"),
+        (["init:cifar-tiny,depth"], "bad setting"),
+    ]
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    cases.append(([tmp_path / "corrupt.pt"], "corrupt or truncated"))
+    for argv, message in cases:
+        code, out = probe_cli(capsys, *argv)
+        assert code == 2 and message in out.err and out.err.count("\n") == 1 and "Traceback" not in out.err, out.err

@@ -1,0 +1,308 @@
+"""Measure over-smoothing layer by layer, for checkpoints side by side, with every metric of the papers.
+
+Token metrics, on each layer's hidden states h (T tokens of width D, hbar their mean):
+  std           Bamboo eq. 1: per-channel std over tokens, sqrt(sum_t (h_t - hbar)^2 / (T-1)), channel mean
+  cos           NeuTRENO E.3: mean cosine similarity over token pairs i != j
+  cos_centered  Bamboo Fig. 1b (after Gong et al.): the same on h - hbar, without the shared component
+  hc_dc         Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F = ||h - hbar||_F / (sqrt(T) ||hbar||)
+  erank         Roy & Vetterli: exp(entropy of the normalised singular values of h)
+Weight metrics, per block:
+  h_dominant    Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
+                W_V W_O, LayerNorm gain folded in, averaged over heads (+1: all heads smooth)
+  h_positive    the fraction of those eigenvalues (all heads) with a positive real part
+  beta_qk/v     Bamboo Fig. 2: ||W_Q W_K^T||_2 and ||W_V||_2 of each checkpoint over the first's
+  attn_sim      NeuTRENO G.2 (with --attn): cosine between successive layers' attention maps
+
+Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split,
+in order), so two runs give identical numbers. A checkpoint can be a fresh model instead:
+init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6.
+
+Run: python probe.py init:bamboo-b init:bamboo-b,neutreno=0.6 --dataset folder \
+       --data_dir ../shared/data/cifar10-jpeg --samples 64 --json p.json --plot p.png
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import fields
+
+import torch
+
+from bamboo import Bamboo, CheckpointError, Config, model_from_checkpoint
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+
+TOKEN_METRICS = ("std", "cos", "cos_centered", "hc_dc", "erank")
+WEIGHT_METRICS = ("h_dominant", "h_positive", "beta_qk", "beta_v")
+
+
+# ----------------------------------------------------------------------------- the metrics
+
+def _mean_pairwise_cos(h):
+    """Per sample, the mean cosine over pairs i != j of (B, T, D) tokens; zero vectors count as 0."""
+    n = torch.nn.functional.normalize(h, dim=-1)
+    T = h.shape[1]
+    return ((n @ n.transpose(1, 2)).sum((1, 2)) - (n * n).sum((1, 2))) / (T * (T - 1))
+
+
+def token_metrics_per_sample(h):
+    """Each token metric for every sample of h (B, T, D): a dict of (B,) float64 tensors."""
+    h = h.double()
+    T = h.shape[1]
+    mean = h.mean(dim=1, keepdim=True)
+    centered = h - mean
+    s = torch.linalg.svdvals(h)  # (B, min(T, D)), not centred (Roy & Vetterli)
+    p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
+    return {
+        "std": centered.pow(2).sum(1).div(T - 1).sqrt().mean(-1),
+        "cos": _mean_pairwise_cos(h),
+        "cos_centered": _mean_pairwise_cos(centered),
+        "hc_dc": centered.flatten(1).norm(dim=1) / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300),
+        "erank": torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1)),
+    }
+
+
+def token_metrics(h):
+    """Token metrics of hidden states h (B, T, D), each a float averaged over the batch."""
+    return {k: v.mean().item() for k, v in token_metrics_per_sample(h).items()}
+
+
+def head_value_output(block):
+    """Per head, W_V,h W_O,h with the LayerNorm gain folded in, as the (hs, hs) matrix with the same
+    non-zero eigenvalues as the (D, D) one: eig(diag(g) Wv^T Wo^T) = eig(Wo^T diag(g) Wv^T) (cyclic)."""
+    attn, gain = block.attn, block.ln1.weight.detach().double()
+    D = gain.numel()
+    hs = D // attn.heads
+    w_v = attn.qkv.weight.detach().double()[2 * D:]  # (D_out, D_in): v = x @ w_v.T
+    w_o = attn.proj.weight.detach().double()          # y = o @ w_o.T
+    return [w_o[:, h * hs:(h + 1) * hs].T @ (gain[:, None] * w_v[h * hs:(h + 1) * hs].T)  # (hs, hs)
+            for h in range(attn.heads)]
+
+
+def h_spectrum(model):
+    """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real parts)."""
+    dominant, positive = [], []
+    for block in model.blocks:
+        eigs = [torch.linalg.eigvals(m) for m in head_value_output(block)]
+        dominant.append(sum(torch.sign(e[e.abs().argmax()].real).item() for e in eigs) / len(eigs))
+        everything = torch.cat(eigs)
+        positive.append((everything.real > 0).double().mean().item())
+    return dominant, positive
+
+
+def attention_norms(model):
+    """Per block: ||W_Q W_K^T||_2 and ||W_V||_2 (largest singular values), Bamboo section 2.3."""
+    qk, v = [], []
+    for block in model.blocks:
+        w = block.attn.qkv.weight.detach().double()
+        D = w.shape[1]
+        w_q, w_k, w_v = w[:D].T, w[D:2 * D].T, w[2 * D:].T  # as x @ W
+        qk.append(torch.linalg.matrix_norm(w_q @ w_k.T, ord=2).item())
+        v.append(torch.linalg.matrix_norm(w_v, ord=2).item())
+    return qk, v
+
+
+def beta(model, reference):
+    """beta_qk and beta_v per block of model against reference (1 everywhere against itself)."""
+    if len(model.blocks) != len(reference.blocks):
+        return None, None  # different depths: layers do not pair up
+    (qk, v), (qk0, v0) = attention_norms(model), attention_norms(reference)
+    return [a / b for a, b in zip(qk, qk0)], [a / b for a, b in zip(v, v0)]
+
+
+def attention_similarity(attns):
+    """Cosine between layer l's and layer l-1's attention maps, averaged over samples and heads."""
+    return [torch.nn.functional.cosine_similarity(a.flatten(2).double(), b.flatten(2).double(), dim=-1).mean().item()
+            for a, b in zip(attns[1:], attns[:-1])]
+
+
+# ----------------------------------------------------------------------------- models and data
+
+def parse_value(field_type, text):
+    if field_type is bool:
+        return text.lower() in ("1", "true", "yes")
+    return field_type(text)
+
+
+def load_model(spec, dataset):
+    """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs are equal)."""
+    if not spec.startswith("init:"):
+        model, ckpt = model_from_checkpoint(spec)
+        return model.eval(), ckpt.get("train", {})
+    preset, *pairs = spec[len("init:"):].split(",")
+    types = {f.name: f.type for f in fields(Config)}
+    overrides = {"objective": "cls" if dataset in IMAGE_DATASETS else "next"}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in types or not value:
+            raise ValueError(f"bad setting {pair!r} in {spec}; write key=value with a Config field as key")
+        overrides[key] = parse_value(types[key], value)
+    torch.manual_seed(0)
+    return Bamboo(Config.from_preset(preset, **overrides)).eval(), {}
+
+
+def load_samples(args, model, train_cfg):
+    """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
+    c = model.config
+    dataset = args.dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
+    data_dir = args.data_dir or train_cfg.get("data_dir") or "./data"
+    if c.is_image != (dataset in IMAGE_DATASETS):
+        raise ValueError(f"a {'image' if c.is_image else 'text'} model ({c.objective}) cannot be probed with "
+                         f"--dataset {dataset}; use {' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}")
+    if c.is_image:
+        data = ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
+    else:
+        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
+                        "", args.val_file or train_cfg.get("val_file", "val.txt"),
+                        train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
+        if data.vocab_size > c.vocab_size:
+            raise ValueError(f"tokenizer has {data.vocab_size} ids but the model knows {c.vocab_size}; "
+                             "pass the --tokenizer it was trained with")
+    return torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
+
+
+@torch.no_grad()
+def probe_model(model, samples, batch_size, mask=False, attn=False):
+    """Token metrics per layer (embedding output, then every block), averaged over all samples."""
+    sums, n, attn_sums = None, 0, None
+    noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
+    for i in range(0, len(samples), batch_size):
+        x = samples[i:i + batch_size]
+        if mask and not model.config.is_image:
+            raise ValueError("--mask probes MAE's visible patches; it needs an image model")
+        noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen) if mask else None
+        out = model.hidden_states(x, need_weights=attn, mask_ratio=model.config.mask_ratio if mask else 0.0,
+                                  noise=noise)
+        hiddens, attns = out if attn else (out, None)
+        per_layer = [{k: v.sum().item() for k, v in token_metrics_per_sample(h).items()} for h in hiddens]
+        sums = per_layer if sums is None else [{k: a[k] + b[k] for k in a} for a, b in zip(sums, per_layer)]
+        if attn:
+            sims = [s * len(x) for s in attention_similarity(attns)]
+            attn_sums = sims if attn_sums is None else [a + b for a, b in zip(attn_sums, sims)]
+        n += len(x)
+    result = {k: [layer[k] / n for layer in sums] for k in TOKEN_METRICS}
+    if attn:
+        result["attn_sim"] = [None, None] + [s / n for s in attn_sums]  # defined from block 1 on
+    dominant, positive = h_spectrum(model)
+    result["h_dominant"], result["h_positive"] = [None] + dominant, [None] + positive
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+def pad(values, length):
+    return list(values) + [None] * (length - len(values))
+
+
+def print_table(report):
+    names = list(report["metrics"])
+    for label in report["labels"]:
+        depth = report["depth"][label]
+        print(f"\n{label}  ({report['source'][label]})")
+        print("layer " + " ".join(f"{n:>12}" for n in names))
+        for layer in range(depth + 1):
+            cells = [report["metrics"][n][label][layer] for n in names]
+            print(f"{layer:>5} " + " ".join(f"{'-':>12}" if c is None else f"{c:>12.4f}" for c in cells))
+
+
+def plot(report, path, relative):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    names = [n for n in report["metrics"] if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
+    cols = 3
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for label in report["labels"]:
+            depth = report["depth"][label]
+            pairs = [(layer / depth if relative else layer, v)
+                     for layer, v in enumerate(report["metrics"][name][label][: depth + 1]) if v is not None]
+            if pairs:
+                ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
+        ax.set_title(name)
+        ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
+        if not relative:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args):
+    labels = args.labels.split(",") if args.labels else list(args.checkpoints)
+    if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
+        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct names, one per checkpoint")
+    report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
+              "metrics": {}}
+    reference, raw, sample_sets = None, {}, {}
+    for label, spec in zip(labels, args.checkpoints):
+        model, train_cfg = load_model(spec, args.dataset or "cifar10")
+        c = model.config
+        key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"), train_cfg.get("data_dir"))
+        if key not in sample_sets:  # decode or tokenize each dataset once, however many checkpoints share it
+            sample_sets[key] = load_samples(args, model, train_cfg)
+        raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask, args.attn)
+        if reference is None:
+            reference = model
+        raw[label]["beta_qk"], raw[label]["beta_v"] = (
+            [None] + values if values is not None else [] for values in beta(model, reference))
+        report["depth"][label] = model.config.depth
+        report["source"][label] = spec
+    layers = max(report["depth"].values()) + 1
+    report["layers"] = list(range(layers))
+    order = TOKEN_METRICS + WEIGHT_METRICS + (("attn_sim",) if args.attn else ())
+    report["metrics"] = {name: {label: [None if v is None else round(v, 6) for v in pad(raw[label][name], layers)]
+                                for label in labels} for name in order}
+    print_table(report)
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+    if args.plot:
+        plot(report, args.plot, args.relative)
+    return report
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Measure over-smoothing layer by layer.")
+    p.add_argument("checkpoints", nargs="+", help="checkpoint paths, or init:PRESET[,key=value,...] for a fresh model")
+    p.add_argument("--labels", default="", help="comma-separated names for the checkpoints (default: their paths)")
+    p.add_argument("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
+                   help="data to probe with (default: each checkpoint's own training data)")
+    p.add_argument("--data_dir", default="", help="where the dataset lives (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default="", help="text: tiktoken encoding (default: the checkpoint's)")
+    p.add_argument("--val_file", default="", help="--dataset text: held-out file in data_dir (default: val.txt)")
+    p.add_argument("--samples", type=int, default=256, help="held-out samples, the first N in order (default: 256)")
+    p.add_argument("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
+    p.add_argument("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
+    p.add_argument("--attn", action="store_true", help="also report attn_sim (slower: explicit attention)")
+    p.add_argument("--relative", action="store_true", help="plot against relative depth (layer / depth)")
+    p.add_argument("--json", default="", help="write the numbers here")
+    p.add_argument("--plot", default="", help="write a PNG with one panel per metric here")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.samples < 2 or args.batch_size < 1:
+            raise ValueError("--samples must be at least 2 and --batch_size at least 1")
+        run(args)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
