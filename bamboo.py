@@ -119,6 +119,22 @@ class Config:
             raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
 
+    @classmethod
+    def from_spec(cls, spec, **defaults):
+        """'PRESET[,key=value,...]', e.g. 'bamboo-b,neutreno=0.6,objective=mae', for command lines."""
+        name, *pairs = spec.split(",")
+        types = {f.name: f.type for f in fields(cls)}
+        settings = dict(defaults)
+        for pair in pairs:
+            key, _, value = pair.partition("=")
+            if key not in types or not value:
+                raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key")
+            try:
+                settings[key] = value.lower() in ("1", "true", "yes") if types[key] is bool else types[key](value)
+            except ValueError:
+                raise ValueError(f"bad value in {pair!r}: {key} takes a {types[key].__name__}") from None
+        return cls.from_preset(name, **settings)
+
 
 def _trunk(depth, width, heads=0):
     return dict(depth=depth, width=width, heads=heads)
@@ -141,7 +157,7 @@ PRESETS = {
     "bamboo-h": _trunk(64, 896),          # Table 2 Bamboo-H: 14 heads of 64
     # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
     "cifar-tiny": dict(depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64, decoder_heads=2),
-    "cifar-small": dict(depth=6, width=192, heads=3, decoder_depth=2, decoder_width=128, decoder_heads=2),
+    "cifar-small": dict(depth=6, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2),
     "cifar-deep": dict(depth=24, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2),
     # WikiText with the GPT-2 tokenizer, 128-token windows.
     "wikitext-small": dict(depth=6, width=256, heads=4, seq_len=128),

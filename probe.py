@@ -25,7 +25,6 @@ import json
 import math
 import os
 import sys
-from dataclasses import fields
 
 import torch
 
@@ -118,27 +117,14 @@ def attention_similarity(attns):
 
 # ----------------------------------------------------------------------------- models and data
 
-def parse_value(field_type, text):
-    if field_type is bool:
-        return text.lower() in ("1", "true", "yes")
-    return field_type(text)
-
-
 def load_model(spec, dataset):
     """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs are equal)."""
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
-    preset, *pairs = spec[len("init:"):].split(",")
-    types = {f.name: f.type for f in fields(Config)}
-    overrides = {"objective": "cls" if dataset in IMAGE_DATASETS else "next"}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key not in types or not value:
-            raise ValueError(f"bad setting {pair!r} in {spec}; write key=value with a Config field as key")
-        overrides[key] = parse_value(types[key], value)
+    config = Config.from_spec(spec[len("init:"):], objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
-    return Bamboo(Config.from_preset(preset, **overrides)).eval(), {}
+    return Bamboo(config).eval(), {}
 
 
 def load_samples(args, model, train_cfg):
