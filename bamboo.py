@@ -25,10 +25,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from neutreno import Attention
 
 OBJECTIVES = ("mae", "cls", "mlm", "next")
+VO_PARAMS = ("free", "smooth", "sharpen")
 IMAGE_OBJECTIVES = ("mae", "cls")
 
 
@@ -55,6 +57,8 @@ class Config:
     norm_pix_loss: bool = False # MAE: regress per-patch normalised pixels
     mlm_prob: float = 0.15      # MLM: fraction of positions chosen for the loss
     neutreno: float = 0.0       # NeuTRENO lambda; 0 is plain attention (papers: 0.6 vision, 0.4 language)
+    vo_param: str = "free"      # per-head W_V W_O: free, or smooth / sharpen by construction (Dovonon et al.)
+    checkpointing: bool = False # recompute each block's activations in backward: less memory, more time
 
     def __post_init__(self):
         if self.heads == 0:
@@ -84,6 +88,7 @@ class Config:
             ("decoder_width", self.decoder_width % 4 == 0, "must be a multiple of 4 (2-D sin-cos positions)"),
             ("mlm_prob", 0 < self.mlm_prob < 1, "must be in (0, 1)"),
             ("neutreno", self.neutreno >= 0, "must be >= 0 (0 turns NeuTRENO off)"),
+            ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
         ]
         if self.objective in IMAGE_OBJECTIVES:
             checks.append(("width", self.width % 4 == 0, "must be a multiple of 4 for 2-D sin-cos positions"))
@@ -158,7 +163,7 @@ PRESETS = {
     # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
     "cifar-tiny": dict(depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64, decoder_heads=2),
     "cifar-small": dict(depth=6, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2),
-    "cifar-deep": dict(depth=24, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2),
+    "cifar-deep": dict(depth=24, width=64, heads=1, decoder_depth=2, decoder_width=128, decoder_heads=2),
     # WikiText with the GPT-2 tokenizer, 128-token windows.
     "wikitext-small": dict(depth=6, width=256, heads=4, seq_len=128),
     "wikitext-deep": dict(depth=24, width=128, heads=2, seq_len=128),
@@ -193,10 +198,12 @@ class DropPath(nn.Module):
 class Block(nn.Module):
     """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)). Returns (x, v, attention probs)."""
 
-    def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False, neutreno=0.0):
+    def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False, neutreno=0.0,
+                 vo_param="free"):
         super().__init__()
-        self.ln1 = nn.LayerNorm(width)
-        self.attn = Attention(width, heads, causal=causal, neutreno=neutreno, dropout=dropout)
+        # smooth/sharpen: no learned gain, whose sign could flip W_V W_O's eigenvalues (see neutreno.py)
+        self.ln1 = nn.LayerNorm(width, elementwise_affine=vo_param == "free")
+        self.attn = Attention(width, heads, causal=causal, neutreno=neutreno, dropout=dropout, vo_param=vo_param)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = MLP(width, int(mlp_ratio * width), dropout)
         self.drop_path = DropPath(drop_path)
@@ -258,7 +265,8 @@ class Bamboo(nn.Module):
     out, loss = model(x, y=None)
       mae:  x images (B, C, H, W) -> out = predicted patches (B, L, p*p*C); loss on masked patches
       cls:  x images, y labels (B,) -> out = logits (B, num_classes); loss if y is given
-      mlm:  x tokens (B, T) -> out = logits (B, T, vocab); 80/10/10 masking done here;
+      mlm:  x tokens (B, T) -> out = logits (N, vocab) at the N chosen positions, in row-major
+            order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
       next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
             or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
@@ -279,7 +287,8 @@ class Bamboo(nn.Module):
         self.embed_drop = nn.Dropout(c.dropout)
         rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # stochastic depth grows linearly
         self.blocks = nn.ModuleList(
-            Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno) for rate in rates
+            Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno, c.vo_param)
+            for rate in rates
         )
         self.ln_f = nn.LayerNorm(c.width)
 
@@ -346,8 +355,12 @@ class Bamboo(nn.Module):
         when collect=True, attns every layer's (B, nh, T, T) probabilities when need_weights.
         """
         hiddens, attns, v0 = [h] if collect else [], [], None
+        recompute = self.config.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            h, v, probs = block(h, v0, need_weights)
+            if recompute:  # keep only each block's input; rerun the block (same RNG) in backward
+                h, v, probs = checkpoint(block, h, v0, need_weights, use_reentrant=False)
+            else:
+                h, v, probs = block(h, v0, need_weights)
             v0 = v if v0 is None else v0
             if collect:
                 hiddens.append(h)
@@ -428,10 +441,12 @@ class Bamboo(nn.Module):
     def forward_mlm(self, tokens, y=None):
         inputs, targets = self.mask_tokens(tokens) if y is None else (tokens, y)
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
-        logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias
+        chosen = targets != -100
+        # The vocabulary projection only where the loss looks: 15% of the positions, the same loss.
+        logits = self.token_logits(self.mlm_transform(self.ln_f(h[chosen]))) + self.mlm_bias  # (N, vocab)
         # A sum over chosen positions / their count: no NaN when a tiny batch chose none.
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-        return logits, loss / (targets != -100).sum().clamp(min=1)
+        loss = F.cross_entropy(logits, targets[chosen], reduction="sum")
+        return logits, loss / chosen.sum().clamp(min=1)
 
     def forward_next(self, tokens, y=None):
         inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
@@ -447,33 +462,8 @@ class Bamboo(nn.Module):
         return sum(p.numel() for p in params)
 
     def flops_per_sample(self):
-        """Training FLOPs (forward + backward = 3x forward) for one sample, matmuls only.
-
-        A block costs 2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token
-        for Q K^T and A V (PaLM appendix B; the causal half is not discounted).
-        """
-        c = self.config
-
-        def blocks(n, tokens, width, mlp):
-            return n * tokens * (2 * (4 * width ** 2 + 2 * width * mlp) + 4 * tokens * width)
-
-        mlp = int(c.mlp_ratio * c.width)
-        prefix = 1 if c.is_image and c.pool == "cls" else 0
-        if c.objective == "cls":
-            T = c.num_patches() + prefix
-            fwd = c.num_patches() * 2 * c.patch_size ** 2 * c.channels * c.width + blocks(c.depth, T, c.width, mlp)
-            fwd += 2 * c.width * c.num_classes
-        elif c.objective == "mae":
-            L, dw = c.num_patches(), c.decoder_width
-            fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
-            fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
-            fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw)) + 2 * L * dw * c.patch_size ** 2 * c.channels
-        else:
-            T = c.seq_len
-            fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
-            if c.objective == "mlm":
-                fwd += 2 * T * c.width ** 2
-        return 3 * fwd
+        """Training FLOPs for one sample (see training_flops)."""
+        return training_flops(self.config)
 
     def load_encoder(self, state_dict):
         """Load a pretrained trunk (e.g. MAE) into this model for fine-tuning.
@@ -491,6 +481,34 @@ class Bamboo(nn.Module):
                 skipped.append(name)
         self.load_state_dict({k: state_dict[k] for k in loaded}, strict=False)
         return loaded, skipped
+
+
+def training_flops(c):
+    """Training FLOPs (forward + backward = 3x forward) for one sample, matmuls only.
+
+    A block costs 2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token
+    for Q K^T and A V (PaLM appendix B; the causal half is not discounted).
+    """
+    def blocks(n, tokens, width, mlp):
+        return n * tokens * (2 * (4 * width ** 2 + 2 * width * mlp) + 4 * tokens * width)
+
+    mlp = int(c.mlp_ratio * c.width)
+    prefix = 1 if c.is_image and c.pool == "cls" else 0
+    if c.objective == "cls":
+        T = c.num_patches() + prefix
+        fwd = c.num_patches() * 2 * c.patch_size ** 2 * c.channels * c.width + blocks(c.depth, T, c.width, mlp)
+        fwd += 2 * c.width * c.num_classes
+    elif c.objective == "mae":
+        L, dw = c.num_patches(), c.decoder_width
+        fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
+        fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
+        fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw)) + 2 * L * dw * c.patch_size ** 2 * c.channels
+    else:
+        T = c.seq_len
+        fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
+        if c.objective == "mlm":
+            fwd += 2 * T * c.width ** 2
+    return 3 * fwd
 
 
 class CheckpointError(ValueError):

@@ -67,25 +67,22 @@ def token_metrics(h):
 
 
 def head_value_output(block):
-    """Per head, W_V,h W_O,h with the LayerNorm gain folded in, as the (hs, hs) matrix with the same
-    non-zero eigenvalues as the (D, D) one: eig(diag(g) Wv^T Wo^T) = eig(Wo^T diag(g) Wv^T) (cyclic)."""
-    attn, gain = block.attn, block.ln1.weight.detach().double()
-    D = gain.numel()
-    hs = D // attn.heads
-    w_v = attn.qkv.weight.detach().double()[2 * D:]  # (D_out, D_in): v = x @ w_v.T
-    w_o = attn.proj.weight.detach().double()          # y = o @ w_o.T
-    return [w_o[:, h * hs:(h + 1) * hs].T @ (gain[:, None] * w_v[h * hs:(h + 1) * hs].T)  # (hs, hs)
-            for h in range(attn.heads)]
+    """Per head, the (hs, hs) matrix W_O,h diag(g) W_V,h: it has the non-zero eigenvalues of
+    diag(g) W_V,h W_O,h, the head's value-output product with the LayerNorm gain g folded in
+    (eig(AB) = eig(BA) for the non-zero part), at a fraction of the cost."""
+    w = block.attn.weights()
+    gain = block.ln1.weight.detach() if block.ln1.weight is not None else torch.ones(w["v"].shape[1])
+    return w["o"].double() @ (gain.double()[None, :, None] * w["v"].double())  # (nh, hs, hs)
 
 
 def h_spectrum(model):
     """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real parts)."""
     dominant, positive = [], []
     for block in model.blocks:
-        eigs = [torch.linalg.eigvals(m) for m in head_value_output(block)]
-        dominant.append(sum(torch.sign(e[e.abs().argmax()].real).item() for e in eigs) / len(eigs))
-        everything = torch.cat(eigs)
-        positive.append((everything.real > 0).double().mean().item())
+        eigs = torch.linalg.eigvals(head_value_output(block))  # (nh, hs)
+        top = eigs.gather(1, eigs.abs().argmax(1, keepdim=True))
+        dominant.append(torch.sign(top.real).mean().item())
+        positive.append((eigs.real > 0).double().mean().item())
     return dominant, positive
 
 
@@ -93,10 +90,10 @@ def attention_norms(model):
     """Per block: ||W_Q W_K^T||_2 and ||W_V||_2 (largest singular values), Bamboo section 2.3."""
     qk, v = [], []
     for block in model.blocks:
-        w = block.attn.qkv.weight.detach().double()
-        D = w.shape[1]
-        w_q, w_k, w_v = w[:D].T, w[D:2 * D].T, w[2 * D:].T  # as x @ W
-        qk.append(torch.linalg.matrix_norm(w_q @ w_k.T, ord=2).item())
+        w = block.attn.weights()
+        nh, D, hs = w["v"].shape
+        w_v = w["v"].transpose(0, 1).reshape(D, nh * hs).double()  # heads side by side, (D, D)
+        qk.append(torch.linalg.matrix_norm(w["q"].double() @ w["k"].double().T, ord=2).item())
         v.append(torch.linalg.matrix_norm(w_v, ord=2).item())
     return qk, v
 

@@ -121,7 +121,8 @@ def make_optimizer(model, cfg, device):
     """AdamW; matrices decay, everything else does not; each layer's lr carries its decay scale."""
     depth, groups = model.config.depth, {}
     for name, p in model.named_parameters():
-        decay = p.dim() >= 2 and not name.endswith(("pos_embed", "cls_token", "mask_token"))
+        # No decay on positions, special tokens, or the eigen-parameterization (decay would pull l to 0).
+        decay = p.dim() >= 2 and not name.endswith(("pos_embed", "cls_token", "mask_token", "vo.psi", "vo.basis"))
         layer = layer_id(name, depth)
         group = groups.setdefault((decay, layer), {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0,
                                                    "lr_scale": cfg.layer_decay ** (depth + 1 - layer)})
@@ -150,9 +151,9 @@ def evaluate(model, data, cfg, batch_size, device):
             elif objective == "mlm":
                 inputs, targets = model.mask_tokens(x)
                 logits, loss = model(inputs, targets)
-                chosen = targets != -100
-                totals["correct"] += (logits.argmax(-1)[chosen] == targets[chosen]).sum().item()
-                weight = chosen.sum().item()
+                chosen = targets[targets != -100]  # lines up with logits' rows
+                totals["correct"] += (logits.argmax(-1) == chosen).sum().item()
+                weight = len(chosen)
             else:  # mae: masked-patch loss; next: loss per predicted token
                 _, loss = model(x)
                 weight = len(x) if objective == "mae" else x[:, 1:].numel()

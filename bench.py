@@ -1,0 +1,257 @@
+"""Benchmark training steps of any configs side by side, on synthetic data, in one run.
+
+Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed in the same process,
+round-robin over --rounds rounds (the median round counts), so every ratio in the table
+comes from one run on the same machine state. Per config it prints step time, samples/s,
+tokens/s, achieved TFLOP/s (from Bamboo.flops_per_sample), MFU against the device's peak
+for the dtype (a table of GPUs; on CPU a GEMM measured at startup) and peak memory (CUDA
+max allocated, or the max RSS of a child process that runs the same steps).
+
+--against adds, for each spec, the implementation a user would otherwise pick, at the same
+depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
+Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (mae). They are
+not dependencies of bamboo: install them in a scratch venv to compare.
+
+Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8 --steps 3
+"""
+import argparse
+import multiprocessing
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from bamboo import Bamboo, Config, training_flops
+from train import PEAK_BF16_TFLOPS, TrainConfig, make_optimizer, pick_device, pick_dtype
+
+
+def parse_spec(spec):
+    objective, sep, rest = spec.partition(":")
+    if not sep:
+        raise ValueError(f"bad spec {spec!r}; write OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
+    return Config.from_spec(rest, objective=objective)
+
+
+def synthetic_batch(config, batch_size, device, generator):
+    """Random images and labels, or random tokens, with the config's shapes."""
+    if config.is_image:
+        x = torch.randn(batch_size, config.channels, config.image_size, config.image_size, generator=generator)
+        y = torch.randint(0, config.num_classes, (batch_size,), generator=generator)
+        return x.to(device), y.to(device)
+    return torch.randint(0, config.vocab_size, (batch_size, config.seq_len), generator=generator).to(device), None
+
+
+# ----------------------------------------------------------------------------- what users would pick instead
+
+def reference_model(config):
+    """(name, model, loss_fn) of the usual library implementation of the same shape."""
+    c = config
+    if c.objective == "cls":
+        from timm.models.vision_transformer import VisionTransformer
+
+        model = VisionTransformer(img_size=c.image_size, patch_size=c.patch_size, in_chans=c.channels,
+                                  num_classes=c.num_classes, embed_dim=c.width, depth=c.depth, num_heads=c.heads,
+                                  mlp_ratio=c.mlp_ratio, class_token=False, global_pool="avg")
+        return "timm VisionTransformer", model, lambda m, x, y: F.cross_entropy(m(x), y)
+    if c.objective == "next":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.width, n_layer=c.depth,
+                        n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        return "HF GPT2LMHeadModel", GPT2LMHeadModel(hf), lambda m, x, y: m(input_ids=x, labels=x).loss
+    if c.objective == "mlm":
+        from transformers import BertConfig, BertForMaskedLM
+
+        hf = BertConfig(vocab_size=c.vocab_size + 1, hidden_size=c.width, num_hidden_layers=c.depth,
+                        num_attention_heads=c.heads, intermediate_size=int(c.mlp_ratio * c.width),
+                        max_position_embeddings=c.seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        attn_implementation="sdpa")
+        masker = Bamboo(Config(objective="mlm", depth=1, width=8, heads=1, vocab_size=c.vocab_size, seq_len=c.seq_len))
+
+        def bert_loss(m, x, y):
+            inputs, targets = masker.mask_tokens(x)  # the same 80/10/10 corruption as ours
+            return m(input_ids=inputs, labels=targets).loss
+
+        return "HF BertForMaskedLM", BertForMaskedLM(hf), bert_loss
+    from vit_pytorch import MAE, ViT
+
+    encoder = ViT(image_size=c.image_size, patch_size=c.patch_size, num_classes=c.num_classes, dim=c.width,
+                  depth=c.depth, heads=c.heads, mlp_dim=int(c.mlp_ratio * c.width), dim_head=c.width // c.heads)
+    model = MAE(encoder=encoder, masking_ratio=c.mask_ratio, decoder_dim=c.decoder_width,
+                decoder_depth=c.decoder_depth, decoder_heads=c.decoder_heads,
+                decoder_dim_head=c.decoder_width // c.decoder_heads)
+    return "vit-pytorch MAE", model, lambda m, x, y: m(x)
+
+
+# ----------------------------------------------------------------------------- one config
+
+class Runner:
+    """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
+
+    def __init__(self, config, args, device, dtype, reference=False):
+        torch.manual_seed(0)
+        if reference:
+            self.name, model, self.loss_fn = reference_model(config)
+        else:
+            self.name, model, self.loss_fn = "bamboo", Bamboo(config), lambda m, x, y: m(x, y)[1]
+        self.config = config
+        self.model = model.to(device).train()
+        opt_cfg = TrainConfig()
+        self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
+                          torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=device.type == "cuda"))
+        compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
+        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.device = device
+        self.times = []
+
+    def step(self):
+        with self.autocast:
+            loss = self.loss_fn(self.forward, *self.batch)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def timed(self, steps):
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        sync()
+        self.times.append((time.perf_counter() - t0) / steps)
+
+
+def cpu_peak_rss(spec, args, reference, queue):
+    """Child process: a few steps of one config, then report this process's max RSS in MiB."""
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    device = torch.device("cpu")
+    runner = Runner(parse_spec(spec), args, device, pick_dtype(args.dtype, device), reference)
+    for _ in range(2):
+        runner.step()
+    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def measure_cpu_peak_tflops(dtype, seconds=1.0):
+    """The best of repeated square GEMMs in this dtype: the CPU's practical peak for MFU."""
+    n = 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+    return best / 1e12
+
+
+def peak_tflops(device, dtype):
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        if peak is None:
+            return None, f"{name} (peak unknown)"
+        return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"  # fp32 runs as TF32
+    return measure_cpu_peak_tflops(dtype), "CPU, measured GEMM peak"
+
+
+# ----------------------------------------------------------------------------- the table
+
+def run(args):
+    device = pick_device(args.device, 0)
+    dtype = pick_dtype(args.dtype, device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peak, peak_source = peak_tflops(device, dtype)
+    entries = [(spec, False) for spec in args.specs]
+    if args.against:
+        entries = [e for spec in args.specs for e in ((spec, False), (spec, True))]
+    runners = [Runner(parse_spec(spec), args, device, dtype, reference) for spec, reference in entries]
+    for runner in runners:  # warm-up: allocator, compile, first-touch costs
+        for _ in range(args.warmup):
+            runner.step()
+    for _ in range(args.rounds):  # round-robin, so drift in machine speed hits every config alike
+        for runner in runners:
+            runner.timed(args.steps)
+    memory = []
+    for (spec, reference), runner in zip(entries, runners):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            runner.step()
+            memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
+        elif args.memory:
+            ctx = multiprocessing.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=cpu_peak_rss, args=(spec, args, reference, queue))
+            child.start()
+            memory.append(queue.get())
+            child.join()
+        else:
+            memory.append(None)
+
+    print(f"device {device} ({peak_source}: {peak:.3g} TFLOP/s), dtype {str(dtype).replace('torch.', '')}, "
+          f"batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (median), {torch.get_num_threads()} threads")
+    header = (f"{'config':<36} {'impl':<24} {'params':>8} {'step ms':>9} {'samples/s':>10} {'tokens/s':>10} "
+              f"{'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'vs first':>8}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for (spec, reference), runner, mem in zip(entries, runners, memory):
+        c = runner.config
+        step = statistics.median(runner.times)
+        tokens = c.num_patches() if c.is_image else c.seq_len
+        tflops = training_flops(c) * args.batch_size / step / 1e12
+        params = sum(p.numel() for p in runner.model.parameters()) / 1e6
+        rows.append({"spec": spec, "impl": runner.name, "step_ms": step * 1000, "samples_s": args.batch_size / step,
+                     "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
+                     "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params})
+        r = rows[-1]
+        print(f"{spec:<36} {r['impl']:<24} {params:>7.2f}M {r['step_ms']:>9.1f} {r['samples_s']:>10.1f} "
+              f"{r['tokens_s']:>10.0f} {tflops:>8.3f} {r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
+              f"{mem if mem is not None else float('nan'):>9.0f} {rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+    return rows
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs on synthetic data.")
+    p.add_argument("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
+    p.add_argument("--batch_size", type=int, default=8, help="samples per step (default: 8)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default: 3)")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds; the median counts (default: 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
+    p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="autocast dtype (default: auto, as train.py)")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile (auto: on CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
+    p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if min(args.batch_size, args.steps, args.rounds) < 1:
+            raise ValueError("--batch_size, --steps and --rounds must be at least 1")
+        run(args)
+    except ImportError as e:
+        print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Tables of final metrics and one figure of training curves, from results/logs/*.jsonl.
+
+Run: python results/summarize.py   (results/reproduce.sh calls it last)
+"""
+import glob
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def main():
+    runs = {os.path.basename(p)[:-len(".jsonl")]: load(p) for p in sorted(glob.glob(os.path.join(HERE, "logs", "*.jsonl")))}
+    lines = ["| run | steps | final eval | minutes |", "|---|---|---|---|"]
+    for name, records in runs.items():
+        evals = [r for r in records if r.get("eval")]
+        if not evals:
+            continue
+        last = evals[-1]
+        shown = ", ".join(f"{k} {last[k]:.4g}" for k in ("top1", "val_loss", "mlm_acc", "ppl") if k in last)
+        lines.append(f"| {name} | {last['step']} | {shown} | {last['elapsed_s'] / 60:.1f} |")
+    with open(os.path.join(HERE, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    panels = [("top1", "test top-1 (%)"), ("val_loss", "held-out loss"), ("ppl", "test perplexity")]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, (key, title) in zip(axes, panels):
+        for name, records in runs.items():
+            points = [(r["elapsed_s"] / 60, r[key]) for r in records if r.get("eval") and key in r]
+            if points and not (key == "val_loss" and any("top1" in r or "ppl" in r for r in records)):
+                ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("minutes of training (2-core CPU)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Training curves (held-out metric at each evaluation)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "curves.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
