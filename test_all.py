@@ -573,13 +573,18 @@ def test_error_bad_model_flag(capsys, tiny_data, tmp_path):
     assert "Config.heads=3" in err
 
 
-def test_error_resume_with_another_objective_and_truncated_checkpoint(capsys, tiny_data, tmp_path):
+def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(capsys, tiny_data, tmp_path):
     code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1", "--eval_interval", "1"),
                              out_dir=tmp_path)
     assert code == 0, out
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), "--objective", "cls")
     assert "objective='mae'" in err and "--init_from" in err
     blob = (tmp_path / "ckpt.pt").read_bytes()
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["model"]["ln_f.weight"] = torch.zeros(3)  # weights that do not fit the stored config
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+    assert "does not match its own config" in err
     (tmp_path / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
     assert "corrupt or truncated" in err

@@ -275,8 +275,13 @@ def train(args):
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     resumed = None
     if cfg.resume:
-        resumed = load_checkpoint(os.path.join(cfg.out_dir, "ckpt.pt"))
+        path = os.path.join(cfg.out_dir, "ckpt.pt")
+        resumed = load_checkpoint(path)
         keep = {k: getattr(cfg, k) for k in ("out_dir", "device", "time_limit", "resume", "compile")}
+        unknown = set(resumed.get("train", {})) - {f.name for f in fields(TrainConfig)}
+        if "train" not in resumed or unknown:
+            raise CheckpointError(f"{path} has no training state this version can resume; fine-tune from it with "
+                                  "--init_from instead")
         cfg = TrainConfig(**{**resumed["train"], **keep})
     if cfg.batch_size < 1 or cfg.max_iters < 1 or cfg.grad_accum < 1 or cfg.eval_interval < 1:
         raise TrainingError("--batch_size, --max_iters, --grad_accum and --eval_interval must be at least 1")
@@ -315,8 +320,12 @@ def train(args):
     torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
     step, best = 0, None
     if resumed is not None:
-        model.load_state_dict(resumed["model"])
-        optimizer.load_state_dict(resumed["optimizer"])
+        try:
+            model.load_state_dict(resumed["model"])
+            optimizer.load_state_dict(resumed["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{cfg.out_dir}/ckpt.pt does not match its own config "
+                                  f"({str(e).splitlines()[0][:120]}); it is damaged, train again") from None
         scaler.load_state_dict(resumed["scaler"])
         step, best = resumed["step"], resumed["best"]
         generator.set_state(resumed["rng"]["data"])
