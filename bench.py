@@ -13,6 +13,7 @@ Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (ma
 not dependencies of bamboo: install them in a scratch venv to compare.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8 --steps 3
+     python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,on
 """
 import argparse
 import multiprocessing
@@ -92,7 +93,7 @@ def reference_model(config):
 class Runner:
     """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
 
-    def __init__(self, config, args, device, dtype, reference=False):
+    def __init__(self, config, args, device, dtype, compile_mode, reference=False):
         torch.manual_seed(0)
         if reference:
             self.name, model, self.loss_fn = reference_model(config)
@@ -103,8 +104,9 @@ class Runner:
         opt_cfg = TrainConfig()
         self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
                           torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=device.type == "cuda"))
-        compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-        self.forward = torch.compile(self.model) if compiled else self.model
+        self.compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
+        self.forward = torch.compile(self.model) if self.compiled else self.model
+        self.dtype = dtype
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -130,11 +132,10 @@ class Runner:
         self.times.append((time.perf_counter() - t0) / steps)
 
 
-def cpu_peak_rss(spec, args, reference, queue):
+def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
     """Child process: a few steps of one config, then report this process's max RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    device = torch.device("cpu")
-    runner = Runner(parse_spec(spec), args, device, pick_dtype(args.dtype, device), reference)
+    runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
     for _ in range(2):
         runner.step()
     queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -167,14 +168,16 @@ def peak_tflops(device, dtype):
 
 def run(args):
     device = pick_device(args.device, 0)
-    dtype = pick_dtype(args.dtype, device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    peak, peak_source = peak_tflops(device, dtype)
-    entries = [(spec, False) for spec in args.specs]
-    if args.against:
-        entries = [e for spec in args.specs for e in ((spec, False), (spec, True))]
-    runners = [Runner(parse_spec(spec), args, device, dtype, reference) for spec, reference in entries]
+    dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
+    compiles = args.compile.split(",")
+    peaks = {dtype: peak_tflops(device, dtype) for dtype in dtypes}
+    # One entry per spec x dtype x compile mode (x bamboo / reference implementation).
+    entries = [(spec, dtype, mode, reference) for spec in args.specs for dtype in dtypes for mode in compiles
+               for reference in ((False, True) if args.against else (False,))]
+    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference)
+               for spec, dtype, mode, reference in entries]
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
         for _ in range(args.warmup):
             runner.step()
@@ -182,7 +185,7 @@ def run(args):
         for runner in runners:
             runner.timed(args.steps)
     memory = []
-    for (spec, reference), runner in zip(entries, runners):
+    for (spec, dtype, mode, reference), runner in zip(entries, runners):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             runner.step()
@@ -190,32 +193,37 @@ def run(args):
         elif args.memory:
             ctx = multiprocessing.get_context("spawn")
             queue = ctx.Queue()
-            child = ctx.Process(target=cpu_peak_rss, args=(spec, args, reference, queue))
+            child = ctx.Process(target=cpu_peak_rss, args=(spec, args, dtype, mode, reference, queue))
             child.start()
             memory.append(queue.get())
             child.join()
         else:
             memory.append(None)
 
-    print(f"device {device} ({peak_source}: {peak:.3g} TFLOP/s), dtype {str(dtype).replace('torch.', '')}, "
-          f"batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (median), {torch.get_num_threads()} threads")
-    header = (f"{'config':<36} {'impl':<24} {'params':>8} {'step ms':>9} {'samples/s':>10} {'tokens/s':>10} "
-              f"{'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'vs first':>8}")
+    for dtype, (peak, source) in peaks.items():
+        print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
+    print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (median), "
+          f"{torch.get_num_threads()} threads")
+    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
+              f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'vs first':>8}")
     print(header)
     print("-" * len(header))
     rows = []
-    for (spec, reference), runner, mem in zip(entries, runners, memory):
+    for (spec, dtype, mode, reference), runner, mem in zip(entries, runners, memory):
         c = runner.config
         step = statistics.median(runner.times)
         tokens = c.num_patches() if c.is_image else c.seq_len
         tflops = training_flops(c) * args.batch_size / step / 1e12
+        peak = peaks[dtype][0]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
-        rows.append({"spec": spec, "impl": runner.name, "step_ms": step * 1000, "samples_s": args.batch_size / step,
+        rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
+                     "compiled": runner.compiled, "step_ms": step * 1000, "samples_s": args.batch_size / step,
                      "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
                      "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params})
         r = rows[-1]
-        print(f"{spec:<36} {r['impl']:<24} {params:>7.2f}M {r['step_ms']:>9.1f} {r['samples_s']:>10.1f} "
-              f"{r['tokens_s']:>10.0f} {tflops:>8.3f} {r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
+        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {'yes' if r['compiled'] else 'no':<3} {params:>7.2f}M "
+              f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
+              f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
               f"{mem if mem is not None else float('nan'):>9.0f} {rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
     return rows
 
@@ -228,9 +236,9 @@ def build_parser():
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds; the median counts (default: 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
     p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="autocast dtype (default: auto, as train.py)")
-    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile (auto: on CUDA)")
+    p.add_argument("--dtype", default="auto",
+                   help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
+    p.add_argument("--compile", default="auto", help="torch.compile: auto (on CUDA), on, off, or a comma list")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
@@ -242,6 +250,12 @@ def main(argv=None):
     try:
         if min(args.batch_size, args.steps, args.rounds) < 1:
             raise ValueError("--batch_size, --steps and --rounds must be at least 1")
+        for name in args.dtype.split(","):
+            if name not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"unknown --dtype {name!r}; use auto, float32, bfloat16 or float16")
+        for name in args.compile.split(","):
+            if name not in ("auto", "on", "off"):
+                raise ValueError(f"unknown --compile {name!r}; use auto, on or off")
         run(args)
     except ImportError as e:
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",

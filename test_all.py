@@ -888,3 +888,29 @@ def test_activation_checkpointing_gives_the_same_gradients(objective):
         model(x, y)[1].backward()
         grads[flag] = [p.grad.clone() for p in model.parameters()]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
+
+
+# ---------------------------------------------------------------- bench.py
+
+def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
+    import bench
+
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64",
+                                            "--batch_size", "2", "--steps", "1", "--rounds", "2", "--warmup", "1",
+                                            "--dtype", "float32,bfloat16", "--compile", "off"])
+    rows = bench.run(args)
+    out = capsys.readouterr().out
+    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
+        ("cls", "float32"), ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["samples_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] < 100
+        assert r["peak_mib"] > 50  # a child process's max RSS, torch included
+    assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
+    assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    import bench
+
+    assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err

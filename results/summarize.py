@@ -33,17 +33,21 @@ def main():
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    panels = [("top1", "test top-1 (%)"), ("val_loss", "held-out loss"), ("ppl", "test perplexity")]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = [("top1", "cls: test top-1 (%)"), ("val_loss", "mae: held-out masked-patch loss"),
+              ("ppl", "next: test perplexity"), ("mlm_acc", "mlm: held-out masked-token accuracy (%)")]
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     for ax, (key, title) in zip(axes, panels):
         for name, records in runs.items():
-            points = [(r["elapsed_s"] / 60, r[key]) for r in records if r.get("eval") and key in r]
-            if points and not (key == "val_loss" and any("top1" in r or "ppl" in r for r in records)):
-                ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+            evals = [r for r in records if r.get("eval")]
+            is_mae = evals and not any(k in evals[0] for k in ("top1", "ppl", "mlm_acc"))
+            if key in ("top1", "ppl", "mlm_acc") and evals and key in evals[0] or key == "val_loss" and is_mae:
+                ax.plot([r["elapsed_s"] / 60 for r in evals], [r[key] for r in evals], marker="o", markersize=3,
+                        label=name)
         ax.set_title(title)
         ax.set_xlabel("minutes of training (2-core CPU)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.suptitle("Training curves (held-out metric at each evaluation)")
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "curves.png"), dpi=110)
