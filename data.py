@@ -157,7 +157,8 @@ WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging F
     "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw", "wikitext-2-raw-v1"),
     "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw", "wikitext-103-raw-v1"),
 }
-HF_PARQUET = "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/{config}/{split}-00000-of-00001.parquet"
+HF_PARQUET = "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/{config}/{split}-{i:05d}-of-{n:05d}.parquet"
+HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}  # parquet files per split on the hub; 1 where not listed
 
 
 def _fetch(url, timeout=30):
@@ -191,8 +192,12 @@ def _from_hugging_face(config, target):
     except ImportError:
         raise OSError("the Hugging Face fallback needs pyarrow (pip install pyarrow)") from None
     for split, name in (("train", "train"), ("valid", "validation"), ("test", "test")):
-        table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name))))
-        _write_atomic(os.path.join(target, f"{split}.txt"), "".join(table.column("text").to_pylist()).encode())
+        n = HF_SHARDS.get(config, {}).get(name, 1)
+        rows = []
+        for i in range(n):
+            table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name, i=i, n=n))))
+            rows += table.column("text").to_pylist()
+        _write_atomic(os.path.join(target, f"{split}.txt"), "".join(rows).encode())
 
 
 def download_wikitext(name, data_dir):

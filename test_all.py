@@ -914,3 +914,29 @@ def test_bench_rejects_bad_arguments(capsys):
 
     assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err
+
+
+def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
+    import io as _io
+    import zipfile
+
+    import data
+
+    def fake_zip(members):
+        buffer = _io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name in members:
+                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
+        return buffer.getvalue()
+
+    seen = []
+    monkeypatch.setattr(data, "_fetch", lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
+    target = data.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
+    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
+    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
+    # an archive without its test split is refused, and the fallback failing too leaves nothing behind
+    monkeypatch.setattr(data, "_fetch", lambda url: fake_zip(["train", "valid"]))
+    with pytest.raises(data.DataError, match="could not download wikitext2"):
+        data.download_wikitext("wikitext2", str(tmp_path / "bad"))
+    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
