@@ -225,7 +225,24 @@ def run(args):
               f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
               f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
               f"{mem if mem is not None else float('nan'):>9.0f} {rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+    if args.profile:
+        for (spec, dtype, mode, reference), runner in zip(entries, runners):
+            profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
     return rows
+
+
+def profile_step(runner, title, rows):
+    """torch.profiler on one training step: the operators that take the most time, for finding bottlenecks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        runner.step()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    print(f"\nprofile of one step: {title}")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows))
 
 
 def build_parser():
@@ -242,6 +259,7 @@ def build_parser():
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N slowest operators of one step")
     return p
 
 

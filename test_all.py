@@ -909,6 +909,15 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
 
 
+def test_bench_profiles_one_step(capsys):
+    import bench
+
+    assert bench.main(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
+                       "--warmup", "0", "--no-memory", "--profile", "5", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
+
+
 def test_bench_rejects_bad_arguments(capsys):
     import bench
 
