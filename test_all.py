@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -949,3 +950,21 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     with pytest.raises(data.DataError, match="could not download wikitext2"):
         data.download_wikitext("wikitext2", str(tmp_path / "bad"))
     assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
+
+
+def test_bf16_autocast_tracks_fp32_training():
+    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60 steps."""
+    final = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("cls", width=64))
+        x, y = batch(model.config, B=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(60):
+            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+                loss = model(x, y)[1]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final[dtype] = model(x, y)[1].item()  # measured in fp32
+    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
