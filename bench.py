@@ -81,7 +81,8 @@ def reference_model(config):
     from vit_pytorch import MAE, ViT
 
     encoder = ViT(image_size=c.image_size, patch_size=c.patch_size, num_classes=c.num_classes, dim=c.width,
-                  depth=c.depth, heads=c.heads, mlp_dim=int(c.mlp_ratio * c.width), dim_head=c.width // c.heads)
+                  depth=c.depth, heads=c.heads, mlp_dim=int(c.mlp_ratio * c.width), dim_head=c.width // c.heads,
+                  pool="mean")  # its MAE breaks with pool="cls" (vit-pytorch 1.26); ours pools by mean too
     model = MAE(encoder=encoder, masking_ratio=c.mask_ratio, decoder_dim=c.decoder_width,
                 decoder_depth=c.decoder_depth, decoder_heads=c.decoder_heads,
                 decoder_dim_head=c.decoder_width // c.decoder_heads)
