@@ -133,13 +133,23 @@ class Runner:
         self.times.append((time.perf_counter() - t0) / steps)
 
 
+def peak_rss_mib():
+    """This process's own peak RSS. Linux's ru_maxrss is inherited across fork and exec (a spawned
+    child would report its parent's peak), so read the per-process high-water mark VmHWM instead."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB elsewhere (bytes on macOS)
+
+
 def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
-    """Child process: a few steps of one config, then report this process's max RSS in MiB."""
+    """Child process: a few steps of one config, then report this process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
     for _ in range(2):
         runner.step()
-    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    queue.put(peak_rss_mib())
 
 
 def measure_cpu_peak_tflops(dtype, seconds=1.0):

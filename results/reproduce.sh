@@ -41,9 +41,9 @@ train e2-next-neutreno $TEXT --objective next --neutreno 0.4
 # Experiment 3 (Bamboo 2.4): masked tokens against next token on the same text trunk (e2-next is the next arm).
 train e3-mlm $TEXT --objective mlm
 # Experiment 5 (Dovonon et al.): the same cls run, smoothing against sharpening by construction
-# (1000 steps each, to fit this session's CPU budget; e1-cls, the free arm, had 1500).
-train e5-smooth $VISION --objective cls --vo_param smooth --max_iters 1000
-train e5-sharpen $VISION --objective cls --vo_param sharpen --max_iters 1000
+# (500 steps each, to fit this session's CPU budget; e1-cls, the free arm, had 1500).
+train e5-smooth $VISION --objective cls --vo_param smooth --max_iters 500
+train e5-sharpen $VISION --objective cls --vo_param sharpen --max_iters 500
 
 # Probes: 256 fixed test samples per checkpoint; one JSON and one figure per comparison.
 probe() { local name=$1; shift; $PY probe.py "$@" --samples 256 --json "results/$name.json" --plot "results/$name.png" > "results/$name.txt"; echo "== probe $name"; }
