@@ -107,7 +107,6 @@ class Runner:
                           torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=device.type == "cuda"))
         self.compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
         self.forward = torch.compile(self.model) if self.compiled else self.model
-        self.dtype = dtype
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

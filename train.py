@@ -68,7 +68,7 @@ class TrainConfig:
 
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "pool": ("mean", "cls"),
            "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": ("auto", "on", "off"),
-           "preset": ("",) + tuple(PRESETS), "device": None}
+           "preset": ("",) + tuple(PRESETS)}
 
 
 class TrainingError(Exception):
