@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from train import PEAK_BF16_TFLOPS, TrainConfig, make_optimizer, pick_device, pick_dtype
+from train import TrainConfig, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
 
 
 def parse_spec(spec):
@@ -167,7 +167,7 @@ def measure_cpu_peak_tflops(dtype, seconds=1.0):
 def peak_tflops(device, dtype):
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+        peak = gpu_peak_tflops(device)
         if peak is None:
             return None, f"{name} (peak unknown)"
         return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"  # fp32 runs as TF32

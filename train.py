@@ -28,10 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from bamboo import PRESETS, Bamboo, CheckpointError, Config, load_checkpoint, OBJECTIVES
+from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, CheckpointError, Config, load_checkpoint
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
 
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
+
+
+def gpu_peak_tflops(device):
+    """Dense bf16 peak of a known CUDA GPU, or None for one not in the table."""
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 @dataclass
@@ -244,7 +250,7 @@ def model_settings(args, cfg, resumed, pretrained):
                                                               "image_size", "vocab_size", "seq_len", "neutreno")})
     settings.update(given)
     objective = settings.get("objective", Config.objective)
-    image = objective in ("mae", "cls")
+    image = objective in IMAGE_OBJECTIVES
     if image != (cfg.dataset in IMAGE_DATASETS):
         wanted = IMAGE_DATASETS if image else TEXT_DATASETS
         raise TrainingError(f"--objective {objective} needs {'an image' if image else 'a text'} dataset "
@@ -426,7 +432,7 @@ def train(args):
         summary = (f"done: {metric_name} {metrics[metric_name]:.4g} (best {best:.4g}), {step_s * 1000:.1f} ms/step, "
                    f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
         if device.type == "cuda":
-            peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+            peak = gpu_peak_tflops(device)
             if peak:
                 summary += f", MFU {raw.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
         log(summary)
