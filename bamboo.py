@@ -403,10 +403,12 @@ class Bamboo(nn.Module):
         masked = self.mask_token.expand(B, L + prefix - h.shape[1], -1)
         patches = torch.cat([h[:, prefix:], masked], dim=1)
         patches = patches.gather(1, ids_restore[..., None].expand(-1, -1, h.shape[2]))  # un-shuffle
-        h = torch.cat([h[:, :prefix], patches + self.decoder_pos_embed], dim=1)
+        tokens = patches + self.decoder_pos_embed
+        if prefix:  # without a CLS token there is nothing to prepend, and no copy to make
+            tokens = torch.cat([h[:, :prefix], tokens], dim=1)
         for block in self.decoder_blocks:
-            h, _, _ = block(h)
-        return self.decoder_pred(self.decoder_norm(h))[:, prefix:]  # (B, L, p*p*C)
+            tokens, _, _ = block(tokens)
+        return self.decoder_pred(self.decoder_norm(tokens))[:, prefix:]  # (B, L, p*p*C)
 
     def forward_loss(self, imgs, pred, mask):
         """Mean squared error over masked patches only."""

