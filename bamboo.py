@@ -259,6 +259,49 @@ def random_masking(x, mask_ratio, noise=None):
     return visible, mask.gather(1, ids_restore), ids_restore
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
+
+    The next-token loss over GPT-2's 50257 ids makes (B*T, 50257) logits: at batch 32 x 128
+    tokens, 0.8 GB in fp32, plus as much again for log-softmax and for each gradient. Here
+    each chunk of rows makes its logits, its loss and straight away its gradient
+    (softmax - one-hot); only dL/dh and dL/dW are kept for backward. Same loss and gradients
+    to rounding (a test checks it against F.cross_entropy).
+    """
+
+    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):
+        # h (N, D), weight (V, D), targets (N,) with -100 = ignored
+        valid = targets != -100
+        safe = targets.clamp(min=0)[:, None]  # (N, 1); ignored rows are zeroed through h_valid
+        h_valid = h * valid[:, None].to(h.dtype)  # cheaper than masking each (rows, V) gradient
+        rows = max(1, ChunkedCrossEntropy.ELEMENTS_PER_CHUNK // weight.shape[0])
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, h.shape[0], rows):
+            chunk = slice(i, i + rows)
+            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)  # (rows, V)
+            total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
+            grad = log_probs.exp_()  # softmax, in place
+            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))  # minus the one-hot
+            grad = grad.to(h.dtype)
+            grad_h[chunk] = (grad @ weight) * valid[chunk, None]
+            grad_w += grad.T @ h_valid[chunk]
+        count = valid.sum().clamp(min=1)  # no NaN when a batch has no targets
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
+
+
 class Bamboo(nn.Module):
     """The trunk with the stem and head of `config.objective`.
 
@@ -269,7 +312,8 @@ class Bamboo(nn.Module):
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
       next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
-            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
+            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab);
+            with gradients enabled out is None: the loss is computed in chunks (ChunkedCrossEntropy)
     """
 
     def __init__(self, config):
@@ -453,7 +497,14 @@ class Bamboo(nn.Module):
     def forward_next(self, tokens, y=None):
         inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
-        logits = self.token_logits(self.ln_f(h))
+        h = self.ln_f(h)
+        if torch.is_grad_enabled():  # training: the loss chunk by chunk, never all the logits at once
+            weight = self.tok_embed.weight[: self.config.vocab_size]
+            if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
+                dtype = torch.get_autocast_dtype(h.device.type)
+                h, weight = h.to(dtype), weight.to(dtype)
+            return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
+        logits = self.token_logits(h)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     # ---- bookkeeping ----

@@ -17,7 +17,6 @@ Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8 --steps 3
 """
 import argparse
 import multiprocessing
-import resource
 import statistics
 import sys
 import time
@@ -138,8 +137,12 @@ def peak_rss_mib():
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB elsewhere (bytes on macOS)
+    except (OSError, StopIteration):  # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
+        try:
+            import resource
+        except ImportError:
+            return None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
 
 
 def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):

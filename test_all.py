@@ -61,6 +61,10 @@ def test_objective_shapes_loss_and_gradients(objective):
     model = Bamboo(c)
     x, y = batch(c)
     out, loss = model(x, y)
+    if objective == "next":  # training computes the loss in chunks and makes no logits
+        assert out is None
+        with torch.no_grad():
+            out = model(x, y)[0]
     expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels), "cls": (4, c.num_classes),
                 "mlm": (out.shape[0], c.vocab_size), "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
     assert out.shape == expected
@@ -930,6 +934,45 @@ def test_mlm_head_on_chosen_positions_equals_the_full_head():
     assert torch.allclose(logits, full[targets != -100], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
+    from bamboo import ChunkedCrossEntropy
+
+    monkeypatch.setattr(ChunkedCrossEntropy, "ELEMENTS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
+    torch.manual_seed(0)
+    h = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(64, 16, requires_grad=True)
+    targets = torch.randint(0, 64, (23,))
+    targets[[3, 11]] = -100
+    full = F.cross_entropy(h @ weight.T, targets, ignore_index=-100)  # fp32 reference
+    full_grads = torch.autograd.grad(3 * full, (h, weight))
+    with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+        chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
+    grads = torch.autograd.grad(3 * chunked, (h, weight))  # the 3 checks the incoming gradient is applied
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(chunked.float(), full, rtol=tolerance)
+    for a, b in zip(grads, full_grads):
+        assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
+    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
+    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0  # nothing to predict: no NaN
+
+
+def test_next_token_training_loss_equals_the_logits_loss():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next", depth=2))
+    x, _ = batch(model.config)
+    _, chunked = model(x)
+    chunked.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    h, _, _ = model.run_blocks(model.embed(x[:, :-1])[0])
+    logits = model.token_logits(model.ln_f(h))
+    F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+    with torch.no_grad():
+        assert torch.allclose(model(x)[1], chunked, atol=1e-6)
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+
+
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_activation_checkpointing_gives_the_same_gradients(objective):
     grads = {}
@@ -969,6 +1012,24 @@ def test_bench_profiles_one_step(capsys):
                        "--warmup", "0", "--no-memory", "--profile", "5", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
+
+
+def test_bench_peak_memory_without_proc(monkeypatch):
+    import builtins
+
+    import bench
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if path == "/proc/self/status":
+            raise OSError("no /proc here")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert 10 < bench.peak_rss_mib() < 1e6  # ru_maxrss, in MiB (macOS, BSD)
+    monkeypatch.setitem(sys.modules, "resource", None)  # Windows: no resource module
+    assert bench.peak_rss_mib() is None
 
 
 def test_bench_rejects_bad_arguments(capsys):
