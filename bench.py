@@ -4,8 +4,9 @@ Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed in the same
 round-robin over --rounds rounds (the median round counts), so every ratio in the table
 comes from one run on the same machine state. Per config it prints step time, samples/s,
 tokens/s, achieved TFLOP/s (from Bamboo.flops_per_sample), MFU against the device's peak
-for the dtype (a table of GPUs; on CPU a GEMM measured at startup) and peak memory (CUDA
-max allocated, or the max RSS of a child process that runs the same steps).
+for the dtype (a table of GPUs; on CPU a GEMM measured at startup), peak memory (CUDA
+max allocated, or the max RSS of a child process that runs the same steps) and the time of
+the first step, which holds torch.compile's compilation.
 
 --against adds, for each spec, the implementation a user would otherwise pick, at the same
 depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
@@ -192,7 +193,10 @@ def run(args):
     runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference)
                for spec, dtype, mode, reference in entries]
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
-        for _ in range(args.warmup):
+        t0 = time.perf_counter()
+        runner.step()
+        runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
+        for _ in range(args.warmup - 1):
             runner.step()
     for _ in range(args.rounds):  # round-robin, so drift in machine speed hits every config alike
         for runner in runners:
@@ -218,7 +222,7 @@ def run(args):
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (median), "
           f"{torch.get_num_threads()} threads")
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
-              f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'vs first':>8}")
+              f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -232,12 +236,14 @@ def run(args):
         rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
                      "compiled": runner.compiled, "step_ms": step * 1000, "samples_s": args.batch_size / step,
                      "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
-                     "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params})
+                     "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params,
+                     "first_step_s": runner.first_step_s})
         r = rows[-1]
         print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {'yes' if r['compiled'] else 'no':<3} {params:>7.2f}M "
               f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
               f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
-              f"{mem if mem is not None else float('nan'):>9.0f} {rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+              f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
+              f"{rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
     if args.profile:
         for (spec, dtype, mode, reference), runner in zip(entries, runners):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
@@ -264,7 +270,7 @@ def build_parser():
     p.add_argument("--batch_size", type=int, default=8, help="samples per step (default: 8)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round (default: 3)")
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds; the median counts (default: 3)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first one timed apart (default: 2)")
     p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
     p.add_argument("--dtype", default="auto",
                    help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
@@ -279,8 +285,8 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        if min(args.batch_size, args.steps, args.rounds) < 1:
-            raise ValueError("--batch_size, --steps and --rounds must be at least 1")
+        if min(args.batch_size, args.steps, args.rounds, args.warmup) < 1:
+            raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
         for name in args.dtype.split(","):
             if name not in ("auto", "float32", "bfloat16", "float16"):
                 raise ValueError(f"unknown --dtype {name!r}; use auto, float32, bfloat16 or float16")

@@ -1001,6 +1001,7 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     for r in rows:
         assert r["step_ms"] > 0 and r["samples_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] < 100
         assert r["peak_mib"] > 50  # a child process's max RSS, torch included
+        assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
 
@@ -1009,7 +1010,7 @@ def test_bench_profiles_one_step(capsys):
     import bench
 
     assert bench.main(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
-                       "--warmup", "0", "--no-memory", "--profile", "5", "--dtype", "float32"]) == 0
+                       "--warmup", "1", "--no-memory", "--profile", "5", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
 
@@ -1037,6 +1038,7 @@ def test_bench_rejects_bad_arguments(capsys):
 
     assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--warmup", "0"]) == 2 and "--warmup" in capsys.readouterr().err
 
 
 def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):

@@ -3,19 +3,31 @@
 #   bash results/bench.sh              writes results/bench/*.txt
 #   BENCHLIB=/path bash results/bench.sh   also compares against timm / transformers / vit-pytorch
 #                                      installed (not as bamboo dependencies) under /path
+#   DATA=/path                         CIFAR-10 JPEGs for the bf16 accuracy check (default ../shared/data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
+DATA=${DATA:-../shared/data}
 mkdir -p results/bench
-run() { local name=$1; shift; echo "== $name: python bench.py $*"; $PY bench.py "$@" | tee "results/bench/$name.txt"; }
+run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole run at its end
+  local name=$1 start=$SECONDS; shift
+  echo "== $name: python bench.py $*"
+  { $PY bench.py "$@"; echo "(bench.py ran $((SECONDS - start)) s)"; } | tee "results/bench/$name.txt"
+}
 
 # Bamboo Table 1 at CIFAR size (64 tokens): throughput of the constant-FLOPs depth sweep.
 run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8
 # NeuTRENO's cost, and MAE (75% masked) against cls, on the same trunk.
 run neutreno-mae cls:bamboo-b cls:bamboo-b,neutreno=0.6 mae:bamboo-b cls:cifar-small cls:cifar-small,neutreno=0.6 \
-  mae:cifar-small --batch_size 16 --no-memory
-# bf16 autocast and torch.compile on this CPU.
-run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,on --batch_size 64 --no-memory
+  mae:cifar-small --batch_size 16 --rounds 7 --no-memory
+# bf16 autocast and torch.compile on this CPU; an empty inductor cache, so "1st s" holds a cold compile.
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,on --batch_size 64 --no-memory
+# ... and bf16's accuracy: held-out loss after 200 real CIFAR-10 steps, fp32 against bf16, same seed.
+for dtype in float32 bfloat16; do
+  $PY train.py --objective cls --preset cifar-small --dataset folder --data_dir "$DATA/cifar10-jpeg" --batch_size 64 \
+    --max_iters 200 --warmup 20 --eval_interval 200 --dtype $dtype --out_dir "out/bench-$dtype" 2>&1 | tr '\r' '\n' \
+    | grep --line-buffered -v "it/s\|s/it"
+done | tee results/bench/dtype-loss.txt
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # Where the time goes: the profiler on one step.
@@ -24,5 +36,5 @@ run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --ste
 if [ -n "${BENCHLIB:-}" ]; then
   export PYTHONPATH=$BENCHLIB
   run against cls:cifar-small,width=256,heads=4 mae:cifar-small,width=256,heads=4 \
-    next:wikitext-small mlm:wikitext-small --against --batch_size 16 --no-memory
+    next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 7
 fi
