@@ -1,24 +1,24 @@
 """Benchmark training steps of any configs side by side, on synthetic data, in one run.
 
 Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed in the same process,
-round-robin over --rounds rounds (the median round counts), so every ratio in the table
-comes from one run on the same machine state. Per config it prints step time, samples/s,
-tokens/s, achieved TFLOP/s (from Bamboo.flops_per_sample), MFU against the device's peak
-for the dtype (a table of GPUs; on CPU a GEMM measured at startup), peak memory (CUDA
-max allocated, or the max RSS of a child process that runs the same steps) and the time of
-the first step, which holds torch.compile's compilation.
+round-robin over --rounds rounds, so every ratio in the table comes from one run on the same
+machine state. The fastest round counts, as with timeit: on a shared machine, noise only ever
+adds time. Per config it prints step time, samples/s, tokens/s, achieved TFLOP/s (from
+Bamboo.flops_per_sample), MFU against the device's peak for the dtype (a table of GPUs; on
+CPU a GEMM measured at startup), peak memory (CUDA max allocated, or the max RSS of a child
+process that runs the same steps) and the time of the first step, which holds
+torch.compile's compilation.
 
 --against adds, for each spec, the implementation a user would otherwise pick, at the same
 depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
 Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (mae). They are
 not dependencies of bamboo: install them in a scratch venv to compare.
 
-Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8 --steps 3
+Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,on
 """
 import argparse
 import multiprocessing
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -219,7 +219,7 @@ def run(args):
 
     for dtype, (peak, source) in peaks.items():
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
-    print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (median), "
+    print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
           f"{torch.get_num_threads()} threads")
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
               f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
@@ -228,7 +228,7 @@ def run(args):
     rows = []
     for (spec, dtype, mode, reference), runner, mem in zip(entries, runners, memory):
         c = runner.config
-        step = statistics.median(runner.times)
+        step = min(runner.times)
         tokens = c.num_patches() if c.is_image else c.seq_len
         tflops = training_flops(c) * args.batch_size / step / 1e12
         peak = peaks[dtype][0]
@@ -268,8 +268,8 @@ def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs on synthetic data.")
     p.add_argument("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
     p.add_argument("--batch_size", type=int, default=8, help="samples per step (default: 8)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default: 3)")
-    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds; the median counts (default: 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round (default: 2)")
+    p.add_argument("--rounds", type=int, default=5, help="round-robin rounds; the fastest counts (default: 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first one timed apart (default: 2)")
     p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
     p.add_argument("--dtype", default="auto",
