@@ -32,6 +32,78 @@ done | tee results/bench/dtype-loss.txt
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # Where the time goes: the profiler on one step.
 run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
+# What each CPU optimization bought, each against the code path it replaced, in one process.
+$PY - <<'EOF' | tee results/bench/changes.txt
+import time
+
+import torch
+import torch.nn.functional as F
+
+import bench
+import neutreno
+from bamboo import Bamboo, ChunkedCrossEntropy, Config
+
+
+def fastest(fns, rounds=7, reps=3):
+    """Round-robin over the variants; the fastest round of each, in ms."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1000)
+    return best
+
+
+def report(title, best):
+    (a, ta), (b, tb) = best.items()
+    print(f"{title}: {a} {ta:.1f} ms, {b} {tb:.1f} ms, {ta / tb:.2f}x")
+
+
+# 1. Attention: PyTorch's fused SDPA kernel against explicit matmul-softmax-matmul, the same model and batch.
+args = bench.build_parser().parse_args(["cls:cifar-small", "--batch_size", "16"])
+runner = bench.Runner(bench.parse_spec("cls:cifar-small"), args, torch.device("cpu"), torch.bfloat16, "off")
+
+
+def step_with(max_tokens):
+    def step():
+        neutreno.CPU_EXPLICIT_MAX_TOKENS = max_tokens
+        runner.step()
+    return step
+
+
+report("cls:cifar-small bf16 training step, batch 16",
+       fastest({"fused SDPA": step_with(0), "explicit attention": step_with(256)}))
+
+# 2. AdamW on bamboo-b's 85M parameters: the for-loop implementation against the fused kernel.
+model = Bamboo(Config.from_preset("bamboo-b", objective="cls"))
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, **kw)
+              for name, kw in (("for-loop AdamW", {"foreach": False}), ("fused AdamW", {"fused": True}))}
+report("AdamW step, bamboo-b", fastest({name: opt.step for name, opt in optimizers.items()}, rounds=5, reps=1))
+
+# 3. Next-token loss, GPT-2 vocabulary, 16 x 128 tokens of width 256: full logits against ChunkedCrossEntropy.
+h = torch.randn(16 * 128, 256, requires_grad=True)
+weight = (torch.randn(50257, 256) * 0.02).requires_grad_()
+targets = torch.randint(0, 50257, (16 * 128,))
+
+
+def full_logits():
+    with torch.autocast("cpu", torch.bfloat16):
+        F.cross_entropy(h @ weight.T, targets).backward()
+
+
+def chunked():
+    ChunkedCrossEntropy.apply(h.to(torch.bfloat16), weight.to(torch.bfloat16), targets).backward()
+
+
+report("next-token loss forward + backward, bf16", fastest({"full logits": full_logits, "chunked": chunked},
+                                                           rounds=5, reps=1))
+EOF
 # Against the implementations users would otherwise pick, same depth/width/heads/patch/sequence (6x256, 4 heads).
 if [ -n "${BENCHLIB:-}" ]; then
   export PYTHONPATH=$BENCHLIB
