@@ -29,9 +29,9 @@ VISION_LAMBDA = 0.6    # DeiT / ADE20K in the NeuTRENO paper
 LANGUAGE_LAMBDA = 0.4  # WikiText-103 language modelling in the NeuTRENO paper
 
 
-# On CPU, PyTorch's fused attention kernel is slow in bfloat16 and float16: for one forward and
-# backward at 64 tokens it took 2.7x the time of the three plain ops below on our 2-core EPYC
-# (README, Performance). Up to this many tokens the plain ops also keep the (T, T) matrix small.
+# On CPU, PyTorch's fused attention kernel is slow in bfloat16 and float16: with the three plain
+# ops below instead, a bf16 cls:cifar-small training step (64 tokens) was 1.40x faster on our
+# 2-core EPYC (results/bench/changes.txt). Up to this many tokens the (T, T) matrix stays small.
 CPU_EXPLICIT_MAX_TOKENS = 256
 
 

@@ -16,10 +16,10 @@ run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole
 }
 
 # Bamboo Table 1 at CIFAR size (64 tokens): throughput of the constant-FLOPs depth sweep.
-run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8
+run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
 # NeuTRENO's cost, and MAE (75% masked) against cls, on the same trunk.
 run neutreno-mae cls:bamboo-b cls:bamboo-b,neutreno=0.6 mae:bamboo-b cls:cifar-small cls:cifar-small,neutreno=0.6 \
-  mae:cifar-small --batch_size 16 --rounds 7 --no-memory
+  mae:cifar-small --batch_size 16 --rounds 9 --no-memory
 # bf16 autocast and torch.compile on this CPU; an empty inductor cache, so "1st s" holds a cold compile.
 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,on --batch_size 64 --no-memory
 # ... and bf16's accuracy: held-out loss after 200 real CIFAR-10 steps, fp32 against bf16, same seed.
@@ -32,7 +32,7 @@ done | tee results/bench/dtype-loss.txt
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # Where the time goes: the profiler on one step.
 run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
-# What each CPU optimization bought, each against the code path it replaced, in one process.
+# What each CPU optimization bought against the code path it replaced, and what NeuTRENO costs: A/B in one process.
 $PY - <<'EOF' | tee results/bench/changes.txt
 import time
 
@@ -103,6 +103,23 @@ def chunked():
 
 report("next-token loss forward + backward, bf16", fastest({"full logits": full_logits, "chunked": chunked},
                                                            rounds=5, reps=1))
+
+# 4. NeuTRENO's cost: one bamboo-b model and batch, its lambda switched between 0 and 0.6 step by step.
+args = bench.build_parser().parse_args(["cls:bamboo-b,neutreno=0.6", "--batch_size", "16"])
+runner = bench.Runner(bench.parse_spec("cls:bamboo-b,neutreno=0.6"), args, torch.device("cpu"), torch.bfloat16, "off")
+
+
+def step_with_lambda(lam):
+    def step():
+        for block in runner.model.blocks:
+            block.attn.neutreno = lam
+        runner.step()
+    return step
+
+
+best = fastest({"lambda 0": step_with_lambda(0.0), "lambda 0.6": step_with_lambda(0.6)}, rounds=9, reps=1)
+print(f"cls:bamboo-b bf16 training step, batch 16: lambda 0 {best['lambda 0']:.1f} ms, lambda 0.6 "
+      f"{best['lambda 0.6']:.1f} ms, NeuTRENO costs {best['lambda 0.6'] / best['lambda 0']:.3f}x")
 EOF
 # Against the implementations users would otherwise pick, same depth/width/heads/patch/sequence (6x256, 4 heads).
 if [ -n "${BENCHLIB:-}" ]; then
