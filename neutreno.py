@@ -19,7 +19,6 @@ exactly as the authors' code does it (see SPEC section 3):
 
 Run: python -c "import neutreno, torch; print(neutreno.Attention(64, 1, neutreno=0.6))"
 """
-import math
 
 import torch
 import torch.nn as nn
