@@ -556,11 +556,12 @@ def training_flops(c):
         fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
         fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
         fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw)) + 2 * L * dw * c.patch_size ** 2 * c.channels
+    elif c.objective == "mlm":  # the head (transform + vocabulary) runs only at the mlm_prob chosen positions
+        T = c.seq_len
+        fwd = blocks(c.depth, T, c.width, mlp) + c.mlm_prob * T * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)
     else:
         T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
-        if c.objective == "mlm":
-            fwd += 2 * T * c.width ** 2
     return 3 * fwd
 
 

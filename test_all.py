@@ -305,6 +305,15 @@ def test_table1_comparable_compute():
     assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
 
 
+def test_training_flops_count_the_mlm_head_only_where_it_runs():
+    from bamboo import training_flops
+
+    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
+    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000  # minus next's head
+    head = 3 * 0.15 * 32 * (2 * 64 * 64 + 2 * 64 * 1000)  # transform + vocabulary at 15% of 32 positions
+    assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(trunk + head)
+
+
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
     torch.manual_seed(0)

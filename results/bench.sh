@@ -126,4 +126,7 @@ if [ -n "${BENCHLIB:-}" ]; then
   export PYTHONPATH=$BENCHLIB
   run against cls:cifar-small,width=256,heads=4 mae:cifar-small,width=256,heads=4 \
     next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 7
+  # ... and in fp32, the default on CPUs without native bf16 (most laptops).
+  run against-fp32 cls:cifar-small,width=256,heads=4 mae:cifar-small,width=256,heads=4 \
+    next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 5 --dtype float32 --no-memory
 fi
