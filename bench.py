@@ -111,7 +111,6 @@ class Runner:
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.device = device
-        self.times = []
 
     def step(self):
         with self.autocast:
@@ -122,14 +121,21 @@ class Runner:
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
-    def timed(self, steps):
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        sync()
-        self.times.append((time.perf_counter() - t0) / steps)
+
+
+def fastest_ms(calls, rounds, reps, sync=lambda: None):
+    """Round-robin over named callables, so drift in machine speed hits each alike; per name, the
+    fastest round's ms per call (as timeit: on a shared machine, noise only ever adds time)."""
+    best = {name: float("inf") for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1000)
+    return best
 
 
 def peak_rss_mib():
@@ -198,9 +204,8 @@ def run(args):
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
         for _ in range(args.warmup - 1):
             runner.step()
-    for _ in range(args.rounds):  # round-robin, so drift in machine speed hits every config alike
-        for runner in runners:
-            runner.timed(args.steps)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps, sync)
     memory = []
     for (spec, dtype, mode, reference), runner in zip(entries, runners):
         if device.type == "cuda":
@@ -226,9 +231,9 @@ def run(args):
     print(header)
     print("-" * len(header))
     rows = []
-    for (spec, dtype, mode, reference), runner, mem in zip(entries, runners, memory):
+    for i, ((spec, dtype, mode, reference), runner, mem) in enumerate(zip(entries, runners, memory)):
         c = runner.config
-        step = min(runner.times)
+        step = step_ms[i] / 1000
         tokens = c.num_patches() if c.is_image else c.seq_len
         tflops = training_flops(c) * args.batch_size / step / 1e12
         peak = peaks[dtype][0]

@@ -29,7 +29,7 @@ LANGUAGE_LAMBDA = 0.4  # WikiText-103 language modelling in the NeuTRENO paper
 
 
 # On CPU, PyTorch's fused attention kernel is slow in bfloat16 and float16: with the three plain
-# ops below instead, a bf16 cls:cifar-small training step (64 tokens) was 1.40x faster on our
+# ops below instead, a bf16 cls:cifar-small training step (64 tokens) was 1.4x faster on our
 # 2-core EPYC (results/bench/changes.txt). Up to this many tokens the (T, T) matrix stays small.
 CPU_EXPLICIT_MAX_TOKENS = 256
 

@@ -138,7 +138,7 @@ def make_optimizer(model, cfg, device):
 
 
 def fused_adamw(device):
-    """The fused AdamW kernel exists on CUDA and CPU; on CPU it is 5.5x faster (results/bench/changes.txt)."""
+    """The fused AdamW kernel exists on CUDA and CPU; on CPU it is 5 to 9x faster (results/bench/changes.txt)."""
     return device.type in ("cuda", "cpu")
 
 

@@ -34,8 +34,6 @@ run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_siz
 run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
 # What each CPU optimization bought against the code path it replaced, and what NeuTRENO costs: A/B in one process.
 $PY - <<'EOF' | tee results/bench/changes.txt
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -44,18 +42,11 @@ import neutreno
 from bamboo import Bamboo, ChunkedCrossEntropy, Config
 
 
-def fastest(fns, rounds=7, reps=3):
-    """Round-robin over the variants; the fastest round of each, in ms."""
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1000)
-    return best
+def fastest(calls, rounds=7, reps=3):
+    """bench.py's round-robin timer, after one warm-up call each."""
+    for call in calls.values():
+        call()
+    return bench.fastest_ms(calls, rounds, reps)
 
 
 def report(title, best):
