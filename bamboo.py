@@ -480,9 +480,12 @@ class Bamboo(nn.Module):
         inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
         return inputs, tokens.masked_fill(~chosen, -100)
 
+    def output_embedding(self):
+        """The tied output weights (vocab, width): the real vocabulary only ([MASK] is never predicted)."""
+        return self.tok_embed.weight[: self.config.vocab_size]
+
     def token_logits(self, h):
-        """Tied output embedding over the real vocabulary ([MASK] is never predicted)."""
-        return h @ self.tok_embed.weight[: self.config.vocab_size].T
+        return h @ self.output_embedding().T
 
     def forward_mlm(self, tokens, y=None):
         inputs, targets = self.mask_tokens(tokens) if y is None else (tokens, y)
@@ -499,7 +502,7 @@ class Bamboo(nn.Module):
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
         h = self.ln_f(h)
         if torch.is_grad_enabled():  # training: the loss chunk by chunk, never all the logits at once
-            weight = self.tok_embed.weight[: self.config.vocab_size]
+            weight = self.output_embedding()
             if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, weight = h.to(dtype), weight.to(dtype)
