@@ -240,23 +240,26 @@ def unpatchify(x, p, channels):
     return torch.einsum("bhwpqc->bchpwq", x).reshape(B, channels, g * p, g * p)
 
 
-def random_masking(x, mask_ratio, noise=None):
-    """MAE's argsort-of-noise masking of (B, L, D) tokens.
+def random_masking(batch_size, length, mask_ratio, noise=None, device=None):
+    """MAE's argsort-of-noise masking of `length` tokens per sample.
 
-    Returns the visible tokens (B, round(L * (1 - mask_ratio)), D), the mask (B, L) with
-    1 = hidden, in the original order, and ids_restore (B, L) that undoes the shuffle.
+    Returns ids_keep (B, round(L * (1 - mask_ratio))), the visible tokens in shuffled order;
+    the mask (B, L) with 1 = hidden, in the original order; and ids_restore (B, L), which
+    undoes the shuffle. take_tokens(x, ids_keep) then gives the visible tokens of x (B, L, D).
     """
-    B, L, D = x.shape
-    keep = round(L * (1 - mask_ratio))
+    keep = round(length * (1 - mask_ratio))
     if noise is None:
-        noise = torch.rand(B, L, device=x.device)
+        noise = torch.rand(batch_size, length, device=device)
     ids_shuffle = noise.argsort(dim=1)  # ascending: the smallest noise is kept
     ids_restore = ids_shuffle.argsort(dim=1)
-    ids_keep = ids_shuffle[:, :keep]
-    visible = x.gather(1, ids_keep[..., None].expand(-1, -1, D))
-    mask = torch.ones(B, L, device=x.device)
+    mask = torch.ones(batch_size, length, device=noise.device)
     mask[:, :keep] = 0
-    return visible, mask.gather(1, ids_restore), ids_restore
+    return ids_shuffle[:, :keep], mask.gather(1, ids_restore), ids_restore
+
+
+def take_tokens(x, ids):
+    """The tokens of x (B, L, D) at the positions ids (B, K): (B, K, D)."""
+    return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -372,18 +375,21 @@ class Bamboo(nn.Module):
     def embed(self, x, mask_ratio=0.0, noise=None):
         """Stem: images -> patch tokens + 2-D positions (+ CLS), tokens -> embeddings + positions.
 
-        With mask_ratio > 0 (images only) the patch tokens are MAE-masked before the CLS
-        token is prepended. Returns (h, mask, ids_restore); the last two are None unmasked.
+        With mask_ratio > 0 (images only) the patches are MAE-masked before they are embedded
+        and before the CLS token is prepended. Returns (h, mask, ids_restore); the last two are None unmasked.
         """
         c = self.config
         if c.is_image:
             if x.dim() != 4 or x.shape[1:] != (c.channels, c.image_size, c.image_size):
                 raise ValueError(f"expected images (B, {c.channels}, {c.image_size}, {c.image_size}), "
                                  f"got {tuple(x.shape)}")
-            h = self.patch_embed(patchify(x, c.patch_size)) + self.pos_embed  # (B, L, D)
+            patches = patchify(x, c.patch_size)  # (B, L, p*p*C)
+            pos = self.pos_embed.expand(x.shape[0], -1, -1)  # (B, L, D)
             mask = ids_restore = None
-            if mask_ratio > 0:
-                h, mask, ids_restore = random_masking(h, mask_ratio, noise)
+            if mask_ratio > 0:  # mask first: the stem, too, embeds only the patches the encoder sees
+                ids_keep, mask, ids_restore = random_masking(x.shape[0], patches.shape[1], mask_ratio, noise, x.device)
+                patches, pos = take_tokens(patches, ids_keep), take_tokens(pos, ids_keep)
+            h = self.patch_embed(patches) + pos  # (B, L or visible, D)
             if self.cls_token is not None:
                 h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
         else:
@@ -445,8 +451,7 @@ class Bamboo(nn.Module):
         prefix = 1 if self.cls_token is not None else 0
         B, L = ids_restore.shape
         masked = self.mask_token.expand(B, L + prefix - h.shape[1], -1)
-        patches = torch.cat([h[:, prefix:], masked], dim=1)
-        patches = patches.gather(1, ids_restore[..., None].expand(-1, -1, h.shape[2]))  # un-shuffle
+        patches = take_tokens(torch.cat([h[:, prefix:], masked], dim=1), ids_restore)  # un-shuffle
         tokens = patches + self.decoder_pos_embed
         if prefix:  # without a CLS token there is nothing to prepend, and no copy to make
             tokens = torch.cat([h[:, :prefix], tokens], dim=1)

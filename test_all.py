@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, unpatchify
+from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
 from neutreno import Attention, explicit_attention
 
 torch.set_num_threads(2)
@@ -227,7 +227,8 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
     torch.manual_seed(0)
     x = torch.randn(3, 64, 8)
     for ratio in (0.75, 0.5, 0.9):
-        visible, mask, ids_restore = random_masking(x, ratio)
+        ids_keep, mask, ids_restore = random_masking(3, 64, ratio)
+        visible = take_tokens(x, ids_keep)
         keep = round(64 * (1 - ratio))
         assert visible.shape == (3, keep, 8)
         assert (mask.sum(1) == 64 - keep).all()
@@ -238,6 +239,19 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
         assert torch.equal(shuffled[:, :keep], visible)
         kept = (mask == 0)
         assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
+
+
+def test_mae_stem_masks_before_embedding_with_the_same_result():
+    """The stem embeds only the visible patches; that equals embedding all, then masking (to 1e-6)."""
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mae")).eval()
+    imgs, _ = batch(model.config)
+    noise = torch.rand(4, model.config.num_patches())
+    h, mask, ids_restore = model.embed(imgs, 0.75, noise)
+    everything = model.embed(imgs)[0]
+    ids_keep = noise.argsort(1)[:, : h.shape[1]]
+    assert h.shape[1] == round(0.25 * model.config.num_patches())
+    assert torch.allclose(h, take_tokens(everything, ids_keep), atol=1e-6)
 
 
 def test_patchify_round_trip():
@@ -369,6 +383,7 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
     model = Bamboo(c)
     x, y = batch(c, B=8)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1 - it / steps)  # settles, rather than hovers
     first = None
     for _ in range(steps):
         _, loss = model(x, y)
@@ -376,6 +391,7 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        decay.step()
     model.eval()  # measure without the random corruption of this step's draw
     torch.manual_seed(1)
     final = sum(model(x, y)[1].item() for _ in range(5)) / 5
