@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from train import TrainConfig, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
+from train import TrainConfig, fused_adamw, gpu_peak_tflops, keep_freed_memory, make_optimizer, pick_device, pick_dtype
 
 
 def parse_spec(spec):
@@ -155,6 +155,7 @@ def peak_rss_mib():
 def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
     """Child process: a few steps of one config, then report this process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    keep_freed_memory()
     runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
     for _ in range(2):
         runner.step()
@@ -188,6 +189,8 @@ def peak_tflops(device, dtype):
 
 def run(args):
     device = pick_device(args.device, 0)
+    if device.type == "cpu":
+        keep_freed_memory()  # as train.py does
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]

@@ -13,6 +13,7 @@ Examples:
   python train.py --resume --out_dir out                                  # continue exactly where it stopped
 """
 import argparse
+import ctypes
 import inspect
 import json
 import math
@@ -219,6 +220,28 @@ def pick_device(name, local_rank):
     return torch.device("cpu")
 
 
+# glibc's malloc hands large freed blocks back to the kernel, so every CPU training step page-faults
+# its activations and autocast's bf16 weight copies in again. Keeping them made a next:wikitext-small
+# step 1.5x and a cls:bamboo-b step 1.2x faster on our 2-core EPYC (README, Performance).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt() parameters from <malloc.h>
+
+
+def keep_freed_memory():
+    """Linux/glibc: reuse freed memory instead of returning it to the kernel; True if applied.
+
+    Blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, and the heap is not
+    trimmed. Peak RSS stays about the same; the process just keeps it. MALLOC_* variables in the
+    environment are the user's own allocator settings, and they win.
+    """
+    if not sys.platform.startswith("linux") or any(key.startswith("MALLOC_") for key in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, for one)
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
 def cpu_has_bf16():
     """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
     try:
@@ -305,6 +328,8 @@ def train(args):
     if ddp:
         rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(cfg.device, local_rank)
+    if device.type == "cpu":
+        keep_freed_memory()
     if ddp:
         if device.type == "cuda":
             torch.cuda.set_device(device)
