@@ -155,7 +155,8 @@ def peak_rss_mib():
 def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
     """Child process: a few steps of one config, then report this process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    keep_freed_memory()
+    if args.malloc == "keep":
+        keep_freed_memory()
     runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
     for _ in range(2):
         runner.step()
@@ -189,8 +190,7 @@ def peak_tflops(device, dtype):
 
 def run(args):
     device = pick_device(args.device, 0)
-    if device.type == "cpu":
-        keep_freed_memory()  # as train.py does
+    kept = device.type == "cpu" and args.malloc == "keep" and keep_freed_memory()  # as train.py does
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
@@ -228,7 +228,7 @@ def run(args):
     for dtype, (peak, source) in peaks.items():
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, malloc {'keeps freed memory' if kept else 'as it comes'}")
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
               f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
     print(header)
@@ -284,6 +284,8 @@ def build_parser():
                    help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
     p.add_argument("--compile", default="auto", help="torch.compile: auto (on CUDA), on, off, or a comma list")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
+                   help="CPU: keep freed memory as train.py does (train.keep_freed_memory), or glibc's defaults")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N slowest operators of one step")

@@ -6,6 +6,7 @@ Run: python -m pytest -q test_all.py
 import json
 import math
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -560,8 +561,6 @@ def test_keep_freed_memory_stops_the_page_faults_of_a_training_steps_allocations
     """train.keep_freed_memory on the allocations of an autocast step: fresh bf16 copies of a weight
     and of activations, fp32 results. On Linux/glibc it cuts the page faults; a MALLOC_* variable
     in the environment leaves the user's allocator settings alone."""
-    import platform
-
     code = (
         "import resource, torch, train\n"
         "applied = train.keep_freed_memory()\n"
@@ -1059,15 +1058,20 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
         assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
+    kept = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert f"malloc {'keeps freed memory' if kept else 'as it comes'}" in out  # the default: as train.py
 
 
-def test_bench_profiles_one_step(capsys):
+def test_bench_profiles_one_step(capsys, monkeypatch):
     import bench
 
+    calls = []
+    monkeypatch.setattr(bench, "keep_freed_memory", lambda: calls.append(1) or True)
     assert bench.main(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
-                       "--warmup", "1", "--no-memory", "--profile", "5", "--dtype", "float32"]) == 0
+                       "--warmup", "1", "--no-memory", "--profile", "5", "--dtype", "float32", "--malloc", "glibc"]) == 0
     out = capsys.readouterr().out
     assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
+    assert calls == [] and "malloc as it comes" in out  # --malloc glibc leaves the allocator alone
 
 
 def test_bench_peak_memory_without_proc(monkeypatch):

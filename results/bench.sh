@@ -15,8 +15,13 @@ run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole
   { $PY bench.py "$@"; echo "(bench.py ran $((SECONDS - start)) s)"; } | tee "results/bench/$name.txt"
 }
 
-# Bamboo Table 1 at CIFAR size (64 tokens): throughput of the constant-FLOPs depth sweep.
-run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
+# Bamboo Table 1 at CIFAR size (64 tokens): throughput of the constant-FLOPs depth sweep, at batch 16 and at batch 8,
+# where the deep models' 4x more operators weigh most.
+run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 16 --rounds 5
+run table1-b8 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
+# ... and compiled, which fuses the deep model's twice larger elementwise work (cold inductor cache).
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run table1-compile cls:base-12x768 cls:bamboo-b --batch_size 16 --rounds 4 --no-memory \
+  --compile off,on
 # NeuTRENO's cost, and MAE (75% masked) against cls, on the same trunk.
 run neutreno-mae cls:bamboo-b cls:bamboo-b,neutreno=0.6 mae:bamboo-b cls:cifar-small cls:cifar-small,neutreno=0.6 \
   mae:cifar-small --batch_size 16 --rounds 9 --no-memory
@@ -30,6 +35,13 @@ for dtype in float32 bfloat16; do
 done | tee results/bench/dtype-loss.txt
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
+# The allocator: glibc's defaults against train.keep_freed_memory(). A process-wide setting, so the two arms
+# are separate processes, alternated twice.
+for i in 1 2; do
+  for malloc in glibc keep; do
+    run "malloc-$malloc-$i" next:wikitext-small cls:bamboo-b cls:cifar-small --batch_size 16 --rounds 3 --malloc $malloc
+  done
+done
 # Where the time goes: the profiler on one step.
 run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
 # What each CPU optimization bought against the code path it replaced, and what NeuTRENO costs: A/B in one process.
@@ -39,7 +51,10 @@ import torch.nn.functional as F
 
 import bench
 import neutreno
+import train
 from bamboo import Bamboo, ChunkedCrossEntropy, Config
+
+train.keep_freed_memory()  # as train.py and bench.py do
 
 
 def fastest(calls, rounds=7, reps=3):
