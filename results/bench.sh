@@ -19,6 +19,34 @@ run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole
 # where the deep models' 4x more operators weigh most.
 run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 16 --rounds 5
 run table1-b8 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
+# ... at batch 1, where only the fixed per-operator cost is left ...
+run table1-b1 cls:base-12x768 cls:bamboo-b --batch_size 1 --rounds 5 --no-memory
+# ... the GEMMs of one training step (forward, dX, dW) of the two, timed alone: equal FLOPs, equal time?
+$PY - <<'EOF' | tee results/bench/gemms.txt
+import time
+
+import torch
+
+
+def gemm_ms(m, k, n):
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return best * 1000
+
+
+rows = 8 * 64  # batch 8 x 64 tokens
+for depth, width in ((12, 768), (48, 384)):
+    shapes = [(rows, width, 3 * width), (rows, width, width), (rows, width, 4 * width), (rows, 4 * width, width)]
+    per_block = sum(gemm_ms(m, k, n) + gemm_ms(m, n, k) + gemm_ms(k, m, n) for m, k, n in shapes)
+    print(f"{depth}x{width}, batch 8: the GEMMs of one bf16 training step take {depth * per_block:.0f} ms")
+EOF
 # ... and compiled, which fuses the deep model's twice larger elementwise work (cold inductor cache).
 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run table1-compile cls:base-12x768 cls:bamboo-b --batch_size 16 --rounds 4 --no-memory \
   --compile off,on
