@@ -19,6 +19,8 @@ run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole
 # where the deep models' 4x more operators weigh most.
 run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 16 --rounds 5
 run table1-b8 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
+# ... at batch 32, where it weighs least ...
+run table1-b32 cls:base-12x768 cls:bamboo-b --batch_size 32 --rounds 4 --no-memory
 # ... at batch 1, where only the fixed per-operator cost is left ...
 run table1-b1 cls:base-12x768 cls:bamboo-b --batch_size 1 --rounds 5 --no-memory
 # ... the GEMMs of one training step (forward, dX, dW) of the two, timed alone: equal FLOPs, equal time?
