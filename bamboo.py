@@ -376,7 +376,8 @@ class Bamboo(nn.Module):
         """Stem: images -> patch tokens + 2-D positions (+ CLS), tokens -> embeddings + positions.
 
         With mask_ratio > 0 (images only) the patches are MAE-masked before they are embedded
-        and before the CLS token is prepended. Returns (h, mask, ids_restore); the last two are None unmasked.
+        and before the CLS token is prepended. Returns (h, mask, ids_restore); the last two
+        are None unmasked.
         """
         c = self.config
         if c.is_image:

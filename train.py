@@ -222,7 +222,7 @@ def pick_device(name, local_rank):
 
 # glibc's malloc hands large freed blocks back to the kernel, so every CPU training step page-faults
 # its activations and autocast's bf16 weight copies in again. Keeping them made a next:wikitext-small
-# step 1.5x and a cls:bamboo-b step 1.2x faster on our 2-core EPYC (README, Performance).
+# step 1.5x and a cls:bamboo-b step 1.1x to 1.2x faster on our 2-core EPYC (README, Performance).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt() parameters from <malloc.h>
 
 
