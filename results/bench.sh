@@ -25,22 +25,15 @@ run table1-b32 cls:base-12x768 cls:bamboo-b --batch_size 32 --rounds 4 --no-memo
 run table1-b1 cls:base-12x768 cls:bamboo-b --batch_size 1 --rounds 5 --no-memory
 # ... the GEMMs of one training step (forward, dX, dW) of the two, timed alone: equal FLOPs, equal time?
 $PY - <<'EOF' | tee results/bench/gemms.txt
-import time
-
 import torch
+
+import bench
 
 
 def gemm_ms(m, k, n):
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        best = min(best, (time.perf_counter() - t0) / 10)
-    return best * 1000
+    a @ b  # warm-up
+    return bench.fastest_ms({"gemm": lambda: a @ b}, rounds=7, reps=10)["gemm"]
 
 
 rows = 8 * 64  # batch 8 x 64 tokens
