@@ -139,7 +139,7 @@ def make_optimizer(model, cfg, device):
 
 
 def fused_adamw(device):
-    """The fused AdamW kernel exists on CUDA and CPU; on CPU it is 5 to 9x faster (results/bench/changes.txt)."""
+    """The fused AdamW kernel exists on CUDA and CPU; on CPU it was 3 to 9x faster (results/bench/changes.txt)."""
     return device.type in ("cuda", "cpu")
 
 
