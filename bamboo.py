@@ -305,7 +305,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
 
 
+def init_stack(inputs, blocks):
+    """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0, and each residual
+    projection N(0, 0.02 / sqrt(2 * depth)), because depth of them add up in the stream."""
+    for module in [*inputs.modules(), *blocks.modules()]:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    for name, p in blocks.named_parameters():
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * len(blocks)))
+
+
 class Bamboo(nn.Module):
+
     """The trunk with the stem and head of `config.objective`.
 
     out, loss = model(x, y=None)
@@ -323,11 +337,18 @@ class Bamboo(nn.Module):
         super().__init__()
         self.config = c = config
         self.mask_id = c.vocab_size  # [MASK] sits just beyond the vocabulary
+        # The trunk is built and initialised before anything else draws random numbers, so that with
+        # one seed the stem and every block are bit-identical whatever the objective, head or pooling:
+        # the arms of a comparison (cls against mae, next against mlm) start from the same weights.
+        self.build_trunk(c)
+        self.init_trunk()
+        self.build_head(c)
+        self.init_head()
+
+    def build_trunk(self, c):
         if c.is_image:
             self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # = conv with stride p
-            grid = c.image_size // c.patch_size
-            self.register_buffer("pos_embed", sincos_2d(c.width, grid), persistent=False)
-            self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.pool == "cls" else None
+            self.register_buffer("pos_embed", sincos_2d(c.width, c.image_size // c.patch_size), persistent=False)
         else:
             self.tok_embed = nn.Embedding(c.vocab_size + 1, c.width)  # +1 row for [MASK]
             self.pos_embed = nn.Parameter(torch.zeros(1, c.seq_len, c.width))
@@ -337,13 +358,23 @@ class Bamboo(nn.Module):
             Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno, c.vo_param)
             for rate in rates
         )
-        self.ln_f = nn.LayerNorm(c.width)
 
-        if c.objective == "cls":
+    def init_trunk(self):
+        init_stack(self.patch_embed if self.config.is_image else self.tok_embed, self.blocks)
+        if not self.config.is_image:
+            nn.init.normal_(self.pos_embed, std=0.02)
+
+    def build_head(self, c):
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.is_image and c.pool == "cls" else None
+        if c.objective == "cls":  # MAE's fine-tuning head: pool, a fresh LayerNorm, a linear classifier
+            self.fc_norm = nn.LayerNorm(c.width)
             self.head = nn.Linear(c.width, c.num_classes)
-        elif c.objective == "mae":
+            return
+        self.ln_f = nn.LayerNorm(c.width)  # the encoder's final norm; a fine-tuned classifier drops it
+        if c.objective == "mae":
             self.decoder_embed = nn.Linear(c.width, c.decoder_width)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_width))
+            grid = c.image_size // c.patch_size
             self.register_buffer("decoder_pos_embed", sincos_2d(c.decoder_width, grid), persistent=False)
             self.decoder_blocks = nn.ModuleList(
                 Block(c.decoder_width, c.decoder_heads, c.mlp_ratio) for _ in range(c.decoder_depth)
@@ -353,22 +384,19 @@ class Bamboo(nn.Module):
         elif c.objective == "mlm":  # BERT's transform before the tied output embedding
             self.mlm_transform = nn.Sequential(nn.Linear(c.width, c.width), nn.GELU(), nn.LayerNorm(c.width))
             self.mlm_bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.apply(self._init_weights)
-        # GPT-2's scaled init: each residual projection adds to a stream summed over depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.depth))
-        for p in (getattr(self, "cls_token", None), getattr(self, "mask_token", None)):
+
+    def init_head(self):
+        c = self.config
+        for p in (self.cls_token, getattr(self, "mask_token", None)):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
-        if not c.is_image:
-            nn.init.normal_(self.pos_embed, std=0.02)
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        if c.objective == "cls":
+            nn.init.normal_(self.head.weight, std=2e-5)  # MAE's fine-tuning init: near-zero logits at first
+            nn.init.zeros_(self.head.bias)
+        elif c.objective == "mae":
+            init_stack(nn.ModuleList([self.decoder_embed, self.decoder_pred]), self.decoder_blocks)
+        elif c.objective == "mlm":
+            init_stack(self.mlm_transform, nn.ModuleList())
 
     # ---- stem and trunk, shared by forward() and hidden_states() ----
 
@@ -437,9 +465,8 @@ class Bamboo(nn.Module):
 
     def forward_cls(self, x, y=None):
         h, _, _ = self.run_blocks(self.embed(x)[0])
-        h = self.ln_f(h)
-        pooled = h[:, 0] if self.cls_token is not None else h.mean(dim=1)
-        logits = self.head(pooled)
+        pooled = h[:, 0] if self.cls_token is not None else h.mean(dim=1)  # (B, D)
+        logits = self.head(self.fc_norm(pooled))
         return logits, (F.cross_entropy(logits, y) if y is not None else None)
 
     def forward_encoder(self, imgs, mask_ratio, noise=None):
@@ -530,14 +557,16 @@ class Bamboo(nn.Module):
     def load_encoder(self, state_dict):
         """Load a pretrained trunk (e.g. MAE) into this model for fine-tuning.
 
-        Copies every tensor whose name and shape match, except the pretraining heads
-        (decoder_*, mask_token, mlm_*, head). Returns (loaded names, skipped names).
+        Copies the stem and every block: each tensor whose name and shape match, except the
+        pretraining heads (decoder_*, mask_token, mlm_*) and the classifier (fc_norm, head). A
+        classifier has no ln_f, so the encoder's final norm is skipped too, as MAE's fine-tuning
+        does. Returns (loaded names, skipped names).
         """
         own = self.state_dict()
-        pretrain_only = ("decoder_", "mask_token", "mlm_", "head.")
+        heads = ("decoder_", "mask_token", "mlm_", "head.", "fc_norm.")
         loaded, skipped = [], []
         for name, tensor in state_dict.items():
-            if name in own and own[name].shape == tensor.shape and not name.startswith(pretrain_only):
+            if name in own and own[name].shape == tensor.shape and not name.startswith(heads):
                 loaded.append(name)
             else:
                 skipped.append(name)

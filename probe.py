@@ -1,23 +1,33 @@
 """Measure over-smoothing layer by layer, for checkpoints side by side, with every metric of the papers.
 
 Token metrics, on each layer's hidden states h (T tokens of width D, hbar their mean):
-  std           Bamboo eq. 1: per-channel std over tokens, sqrt(sum_t (h_t - hbar)^2 / (T-1)), channel mean
-  cos           NeuTRENO E.3: mean cosine similarity over token pairs i != j
-  cos_centered  Bamboo Fig. 1b (after Gong et al.): the same on h - hbar, without the shared component
-  hc_dc         Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F = ||h - hbar||_F / (sqrt(T) ||hbar||)
-  erank         Roy & Vetterli: exp(entropy of the normalised singular values of h)
+  std               Bamboo eq. 1: per-channel std over tokens, sqrt(sum_t (h_t - hbar)^2 / (T-1)), channel mean
+  cos               NeuTRENO E.3: mean signed cosine similarity over token pairs i != j
+  abs_cos_centered  Bamboo Fig. 1b after Gong et al. 2021: mean ABSOLUTE cosine over pairs i != j of h - hbar.
+                    The absolute value is needed because centred tokens sum to zero, so their signed
+                    mean cosine is pinned near -1/(T-1) whatever the model does.
+  hc_dc             Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F = ||h - hbar||_F / (sqrt(T) ||hbar||)
+  erank             Roy & Vetterli: exp(entropy of the normalised singular values of h)
+  update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the residual stream
+  attn_entropy      entropy of each query's attention distribution in nats, mean over heads and queries
+                    (uniform attention over T keys gives log T; entropy collapse drives it towards 0)
+  attn_sim          NeuTRENO G.2: cosine between successive layers' attention maps
 Weight metrics, per block:
   h_dominant    Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
                 W_V W_O, LayerNorm gain folded in, averaged over heads (+1: all heads smooth)
   h_positive    the fraction of those eigenvalues (all heads) with a positive real part
   beta_qk/v     Bamboo Fig. 2: ||W_Q W_K^T||_2 and ||W_V||_2 of each checkpoint over the first's
-  attn_sim      NeuTRENO G.2 (with --attn): cosine between successive layers' attention maps
+
+Collapsed tokens: a token whose vector (raw for cos, centred for abs_cos_centered) is shorter than
+COLLAPSED * the sample's RMS token norm has no direction left, only rounding noise. It coincides
+with the others (raw: with 0; centred: with the mean), so every pair it is in counts as cosine 1.
+Tokens that have become identical therefore read as fully smoothed, never as "diverse".
 
 Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split,
 in order), so two runs give identical numbers. A checkpoint can be a fresh model instead:
-init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6.
+init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6 (seed 0, so equal specs are equal).
 
-Run: python probe.py init:bamboo-b init:bamboo-b,neutreno=0.6 --dataset folder \
+Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen --dataset folder \
        --data_dir ../shared/data/cifar10-jpeg --samples 64 --json p.json --plot p.png
 """
 import argparse
@@ -31,17 +41,27 @@ import torch
 from bamboo import Bamboo, CheckpointError, Config, model_from_checkpoint
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
 
-TOKEN_METRICS = ("std", "cos", "cos_centered", "hc_dc", "erank")
+TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
+LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # defined from block 1 (attn_sim: block 2) on
 WEIGHT_METRICS = ("h_dominant", "h_positive", "beta_qk", "beta_v")
+COLLAPSED = 1e-5  # relative token norm below which a direction is float32 rounding noise
 
 
 # ----------------------------------------------------------------------------- the metrics
 
-def _mean_pairwise_cos(h):
-    """Per sample, the mean cosine over pairs i != j of (B, T, D) tokens; zero vectors count as 0."""
-    n = torch.nn.functional.normalize(h, dim=-1)
+def mean_pairwise_cos(h, scale, absolute=False):
+    """Per sample, the mean (absolute) cosine over pairs i != j of (B, T, D) tokens.
+
+    A token shorter than COLLAPSED * scale (B,) has collapsed: its pairs count as 1.
+    """
+    norms = h.norm(dim=-1)  # (B, T)
+    collapsed = norms <= COLLAPSED * scale[:, None]
+    n = h / norms.clamp_min(1e-300)[..., None]
+    sims = n @ n.transpose(1, 2)  # (B, T, T)
+    sims = sims.abs() if absolute else sims
+    sims = sims.masked_fill(collapsed[:, :, None] | collapsed[:, None, :], 1.0)
     T = h.shape[1]
-    return ((n @ n.transpose(1, 2)).sum((1, 2)) - (n * n).sum((1, 2))) / (T * (T - 1))
+    return (sims.sum((1, 2)) - sims.diagonal(dim1=1, dim2=2).sum(-1)) / (T * (T - 1))
 
 
 def token_metrics_per_sample(h):
@@ -50,12 +70,13 @@ def token_metrics_per_sample(h):
     T = h.shape[1]
     mean = h.mean(dim=1, keepdim=True)
     centered = h - mean
+    scale = h.pow(2).sum(-1).mean(-1).sqrt()  # (B,) RMS token norm
     s = torch.linalg.svdvals(h)  # (B, min(T, D)), not centred (Roy & Vetterli)
     p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
     return {
         "std": centered.pow(2).sum(1).div(T - 1).sqrt().mean(-1),
-        "cos": _mean_pairwise_cos(h),
-        "cos_centered": _mean_pairwise_cos(centered),
+        "cos": mean_pairwise_cos(h, scale),
+        "abs_cos_centered": mean_pairwise_cos(centered, scale, absolute=True),
         "hc_dc": centered.flatten(1).norm(dim=1) / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300),
         "erank": torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1)),
     }
@@ -64,6 +85,41 @@ def token_metrics_per_sample(h):
 def token_metrics(h):
     """Token metrics of hidden states h (B, T, D), each a float averaged over the batch."""
     return {k: v.mean().item() for k, v in token_metrics_per_sample(h).items()}
+
+
+def update_ratio(before, after):
+    """Per sample, ||after - before||_F / ||before||_F of (B, T, D) hidden states: (B,) float64."""
+    before, after = before.double(), after.double()
+    return (after - before).flatten(1).norm(dim=1) / before.flatten(1).norm(dim=1).clamp_min(1e-300)
+
+
+def attention_entropy(probs):
+    """Per sample, the entropy in nats of each query's attention row (B, nh, T, T), mean over heads and queries."""
+    p = probs.double()
+    return -(p * p.clamp_min(1e-300).log()).sum(-1).mean((1, 2))
+
+
+def attention_similarity(before, after):
+    """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, averaged over heads."""
+    return torch.nn.functional.cosine_similarity(before.flatten(2).double(), after.flatten(2).double(), dim=-1).mean(1)
+
+
+def layer_metrics_per_sample(hiddens, attns):
+    """Every token and layer metric for depth + 1 hidden states and depth attention maps.
+
+    Returns one dict per layer (0 = the stem's output) of (B,) tensors; a layer metric is
+    missing where it is undefined (update and attn_entropy at layer 0, attn_sim before layer 2).
+    """
+    layers = []
+    for i, h in enumerate(hiddens):
+        metrics = token_metrics_per_sample(h)
+        if i >= 1:
+            metrics["update"] = update_ratio(hiddens[i - 1], h)
+            metrics["attn_entropy"] = attention_entropy(attns[i - 1])
+        if i >= 2:
+            metrics["attn_sim"] = attention_similarity(attns[i - 2], attns[i - 1])
+        layers.append(metrics)
+    return layers
 
 
 def head_value_output(block):
@@ -106,12 +162,6 @@ def beta(model, reference):
     return [a / b for a, b in zip(qk, qk0)], [a / b for a, b in zip(v, v0)]
 
 
-def attention_similarity(attns):
-    """Cosine between layer l's and layer l-1's attention maps, averaged over samples and heads."""
-    return [torch.nn.functional.cosine_similarity(a.flatten(2).double(), b.flatten(2).double(), dim=-1).mean().item()
-            for a, b in zip(attns[1:], attns[:-1])]
-
-
 # ----------------------------------------------------------------------------- models and data
 
 def load_model(spec, dataset):
@@ -145,27 +195,23 @@ def load_samples(args, model, train_cfg):
 
 
 @torch.no_grad()
-def probe_model(model, samples, batch_size, mask=False, attn=False):
-    """Token metrics per layer (embedding output, then every block), averaged over all samples."""
-    sums, n, attn_sums = None, 0, None
+def probe_model(model, samples, batch_size, mask=False):
+    """Every per-layer metric (embedding output, then every block), averaged over all samples."""
+    if mask and not model.config.is_image:
+        raise ValueError("--mask probes MAE's visible patches; it needs an image model")
+    sums = {}  # (metric, layer) -> sum over samples
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
     for i in range(0, len(samples), batch_size):
         x = samples[i:i + batch_size]
-        if mask and not model.config.is_image:
-            raise ValueError("--mask probes MAE's visible patches; it needs an image model")
         noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen) if mask else None
-        out = model.hidden_states(x, need_weights=attn, mask_ratio=model.config.mask_ratio if mask else 0.0,
-                                  noise=noise)
-        hiddens, attns = out if attn else (out, None)
-        per_layer = [{k: v.sum().item() for k, v in token_metrics_per_sample(h).items()} for h in hiddens]
-        sums = per_layer if sums is None else [{k: a[k] + b[k] for k in a} for a, b in zip(sums, per_layer)]
-        if attn:
-            sims = [s * len(x) for s in attention_similarity(attns)]
-            attn_sums = sims if attn_sums is None else [a + b for a, b in zip(attn_sums, sims)]
-        n += len(x)
-    result = {k: [layer[k] / n for layer in sums] for k in TOKEN_METRICS}
-    if attn:
-        result["attn_sim"] = [None, None] + [s / n for s in attn_sums]  # defined from block 1 on
+        hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
+                                             mask_ratio=model.config.mask_ratio if mask else 0.0)
+        for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
+            for name, values in metrics.items():
+                sums[name, layer] = sums.get((name, layer), 0.0) + values.sum().item()
+    layers = model.config.depth + 1
+    result = {name: [sums[name, layer] / len(samples) if (name, layer) in sums else None for layer in range(layers)]
+              for name in TOKEN_METRICS + LAYER_METRICS}
     dominant, positive = h_spectrum(model)
     result["h_dominant"], result["h_positive"] = [None] + dominant, [None] + positive
     return result
@@ -234,7 +280,7 @@ def run(args):
         key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"), train_cfg.get("data_dir"))
         if key not in sample_sets:  # decode or tokenize each dataset once, however many checkpoints share it
             sample_sets[key] = load_samples(args, model, train_cfg)
-        raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask, args.attn)
+        raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
         if reference is None:
             reference = model
         raw[label]["beta_qk"], raw[label]["beta_v"] = (
@@ -243,7 +289,7 @@ def run(args):
         report["source"][label] = spec
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
-    order = TOKEN_METRICS + WEIGHT_METRICS + (("attn_sim",) if args.attn else ())
+    order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
     report["metrics"] = {name: {label: [None if v is None else round(v, 6) for v in pad(raw[label][name], layers)]
                                 for label in labels} for name in order}
     print_table(report)
@@ -268,7 +314,6 @@ def build_parser():
     p.add_argument("--samples", type=int, default=256, help="held-out samples, the first N in order (default: 256)")
     p.add_argument("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
     p.add_argument("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
-    p.add_argument("--attn", action="store_true", help="also report attn_sim (slower: explicit attention)")
     p.add_argument("--relative", action="store_true", help="plot against relative depth (layer / depth)")
     p.add_argument("--json", default="", help="write the numbers here")
     p.add_argument("--plot", default="", help="write a PNG with one panel per metric here")

@@ -93,8 +93,8 @@ def test_hidden_states_match_the_forward_pass():
     model = Bamboo(c).eval()
     x, y = batch(c)
     logits, _ = model(x, y)
-    last = model.ln_f(model.hidden_states(x)[-1])
-    assert torch.allclose(model.head(last.mean(1)), logits, atol=1e-6)
+    last = model.hidden_states(x)[-1]
+    assert torch.allclose(model.head(model.fc_norm(last.mean(1))), logits, atol=1e-6)
 
 
 def test_attention_probabilities_on_request():
@@ -401,16 +401,58 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
 
 # ---------------------------------------------------------------- fine-tuning from MAE
 
-def test_load_mae_encoder_into_cls():
+def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
     torch.manual_seed(0)
     mae = Bamboo(tiny("mae"))
     cls = Bamboo(tiny("cls"))
     loaded, skipped = cls.load_encoder(mae.state_dict())
-    assert loaded and all(n.startswith(("blocks.", "patch_embed", "ln_f")) for n in loaded)
-    assert any(n.startswith("decoder_") for n in skipped)
+    assert loaded and all(n.startswith(("blocks.", "patch_embed")) for n in loaded)
+    assert {"ln_f.weight", "ln_f.bias"} <= set(skipped) and any(n.startswith("decoder_") for n in skipped)
     own = cls.state_dict()
     assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
-    assert math.isclose(len(loaded), len([n for n in own if not n.startswith("head.")]))
+    assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight", "head.bias", "head.weight"]
+
+
+def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls"))
+    assert not hasattr(model, "ln_f") and model.head.weight.std().item() < 1e-4  # std 2e-5
+    with torch.no_grad():
+        model.fc_norm.weight.normal_()
+        model.head.weight.normal_()
+        x, _ = batch(model.config)
+        expected = model.head(model.fc_norm(model.hidden_states(x)[-1].mean(dim=1)))
+        assert torch.allclose(model(x)[0], expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the same weights for every objective
+
+def trunk_state(model):
+    return {k: v for k, v in model.state_dict().items() if k.startswith(("blocks.", "patch_embed", "tok_embed",
+                                                                          "pos_embed"))}
+
+
+@pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
+@pytest.mark.parametrize("options", [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7}, {"neutreno": 0.6}])
+def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, options):
+    states = []
+    for i, objective in enumerate(pair):
+        torch.manual_seed(3)
+        states.append(trunk_state(Bamboo(tiny(objective, **(options if i else {})))))
+    assert states[0].keys() == states[1].keys() and len(states[0]) > 10
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
+    from probe import beta
+
+    for first, second in (("cls", "mae"), ("next", "mlm")):
+        models = []
+        for objective in (first, second):
+            torch.manual_seed(0)
+            models.append(Bamboo(tiny(objective, depth=4)))
+        qk, v = beta(models[1], models[0])
+        assert qk == [1.0] * 4 and v == [1.0] * 4
 
 
 # ---------------------------------------------------------------- training (data.py, train.py)
@@ -737,14 +779,118 @@ def test_orthogonal_tokens_have_zero_cosine():
     assert token_metrics(h)["cos"] == pytest.approx(0.0, abs=1e-12)
 
 
-def test_gaussian_tokens_centred_cosine_is_minus_one_over_t_minus_one():
+def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
+    """i.i.d. Gaussian tokens x_t ~ N(0, I_d), centred: c_t = x_t - xbar. Per coordinate, c_i and c_j
+    are jointly Gaussian with correlation rho = -1/(T-1), so for large d the cosine of a pair is
+    close to N(rho, (1 - rho^2) / d), and E|N(mu, s^2)| = s sqrt(2/pi) exp(-mu^2 / 2s^2) + mu (1 - 2 Phi(-mu/s)).
+    Without centring's rho this is sqrt(2 / (pi d)); the signed centred mean would be rho itself."""
     from probe import token_metrics
 
     torch.manual_seed(0)
-    T = 16
-    m = token_metrics(torch.randn(8, T, 4096) + 5.0)  # a shared offset: raw cos is high, centred is not
-    assert m["cos_centered"] == pytest.approx(-1 / (T - 1), abs=0.005)
+    T, d = 32, 1024
+    rho = -1 / (T - 1)
+    s = math.sqrt((1 - rho ** 2) / d)
+    phi = 0.5 * (1 + math.erf(-rho / s / math.sqrt(2)))
+    expected = s * math.sqrt(2 / math.pi) * math.exp(-rho ** 2 / (2 * s ** 2)) + rho * (1 - 2 * phi)
+    m = token_metrics(torch.randn(16, T, d) + 5.0)  # a shared offset: raw cos is high, centred is not
+    assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
     assert m["cos"] > 0.9
+
+
+def attention_stack(x, depth, residual, seed=0):
+    """Hidden states of a stack of softmax attention whose values are the identity (depth + 1 tensors).
+
+    residual=True:  x <- x + softmax(LN(x) W_Q (LN(x) W_K)^T / sqrt(d)) LN(x)
+    residual=False: x <- softmax(x W_Q (x W_K)^T / sqrt(d)) x   (Dong et al. 2021's pure attention)
+    Each output token is the previous tokens' convex combination (plus the token itself), so the
+    tokens contract towards a common vector.
+    """
+    g = torch.Generator().manual_seed(seed)
+    d = x.shape[-1]
+    hiddens = [x]
+    for _ in range(depth):
+        w_q, w_k = (torch.randn(d, d, generator=g, dtype=x.dtype) * 2 / math.sqrt(d) for _ in range(2))
+        z = F.layer_norm(x, (d,)) if residual else x
+        probs = torch.softmax((z @ w_q) @ (z @ w_k).transpose(1, 2) / math.sqrt(d), dim=-1)
+        x = x + probs @ z if residual else probs @ z
+        hiddens.append(x)
+    return hiddens
+
+
+def per_layer(hiddens):
+    from probe import token_metrics
+
+    layers = [token_metrics(h) for h in hiddens]
+    return {name: [m[name] for m in layers] for name in layers[0]}
+
+
+def test_residual_attention_stack_contracts_tokens_and_every_metric_says_so():
+    torch.manual_seed(0)
+    m = per_layer(attention_stack(torch.randn(4, 32, 64, dtype=torch.float64), 48, residual=True))
+    deep = slice(24, 49)
+    increasing = lambda v: all(b > a for a, b in zip(v[deep], v[deep][1:]))
+    decreasing = lambda v: all(b < a for a, b in zip(v[deep], v[deep][1:]))
+    assert m["cos"][-1] > 0.99 and increasing(m["cos"])
+    assert m["hc_dc"][-1] < m["hc_dc"][0] / 50 and decreasing(m["hc_dc"])
+    assert m["erank"][-1] < 3 and decreasing(m["erank"])
+    # the centred tokens line up early and then keep their angles while they shrink: the absolute
+    # cosine ends well above layer 0 and never falls back over the deep half (a plateau, to rounding)
+    centred = m["abs_cos_centered"]
+    assert centred[-1] > 2 * centred[0]
+    assert all(b > a - 1e-3 for a, b in zip(centred[deep], centred[deep][1:]))
+
+
+def test_pure_attention_stack_collapses_and_centred_metrics_do_not_call_it_diverse():
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        m = per_layer(attention_stack(torch.randn(4, 32, 64, dtype=dtype), 8, residual=False))
+        # within a few layers the tokens agree to rounding: the centred vectors are noise
+        for name, collapsed in (("cos", 1.0), ("abs_cos_centered", 1.0), ("erank", 1.0)):
+            assert m[name][-1] == pytest.approx(collapsed, abs=1e-4), name
+        assert m["abs_cos_centered"][0] < 0.2  # diverse at the start
+        assert m["hc_dc"][-1] < 1e-5 and m["std"][-1] < 1e-5 * m["std"][0]
+
+
+def test_collapsed_tokens_count_as_identical_even_when_exactly_zero():
+    from probe import token_metrics
+
+    m = token_metrics(torch.zeros(2, 5, 8))
+    assert m["cos"] == 1.0 and m["abs_cos_centered"] == 1.0 and m["std"] == 0.0
+
+
+def test_attention_entropy_of_uniform_and_one_hot_attention():
+    from probe import attention_entropy
+
+    T = 10
+    uniform = torch.full((2, 3, T, T), 1 / T)
+    one_hot = torch.eye(T).expand(2, 3, T, T)
+    assert attention_entropy(uniform).tolist() == pytest.approx([math.log(T)] * 2)
+    assert attention_entropy(one_hot).tolist() == [0.0, 0.0]
+
+
+def test_update_ratio_is_the_relative_change_of_the_stream():
+    from probe import update_ratio
+
+    before = torch.randn(3, 6, 8)
+    assert update_ratio(before, 1.5 * before).tolist() == pytest.approx([0.5] * 3)
+    assert update_ratio(before, before).tolist() == [0.0] * 3
+
+
+def test_probe_reports_entropy_and_update_for_every_block():
+    import probe
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", depth=3)).eval()
+    x, _ = batch(model.config)
+    report = probe.probe_model(model, x, 2)
+    T = model.config.num_patches()
+    assert report["update"][0] is None and report["attn_entropy"][0] is None and report["attn_sim"][:2] == [None] * 2
+    assert all(0 < e <= math.log(T) + 1e-9 for e in report["attn_entropy"][1:])
+    with torch.no_grad():
+        hiddens = model.hidden_states(x)
+    expected = np.mean([(b - a).norm().item() / a.norm().item() for a, b in
+                        zip(hiddens[1][:, None], hiddens[2][:, None])])  # block 2, sample by sample
+    assert report["update"][2] == pytest.approx(expected, rel=1e-5)
 
 
 def test_effective_rank_of_rank_k_matrices():
@@ -851,7 +997,7 @@ def probe_cli(capsys, *argv):
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints, tmp_path):
     argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples", "8",
-            "--batch_size", "3", "--attn"]
+            "--batch_size", "3"]
     code, out = probe_cli(capsys, *argv, "--json", tmp_path / "a.json", "--plot", tmp_path / "a.png")
     assert code == 0, out.err
     code, _ = probe_cli(capsys, *argv, "--json", tmp_path / "b.json", "--relative", "--plot", tmp_path / "b.png")
@@ -859,14 +1005,14 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["labels"] == ["trained", "init"] and report["layers"] == [0, 1, 2, 3, 4]
-    for name in ("std", "cos", "cos_centered", "hc_dc", "erank", "h_dominant", "h_positive", "beta_qk", "beta_v",
-                 "attn_sim"):
+    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "update", "attn_entropy", "attn_sim",
+                 "h_dominant", "h_positive", "beta_qk", "beta_v"):
         for label in report["labels"]:
             assert len(report["metrics"][name][label]) == 5
     assert report["metrics"]["beta_v"]["trained"] == [None, 1.0, 1.0, None, None]  # itself; padded to 5
     assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4  # depth 2 against depth 4: no pairs
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "trained" in out.out and "cos_centered" in out.out
+    assert "trained" in out.out and "abs_cos_centered" in out.out
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
@@ -897,24 +1043,6 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
 
 
 # ---------------------------------------------------------------- W_V W_O eigen-parameterization
-
-def test_free_is_unchanged_from_before_the_option():
-    """Fingerprints of a seeded model made by the code before vo_param existed (commit of the probe)."""
-    golden = {"cls": (163.03280353873265, 167.47563217314809, [-0.08842900395393372, 0.03551271930336952]),
-              "next": (162.8665326080519, 167.72884866815502, [-0.008772916160523891, -0.1262442171573639])}
-    for objective, (total, squares, first) in golden.items():
-        torch.manual_seed(0)
-        model = Bamboo(Config(objective=objective, depth=2, width=32, heads=2, image_size=16, patch_size=4,
-                              vocab_size=64, seq_len=16, neutreno=0.6, vo_param="free")).eval()
-        g = torch.Generator().manual_seed(0)
-        x = torch.rand(2, 3, 16, 16, generator=g) if objective == "cls" else torch.randint(0, 64, (2, 16), generator=g)
-        with torch.no_grad():
-            out, _ = model(x)
-        state = model.state_dict().values()
-        assert sum(v.double().sum().item() for v in state) == pytest.approx(total, rel=1e-12)
-        assert sum(v.double().pow(2).sum().item() for v in state) == pytest.approx(squares, rel=1e-12)
-        assert out.double().flatten()[:2].tolist() == pytest.approx(first, abs=1e-7)
-
 
 def assert_spectra(model, mode):
     from probe import head_value_output
@@ -969,15 +1097,17 @@ def test_vo_param_eigenvalues_are_what_the_probe_reports():
     assert torch.allclose(eigs, block.attn.vo.eigenvalues().double().sort(-1).values, atol=1e-6)
 
 
-def test_smooth_model_is_smoother_than_sharpen_at_init():
-    cos = {}
+def test_smooth_model_reads_smoother_than_sharpen_at_init_on_every_token_metric():
+    import probe
+
+    last = {}
     for mode in ("smooth", "sharpen"):
-        torch.manual_seed(0)
-        model = Bamboo(Config(objective="cls", depth=24, width=64, heads=1, vo_param=mode)).eval()
+        model, _ = probe.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
         x, _ = batch(model.config, B=8, seed=1)
-        with torch.no_grad():
-            cos[mode] = mean_cos(model.hidden_states(x)[-1])
-    assert cos["smooth"] > cos["sharpen"]
+        last[mode] = {k: v[-1] for k, v in probe.probe_model(model, x, 8).items()}
+    assert last["smooth"]["cos"] > last["sharpen"]["cos"]
+    assert last["smooth"]["hc_dc"] < last["sharpen"]["hc_dc"]
+    assert last["smooth"]["erank"] < last["sharpen"]["erank"]
 
 
 # ---------------------------------------------------------------- optimizations keep results
