@@ -836,7 +836,7 @@ def test_residual_attention_stack_contracts_tokens_and_every_metric_says_so():
     # the centred tokens line up early and then keep their angles while they shrink: the absolute
     # cosine ends well above layer 0 and never falls back over the deep half (a plateau, to rounding)
     centred = m["abs_cos_centered"]
-    assert centred[-1] > 2 * centred[0]
+    assert centred[-1] > centred[0] + 0.1 and centred[0] > 0.05
     assert all(b > a - 1e-3 for a, b in zip(centred[deep], centred[deep][1:]))
 
 
