@@ -305,17 +305,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
 
 
-def init_stack(inputs, blocks):
-    """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0, and each residual
-    projection N(0, 0.02 / sqrt(2 * depth)), because depth of them add up in the stream."""
-    for module in [*inputs.modules(), *blocks.modules()]:
+def init_stack(*modules, residual_depth=0):
+    """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0; with residual_depth, then
+    each residual projection N(0, 0.02 / sqrt(2 * depth)), because that many add up in the stream."""
+    parts = [m for part in modules for m in part.modules()]
+    for module in parts:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-    for name, p in blocks.named_parameters():
-        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-            nn.init.normal_(p, std=0.02 / math.sqrt(2 * len(blocks)))
+    for module in parts if residual_depth else []:
+        if isinstance(module, Block):
+            for proj in (getattr(module.attn, "proj", None), module.mlp.proj):  # vo_param blocks have no W_O Linear
+                if proj is not None:
+                    nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * residual_depth))
 
 
 class Bamboo(nn.Module):
@@ -337,38 +340,43 @@ class Bamboo(nn.Module):
         super().__init__()
         self.config = c = config
         self.mask_id = c.vocab_size  # [MASK] sits just beyond the vocabulary
-        # The trunk is built and initialised before anything else draws random numbers, so that with
-        # one seed the stem and every block are bit-identical whatever the objective, head or pooling:
-        # the arms of a comparison (cls against mae, next against mlm) start from the same weights.
-        self.build_trunk(c)
-        self.init_trunk()
+        # Each part is initialised as soon as it is built, in data-flow order, so that nothing built
+        # later shifts its random draws: with one seed the stem and every block are bit-identical
+        # whatever the objective, head or pooling, and the arms of a comparison (cls against mae,
+        # next against mlm) start from the same weights. vo_param changes the blocks, not the stem.
+        self.build_stem(c)
+        self.build_blocks(c)
         self.build_head(c)
-        self.init_head()
 
-    def build_trunk(self, c):
+    def build_stem(self, c):
         if c.is_image:
             self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # = conv with stride p
             self.register_buffer("pos_embed", sincos_2d(c.width, c.image_size // c.patch_size), persistent=False)
+            init_stack(self.patch_embed)
         else:
             self.tok_embed = nn.Embedding(c.vocab_size + 1, c.width)  # +1 row for [MASK]
             self.pos_embed = nn.Parameter(torch.zeros(1, c.seq_len, c.width))
+            init_stack(self.tok_embed)
+            nn.init.normal_(self.pos_embed, std=0.02)
         self.embed_drop = nn.Dropout(c.dropout)
+
+    def build_blocks(self, c):
         rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # stochastic depth grows linearly
         self.blocks = nn.ModuleList(
             Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno, c.vo_param)
             for rate in rates
         )
-
-    def init_trunk(self):
-        init_stack(self.patch_embed if self.config.is_image else self.tok_embed, self.blocks)
-        if not self.config.is_image:
-            nn.init.normal_(self.pos_embed, std=0.02)
+        init_stack(self.blocks, residual_depth=c.depth)
 
     def build_head(self, c):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if c.is_image and c.pool == "cls" else None
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
         if c.objective == "cls":  # MAE's fine-tuning head: pool, a fresh LayerNorm, a linear classifier
             self.fc_norm = nn.LayerNorm(c.width)
             self.head = nn.Linear(c.width, c.num_classes)
+            nn.init.normal_(self.head.weight, std=2e-5)  # MAE's fine-tuning init: near-zero logits at first
+            nn.init.zeros_(self.head.bias)
             return
         self.ln_f = nn.LayerNorm(c.width)  # the encoder's final norm; a fine-tuned classifier drops it
         if c.objective == "mae":
@@ -381,22 +389,13 @@ class Bamboo(nn.Module):
             )
             self.decoder_norm = nn.LayerNorm(c.decoder_width)
             self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size ** 2 * c.channels)
+            nn.init.normal_(self.mask_token, std=0.02)
+            init_stack(self.decoder_embed, self.decoder_pred)
+            init_stack(self.decoder_blocks, residual_depth=c.decoder_depth)
         elif c.objective == "mlm":  # BERT's transform before the tied output embedding
             self.mlm_transform = nn.Sequential(nn.Linear(c.width, c.width), nn.GELU(), nn.LayerNorm(c.width))
             self.mlm_bias = nn.Parameter(torch.zeros(c.vocab_size))
-
-    def init_head(self):
-        c = self.config
-        for p in (self.cls_token, getattr(self, "mask_token", None)):
-            if p is not None:
-                nn.init.normal_(p, std=0.02)
-        if c.objective == "cls":
-            nn.init.normal_(self.head.weight, std=2e-5)  # MAE's fine-tuning init: near-zero logits at first
-            nn.init.zeros_(self.head.bias)
-        elif c.objective == "mae":
-            init_stack(nn.ModuleList([self.decoder_embed, self.decoder_pred]), self.decoder_blocks)
-        elif c.objective == "mlm":
-            init_stack(self.mlm_transform, nn.ModuleList())
+            init_stack(self.mlm_transform)
 
     # ---- stem and trunk, shared by forward() and hidden_states() ----
 

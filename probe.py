@@ -228,10 +228,11 @@ def print_table(report):
     for label in report["labels"]:
         depth = report["depth"][label]
         print(f"\n{label}  ({report['source'][label]})")
-        print("layer " + " ".join(f"{n:>12}" for n in names))
+        widths = [max(12, len(n)) for n in names]
+        print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
         for layer in range(depth + 1):
             cells = [report["metrics"][n][label][layer] for n in names]
-            print(f"{layer:>5} " + " ".join(f"{'-':>12}" if c is None else f"{c:>12.4f}" for c in cells))
+            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}" for c, w in zip(cells, widths)))
 
 
 def plot(report, path, relative):

@@ -443,6 +443,24 @@ def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, optio
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
+def test_vo_param_changes_the_blocks_but_not_the_stem():
+    stems = []
+    for mode in ("free", "smooth", "sharpen"):
+        torch.manual_seed(0)
+        stems.append(Bamboo(tiny("cls", vo_param=mode)).patch_embed.weight)
+    assert torch.equal(stems[0], stems[1]) and torch.equal(stems[0], stems[2])
+
+
+def test_residual_projections_get_the_depth_scaled_init():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
+    encoder = torch.cat([p.flatten() for n, p in model.blocks.named_parameters() if n.endswith("proj.weight")])
+    decoder = torch.cat([p.flatten() for n, p in model.decoder_blocks.named_parameters() if n.endswith("proj.weight")])
+    assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
+    assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
 def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
     from probe import beta
 
