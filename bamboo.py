@@ -19,7 +19,6 @@ windows and any batch can be run (or probed) under any objective.
 Run: python -c "from bamboo import *; m = Bamboo(Config.from_preset('bamboo-b')); print(m.num_params())"
 """
 import math
-import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -135,10 +134,19 @@ class Config:
             if key not in types or not value:
                 raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key")
             try:
-                settings[key] = value.lower() in ("1", "true", "yes") if types[key] is bool else types[key](value)
+                settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
             except ValueError:
-                raise ValueError(f"bad value in {pair!r}: {key} takes a {types[key].__name__}") from None
+                raise ValueError(f"bad value in {pair!r}: {key} takes a {types[key].__name__}"
+                                 f"{' (true or false)' if types[key] is bool else ''}") from None
         return cls.from_preset(name, **settings)
+
+
+def parse_bool(text):
+    """true/false, yes/no, 1/0 (any case); anything else is an error, never a silent False."""
+    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    if text.lower() not in words:
+        raise ValueError(f"{text!r} is not true or false")
+    return words[text.lower()]
 
 
 def _trunk(depth, width, heads=0):
@@ -262,49 +270,6 @@ def take_tokens(x, ids):
     return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
-
-    The next-token loss over GPT-2's 50257 ids makes (B*T, 50257) logits: at batch 32 x 128
-    tokens, 0.8 GB in fp32, plus as much again for log-softmax and for each gradient. Here
-    each chunk of rows makes its logits, its loss and straight away its gradient
-    (softmax - one-hot); only dL/dh and dL/dW are kept for backward. Same loss and gradients
-    to rounding (a test checks it against F.cross_entropy).
-    """
-
-    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
-
-    @staticmethod
-    def forward(ctx, h, weight, targets):
-        # h (N, D), weight (V, D), targets (N,) with -100 = ignored
-        valid = targets != -100
-        safe = targets.clamp(min=0)[:, None]  # (N, 1); ignored rows are zeroed through h_valid
-        h_valid = h * valid[:, None].to(h.dtype)  # cheaper than masking each (rows, V) gradient
-        rows = max(1, ChunkedCrossEntropy.ELEMENTS_PER_CHUNK // weight.shape[0])
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, h.shape[0], rows):
-            chunk = slice(i, i + rows)
-            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)  # (rows, V)
-            total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
-            grad = log_probs.exp_()  # softmax, in place
-            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))  # minus the one-hot
-            grad = grad.to(h.dtype)
-            grad_h[chunk] = (grad @ weight) * valid[chunk, None]
-            grad_w += grad.T @ h_valid[chunk]
-        count = valid.sum().clamp(min=1)  # no NaN when a batch has no targets
-        ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.weight_dtype = weight.dtype
-        return total / count
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_loss / count
-        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
-
-
 def init_stack(*modules, residual_depth=0):
     """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0; with residual_depth, then
     each residual projection N(0, 0.02 / sqrt(2 * depth)), because that many add up in the stream."""
@@ -332,8 +297,7 @@ class Bamboo(nn.Module):
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
       next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
-            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab);
-            with gradients enabled out is None: the loss is computed in chunks (ChunkedCrossEntropy)
+            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
     """
 
     def __init__(self, config):
@@ -529,17 +493,17 @@ class Bamboo(nn.Module):
         loss = F.cross_entropy(logits, targets[chosen], reduction="sum")
         return logits, loss / chosen.sum().clamp(min=1)
 
-    def forward_next(self, tokens, y=None):
+    def next_token_features(self, tokens, y=None):
+        """The final-norm features (B, T, D) and their targets: x[:, 1:] by default, or y, nanoGPT-style."""
         inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
+        if inputs.shape[1] < 1:
+            raise ValueError("next-token prediction needs windows of at least 2 tokens (or explicit targets y)")
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
-        h = self.ln_f(h)
-        if torch.is_grad_enabled():  # training: the loss chunk by chunk, never all the logits at once
-            weight = self.output_embedding()
-            if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
-                dtype = torch.get_autocast_dtype(h.device.type)
-                h, weight = h.to(dtype), weight.to(dtype)
-            return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
-        logits = self.token_logits(h)
+        return self.ln_f(h), targets
+
+    def forward_next(self, tokens, y=None):
+        h, targets = self.next_token_features(tokens, y)
+        logits = self.token_logits(h)  # (B, T, vocab)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     # ---- bookkeeping ----
@@ -600,32 +564,3 @@ def training_flops(c):
         T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
     return 3 * fwd
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message is one line and says why."""
-
-
-def load_checkpoint(path):
-    """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes OUT_DIR/ckpt.pt)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
-                              "use another checkpoint or train again") from None
-    if not isinstance(ckpt, dict) or not {"config", "model"} <= set(ckpt):
-        raise CheckpointError(f"{path} is not a bamboo checkpoint (no config and model inside)")
-    return ckpt
-
-
-def model_from_checkpoint(path):
-    """Rebuild the exact model a checkpoint holds."""
-    ckpt = load_checkpoint(path)
-    model = Bamboo(Config.from_dict(ckpt["config"]))
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not fit its config ({str(e).splitlines()[0]})") from None
-    return model, ckpt

@@ -26,8 +26,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+import fast
 from bamboo import Bamboo, Config, training_flops
-from train import TrainConfig, fused_adamw, gpu_peak_tflops, keep_freed_memory, make_optimizer, pick_device, pick_dtype
+from train import TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
 
 
 def parse_spec(spec):
@@ -106,7 +107,8 @@ class Runner:
         self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
                           torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=fused_adamw(device)))
         self.compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
-        self.forward = torch.compile(self.model) if self.compiled else self.model
+        trained = self.model if reference else fast.for_training(self.model, device, dtype)  # as train.py does
+        self.forward = torch.compile(trained) if self.compiled else trained
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -155,8 +157,6 @@ def peak_rss_mib():
 def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
     """Child process: a few steps of one config, then report this process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    if args.malloc == "keep":
-        keep_freed_memory()
     runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
     for _ in range(2):
         runner.step()
@@ -188,27 +188,23 @@ def peak_tflops(device, dtype):
 
 # ----------------------------------------------------------------------------- the table
 
-def run(args):
-    device = pick_device(args.device, 0)
-    kept = device.type == "cpu" and args.malloc == "keep" and keep_freed_memory()  # as train.py does
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def build_runners(args, device):
+    """One Runner per spec x dtype x compile mode (x bamboo / reference), warmed up; the first step timed apart."""
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
-    compiles = args.compile.split(",")
-    peaks = {dtype: peak_tflops(device, dtype) for dtype in dtypes}
-    # One entry per spec x dtype x compile mode (x bamboo / reference implementation).
-    entries = [(spec, dtype, mode, reference) for spec in args.specs for dtype in dtypes for mode in compiles
-               for reference in ((False, True) if args.against else (False,))]
-    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference)
-               for spec, dtype, mode, reference in entries]
+    entries = [(spec, dtype, mode, reference) for spec in args.specs for dtype in dtypes
+               for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))]
+    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference) for spec, dtype, mode, reference in entries]
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
         t0 = time.perf_counter()
         runner.step()
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
         for _ in range(args.warmup - 1):
             runner.step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps, sync)
+    return entries, runners, {dtype: peak_tflops(device, dtype) for dtype in dtypes}
+
+
+def peak_memory(args, device, entries, runners):
+    """Per runner, peak MiB: CUDA's max allocated, or on CPU the max RSS of a child running the same steps."""
     memory = []
     for (spec, dtype, mode, reference), runner in zip(entries, runners):
         if device.type == "cuda":
@@ -224,11 +220,14 @@ def run(args):
             child.join()
         else:
             memory.append(None)
+    return memory
 
+
+def print_table(args, device, entries, runners, step_ms, memory, peaks):
     for dtype, (peak, source) in peaks.items():
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
-          f"{torch.get_num_threads()} threads, malloc {'keeps freed memory' if kept else 'as it comes'}")
+          f"{torch.get_num_threads()} threads")
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
               f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
     print(header)
@@ -252,6 +251,17 @@ def run(args):
               f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
               f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
               f"{rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+    return rows
+
+
+def run(args):
+    device = pick_device(args.device, 0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    entries, runners, peaks = build_runners(args, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps, sync)
+    rows = print_table(args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks)
     if args.profile:
         for (spec, dtype, mode, reference), runner in zip(entries, runners):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
@@ -284,8 +294,6 @@ def build_parser():
                    help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
     p.add_argument("--compile", default="auto", help="torch.compile: auto (on CUDA), on, off, or a comma list")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
-                   help="CPU: keep freed memory as train.py does (train.keep_freed_memory), or glibc's defaults")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N slowest operators of one step")
@@ -308,7 +316,7 @@ def main(argv=None):
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",
               file=sys.stderr)
         return 2
-    except ValueError as e:
+    except (ValueError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

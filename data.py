@@ -40,12 +40,13 @@ def _cifar(name, data_dir, train):
     import torchvision
 
     cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    archive = os.path.join(data_dir, cls.filename)
+    had_archive = os.path.exists(archive)
     try:
         ds = cls(data_dir, train=train, download=True)
     except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
-        partial = os.path.join(data_dir, cls.filename)
-        if os.path.exists(partial):
-            os.remove(partial)  # leave no half-written archive behind
+        if os.path.exists(archive) and not had_archive:
+            os.remove(archive)  # leave no half-written archive behind; never one that was there before
         raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
                         f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
                         "with an ImageFolder tree") from None
@@ -55,11 +56,14 @@ def _cifar(name, data_dir, train):
 def _decode(path, size):
     from PIL import Image
 
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        if im.size != (size, size):
-            im = im.resize((size, size), Image.BICUBIC)
-        return np.asarray(im)
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            if im.size != (size, size):
+                im = im.resize((size, size), Image.BICUBIC)
+            return np.asarray(im)
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for unreadable, truncated or non-image files
+        raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file") from None
 
 
 def _folder(data_dir, split, image_size):
@@ -201,12 +205,14 @@ def _from_hugging_face(config, target):
 
 
 def download_wikitext(name, data_dir):
-    """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless it is there already."""
+    """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless train.txt and valid.txt are there."""
     url, folder, hf_config = WIKITEXT[name]
     target = os.path.join(data_dir, folder)
-    if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid", "test")):
+    if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
         return target
     os.makedirs(target, exist_ok=True)
+    ours = [os.path.join(target, f"{s}.txt{part}") for s in ("train", "valid", "test") for part in ("", ".part")]
+    ours = [path for path in ours if not os.path.exists(path)]  # only what this call may write
     errors = []
     for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
                           ("huggingface.co", lambda: _from_hugging_face(hf_config, target))):
@@ -215,12 +221,12 @@ def download_wikitext(name, data_dir):
             return target
         except Exception as e:  # network errors, HTTP errors, corrupt archives
             errors.append(f"{source}: {type(e).__name__}: {e}")
-    for s in ("train", "valid", "test"):  # nothing half-done survives a failed download
-        for leftover in (os.path.join(target, f"{s}.txt"), os.path.join(target, f"{s}.txt.part")):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-    raise DataError(f"could not download {name} ({'; '.join(errors)}); put train.txt and valid.txt in "
-                    f"{target}, or use --dataset text --data_dir DIR with your own files")
+    for leftover in ours:  # nothing half-done survives a failed download; files that were there before stay
+        if os.path.exists(leftover):
+            os.remove(leftover)
+    raise DataError(f"could not download {name} ({'; '.join(errors)}); put {os.path.join(target, 'train.txt')} "
+                    f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's wiki.train.raw and "
+                    "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files")
 
 
 def get_tokenizer(name):

@@ -28,17 +28,11 @@ VISION_LAMBDA = 0.6    # DeiT / ADE20K in the NeuTRENO paper
 LANGUAGE_LAMBDA = 0.4  # WikiText-103 language modelling in the NeuTRENO paper
 
 
-# On CPU, PyTorch's fused attention kernel is slow in bfloat16 and float16: with the three plain
-# ops below instead, a bf16 cls:cifar-small training step (64 tokens) was 1.4x faster on our
-# 2-core EPYC (results/bench/changes.txt). Up to this many tokens the (T, T) matrix stays small.
-CPU_EXPLICIT_MAX_TOKENS = 256
-
-
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
 
-    Mathematically the same as F.scaled_dot_product_attention (a test checks allclose);
-    it materialises the (B, nh, T, T) matrix, which only pays off for short sequences.
+    Mathematically the same as F.scaled_dot_product_attention; it materialises the
+    (B, nh, T, T) matrix, which the probe needs and which pays off only for short sequences.
     """
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, T); scaling q is T/hs times cheaper
     if causal:
@@ -47,11 +41,6 @@ def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
         scores = scores.masked_fill(future, float("-inf"))
     probs = scores.softmax(dim=-1)
     return F.dropout(probs, dropout_p) @ v, probs
-
-
-def explicit_is_faster(q):
-    """True where the plain ops beat the fused kernel: CPU, half precision, short sequences."""
-    return q.device.type == "cpu" and q.dtype != torch.float32 and q.size(-2) <= CPU_EXPLICIT_MAX_TOKENS
 
 
 class EigenValueOutput(nn.Module):
@@ -104,6 +93,7 @@ class Attention(nn.Module):
         self.causal = causal
         self.neutreno = neutreno
         self.dropout = dropout
+        self.explicit = False  # True: softmax attention as plain ops even without need_weights (fast.py sets it)
         if vo_param == "free":
             self.qkv = nn.Linear(width, 3 * width)  # W_Q, W_K, W_V in one matmul
             self.proj = nn.Linear(width, width)     # W_O
@@ -123,7 +113,7 @@ class Attention(nn.Module):
             v = torch.einsum("btd,hdk->bhtk", x, basis)  # (B, nh, T, hs): x @ Q_h per head
         q, k = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if need_weights or explicit_is_faster(q):
+        if need_weights or self.explicit:
             y, probs = explicit_attention(q, k, v, self.causal, dropout_p)
             probs = probs if need_weights else None
         else:

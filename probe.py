@@ -35,11 +35,13 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import torch
 
-from bamboo import Bamboo, CheckpointError, Config, model_from_checkpoint
+from bamboo import Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+from train import CheckpointError, model_from_checkpoint
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # defined from block 1 (attn_sim: block 2) on
@@ -295,9 +297,10 @@ def run(args):
                                 for label in labels} for name in order}
     print_table(report)
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(args.json) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
             json.dump(report, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        os.replace(tmp, args.json)
     if args.plot:
         plot(report, args.plot, args.relative)
     return report
@@ -326,9 +329,16 @@ def main(argv=None):
     try:
         if args.samples < 2 or args.batch_size < 1:
             raise ValueError("--samples must be at least 2 and --batch_size at least 1")
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            folder = os.path.dirname(path) or "."
+            if path and not os.path.isdir(folder):  # checked before any computation
+                raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
         run(args)
     except (CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk or a folder that vanished while writing the outputs
+        print(f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere", file=sys.stderr)
         return 2
     return 0
 

@@ -2,7 +2,9 @@
 
 The recipe follows nanoGPT's train.py (AdamW with decay/no-decay groups, warmup + cosine in
 a visible get_lr, one checkpoint dict holding the config) and Bamboo's protocol (MAE
-pre-training, then fine-tuning with layer-wise lr decay via --init_from).
+pre-training, then fine-tuning with layer-wise lr decay via --init_from). The file reads top
+to bottom: settings, optimisation, evaluation, checkpoints (save and resume side by side),
+set-up, then the loop in train(). Hardware-specific speedups come from fast.py in one call.
 
 Examples:
   python train.py --objective mae --depth 48 --width 384                 # CIFAR-10, downloaded to ./data
@@ -10,10 +12,9 @@ Examples:
   python train.py --objective cls --init_from out/ckpt.pt --layer_decay 0.65 --out_dir out-ft
   python train.py --objective next --preset wikitext-small --dataset wikitext2
   torchrun --nproc_per_node=2 train.py --objective cls ...                # DDP: NCCL on GPUs, gloo on CPU
-  python train.py --resume --out_dir out                                  # continue exactly where it stopped
+  python train.py --resume --out_dir out --max_iters 4000                 # continue exactly, here for longer
 """
 import argparse
-import ctypes
 import inspect
 import json
 import math
@@ -21,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -29,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, CheckpointError, Config, load_checkpoint
+import fast
+from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
 
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
@@ -64,11 +67,12 @@ class TrainConfig:
     eval_samples: int = 10000       # held-out images or text windows per evaluation; 0 means all
     log_interval: int = 10          # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"            # checkpoint and log.jsonl go here
+    overwrite: bool = False         # start afresh in an out_dir that holds another run (its files are replaced)
     seed: int = 1337                # one seed for the init, the data order and the masks
-    device: str = "auto"            # auto picks cuda, then mps, then cpu
+    device: str = "auto"            # auto picks cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"             # auto | float32 | bfloat16 | float16 (autocast; auto = bf16 where native)
     compile: str = "auto"           # auto | on | off: torch.compile (auto = on for CUDA)
-    resume: bool = False            # continue from out_dir/ckpt.pt with its config
+    resume: bool = False            # continue from out_dir/ckpt.pt with its settings (see RESUMABLE)
     init_from: str = ""             # fine-tune: load a pretrained trunk (e.g. MAE) from this checkpoint
     time_limit: float = 0.0         # stop with a checkpoint after this many seconds (0: no limit)
 
@@ -76,13 +80,22 @@ class TrainConfig:
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "pool": ("mean", "cls"),
            "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": ("auto", "on", "off"),
            "preset": ("",) + tuple(PRESETS)}
+# What --resume may change: length and learning rate, where the data lives, logging. The settings of one
+# invocation (machine, time limit) are never inherited from the checkpoint: they are given now or default.
+RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples", "log_interval",
+             "data_dir", "cache_dir", "init_from")
+PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 
 
 class TrainingError(Exception):
     """The run cannot go on; the message is one line and says what to do."""
 
 
-# ----------------------------------------------------------------------------- command line
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message is one line and says why."""
+
+
+# ----------------------------------------------------------------------------- settings
 
 def field_comments(cls):
     """The comment after each field of a dataclass: the --help text."""
@@ -90,13 +103,13 @@ def field_comments(cls):
 
 
 def build_parser():
+    """Every TrainConfig and Config field as a flag. Flags not given stay unset, so that a preset,
+    a pretrained trunk or a resumed checkpoint can fill them, and --resume knows what was asked."""
     parser = argparse.ArgumentParser(description="Train bamboo models.", formatter_class=argparse.RawTextHelpFormatter)
     for cls, title in ((TrainConfig, "training"), (Config, "model (defaults shown; a --preset sets its own)")):
         group, comments = parser.add_argument_group(title), field_comments(cls)
         for f in fields(cls):
-            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})")
-            # Model flags not given stay unset, so that a preset or a checkpoint can fill them.
-            kwargs["default"] = argparse.SUPPRESS if cls is Config else f.default
+            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})", default=argparse.SUPPRESS)
             if isinstance(f.default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -105,6 +118,35 @@ def build_parser():
                     kwargs["choices"] = CHOICES[f.name]
             group.add_argument(f"--{f.name}", **kwargs)
     return parser
+
+
+def given(args, cls):
+    """The flags of dataclass cls that the command line set."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def validate(cfg):
+    """Check every training setting as Config checks its fields: one line naming the flag and the fix."""
+    checks = [
+        ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
+        ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
+        ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
+        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr), "must be a finite number >= 0"),
+        ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0), f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
+        ("warmup", cfg.warmup >= 0, "must be >= 0"),
+        ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
+        ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
+        ("grad_clip", cfg.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
+        ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
+        ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
+        ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
+        ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
+        ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
+        ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise TrainingError(f"--{name} {getattr(cfg, name)!r} {why}")
 
 
 # ----------------------------------------------------------------------------- optimisation
@@ -139,7 +181,7 @@ def make_optimizer(model, cfg, device):
 
 
 def fused_adamw(device):
-    """The fused AdamW kernel exists on CUDA and CPU; on CPU it was 3 to 9x faster (results/bench/changes.txt)."""
+    """The fused AdamW kernel exists on CUDA and CPU (on CPU it was 3x faster: results/bench/README.md)."""
     return device.type in ("cuda", "cpu")
 
 
@@ -147,40 +189,41 @@ def fused_adamw(device):
 
 @torch.no_grad()
 def evaluate(model, data, cfg, batch_size, device):
-    """The metric each objective is judged by, on fixed held-out data with fixed masks."""
+    """The metric each objective is judged by, on fixed held-out data with fixed masks.
+
+    None when there was nothing to score (an MLM evaluation whose masks chose no token).
+    """
     objective = model.config.objective
     was_training = model.training
     model.eval()
-    totals = {"loss": 0.0, "n": 0, "correct": 0, "tokens": 0}
-    with torch.random.fork_rng(devices=[]):  # the same masks every evaluation; training RNG untouched
-        torch.manual_seed(cfg.seed)
+    loss_sum, count, correct = 0.0, 0, 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training RNG untouched
+        torch.manual_seed(cfg.seed)  # the same masks every evaluation
         for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
             x = x.to(device)
             if objective == "cls":
-                y = y.to(device)
-                logits, loss = model(x, y)
-                totals["correct"] += (logits.argmax(-1) == y).sum().item()
+                logits, loss = model(x, y.to(device))
+                correct += (logits.argmax(-1) == y.to(device)).sum().item()
                 weight = len(x)
             elif objective == "mlm":
                 inputs, targets = model.mask_tokens(x)
                 logits, loss = model(inputs, targets)
                 chosen = targets[targets != -100]  # lines up with logits' rows
-                totals["correct"] += (logits.argmax(-1) == chosen).sum().item()
+                correct += (logits.argmax(-1) == chosen).sum().item()
                 weight = len(chosen)
             else:  # mae: masked-patch loss; next: loss per predicted token
                 _, loss = model(x)
                 weight = len(x) if objective == "mae" else x[:, 1:].numel()
-            totals["loss"] += loss.item() * weight
-            totals["n"] += weight
+            loss_sum += loss.item() * weight
+            count += weight
     model.train(was_training)
-    loss = totals["loss"] / max(1, totals["n"])
-    metrics = {"val_loss": loss}
-    if objective == "cls":
-        metrics["top1"] = 100 * totals["correct"] / totals["n"]
-    elif objective == "mlm":
-        metrics["mlm_acc"] = 100 * totals["correct"] / totals["n"]
+    if count == 0:
+        return None
+    metrics = {"val_loss": loss_sum / count}
+    if objective in ("cls", "mlm"):
+        metrics["top1" if objective == "cls" else "mlm_acc"] = 100 * correct / count
     elif objective == "next":
-        metrics["ppl"] = math.exp(min(loss, 50))
+        metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
     return metrics
 
 
@@ -189,57 +232,131 @@ def headline(objective):
     return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False), "mae": ("val_loss", False)}[objective]
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- checkpoints: save and resume
 
-def save_checkpoint(path, model, optimizer, scaler, cfg, step, best, generator):
-    """One dict of plain data; written to a temp file and renamed, so a crash never corrupts it."""
-    ckpt = {
-        "config": model.config.to_dict(),
-        "train": asdict(cfg),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "step": step,
-        "best": best,
-        "rng": {"torch": torch.get_rng_state(), "data": generator.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-    }
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def save_checkpoint(path, ckpt):
+    """Write ckpt to a temp file unique to this process, then rename: a crash never corrupts path."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(ckpt, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        os.remove(tmp)  # the temp file is ours; the last good checkpoint stays as it was
+        raise TrainingError(f"could not write {path} ({e.strerror or e}); free space in {folder} or choose another "
+                            f"--out_dir, then continue with --resume") from None
 
 
-# ----------------------------------------------------------------------------- setup
+def checkpoint_dict(run):
+    """Everything a resume needs, as plain data: config, weights, optimizer, step, every rank's RNG."""
+    own = {"torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else torch.empty(0, dtype=torch.uint8)}
+    ranks = [own]
+    if run.ddp:  # masks and dropout differ per rank, so a resume needs each rank's own state
+        ranks = [None] * run.world
+        dist.all_gather_object(ranks, own)
+    return {"config": run.raw.config.to_dict(), "train": asdict(run.cfg), "model": run.raw.state_dict(),
+            "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "step": run.step,
+            "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks}}
+
+
+def load_checkpoint(path):
+    """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes OUT_DIR/ckpt.pt)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
+                              "use another checkpoint or train again") from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict) and isinstance(ckpt.get("model"), dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in ckpt["model"].items())):
+        raise CheckpointError(f"{path} is not a bamboo checkpoint (no config dict and tensor weights inside)")
+    return ckpt
+
+
+def model_from_checkpoint(path):
+    """Rebuild the exact model a checkpoint holds."""
+    ckpt = load_checkpoint(path)
+    try:
+        model = Bamboo(Config.from_dict(ckpt["config"]))
+        model.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: its weights do not fit its config ({str(e).splitlines()[0][:160]}); "
+                              "it is damaged, train again") from None
+    return model, ckpt
+
+
+def resume_config(args):
+    """The saved run's TrainConfig, with the RESUMABLE flags given now; any other flag must agree."""
+    path = os.path.join(getattr(args, "out_dir", TrainConfig.out_dir), "ckpt.pt")
+    ckpt = load_checkpoint(path)
+    saved = ckpt.get("train")
+    if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(TrainConfig)}:
+        raise CheckpointError(f"{path} has no training state this version can resume; fine-tune from it with "
+                              "--init_from instead")
+    now = given(args, TrainConfig)
+    for name, value in {**now, **given(args, Config)}.items():
+        before = saved.get(name, ckpt["config"].get(name))
+        if name not in RESUMABLE + PER_INVOCATION and value != before:
+            hint = " or fine-tune from it with --init_from" if name == "objective" else ""
+            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has {name}={before!r}, not {value!r}; "
+                                f"--resume may change only {' '.join('--' + n for n in RESUMABLE[:-1])}; drop --{name}{hint}")
+    settings = {f.name: saved.get(f.name, f.default) for f in fields(TrainConfig)}  # fields added since: defaults
+    for f in fields(TrainConfig):
+        kinds = (int, float) if f.type is float else f.type
+        if not isinstance(settings[f.name], kinds) or (f.type is not bool and isinstance(settings[f.name], bool)):
+            raise CheckpointError(f"{path}: its training setting {f.name}={settings[f.name]!r} is damaged; train again")
+    settings.update({name: getattr(TrainConfig, name) for name in PER_INVOCATION})
+    settings.update({name: value for name, value in now.items() if name in RESUMABLE + PER_INVOCATION})
+    try:
+        return TrainConfig(**settings), ckpt
+    except TypeError as e:
+        raise CheckpointError(f"{path}: its training settings are damaged ({e})") from None
+
+
+def restore(run, ckpt):
+    """Put the model, optimizer, scaler, step and this rank's RNG back as the checkpoint has them."""
+    path = os.path.join(run.cfg.out_dir, "ckpt.pt")
+    try:
+        run.raw.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not match its own config ({' '.join(str(e).split())[:160]}); "
+                              "it is damaged, train again") from None
+    try:
+        run.scaler.load_state_dict(ckpt["scaler"])
+        run.step, run.best = int(ckpt["step"]), ckpt["best"]
+        run.generator.set_state(ckpt["rng"]["data"])
+        ranks = ckpt["rng"]["ranks"]
+        if len(ranks) != run.world:
+            raise ValueError(f"it was written by {len(ranks)} processes, this run has {run.world}; use as many")
+        torch.set_rng_state(ranks[run.rank]["torch"])
+        if run.device.type == "cuda" and ranks[run.rank]["cuda"].numel():
+            torch.cuda.set_rng_state(ranks[run.rank]["cuda"], run.device)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"{path} cannot be resumed ({' '.join(str(e).split())[:160]})") from None
+    run.saved_step = run.step
+
+
+# ----------------------------------------------------------------------------- set-up
 
 def pick_device(name, local_rank):
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-# glibc's malloc hands large freed blocks back to the kernel, so every CPU training step page-faults
-# its activations and autocast's bf16 weight copies in again. Keeping them made a next:wikitext-small
-# step 1.5x and a cls:bamboo-b step 1.1x to 1.2x faster on our 2-core EPYC (README, Performance).
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt() parameters from <malloc.h>
-
-
-def keep_freed_memory():
-    """Linux/glibc: reuse freed memory instead of returning it to the kernel; True if applied.
-
-    Blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, and the heap is not
-    trimmed. Peak RSS stays about the same; the process just keeps it. MALLOC_* variables in the
-    environment are the user's own allocator settings, and they win.
-    """
-    if not sys.platform.startswith("linux") or any(key.startswith("MALLOC_") for key in os.environ):
-        return False
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (musl, for one)
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainingError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise TrainingError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise TrainingError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def cpu_has_bf16():
@@ -253,37 +370,47 @@ def cpu_has_bf16():
 
 
 def pick_dtype(name, device):
-    """auto: bf16 on CUDA and on CPUs with native bf16 (measured: 2.9x faster than fp32 on a 2-core
-    AVX512-BF16 EPYC, loss after 200 steps within 0.2%); fp32 elsewhere."""
+    """auto: bf16 on CUDA and on CPUs with native bf16 (2.9x faster than fp32 on one such CPU, the same
+    loss: results/bench/README.md); fp32 elsewhere."""
     if name == "auto":
         bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
         name = "bfloat16" if bf16 else "float32"
     return getattr(torch, name)
 
 
+def prepare_out_dir(cfg):
+    """Check out_dir before any data is decoded: a writable folder, and no other run's files unless --overwrite."""
+    out = cfg.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); choose another --out_dir") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or fix its permissions")
+    taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
+    if taken and not cfg.resume and not cfg.overwrite:
+        raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); continue it with --resume, "
+                            "choose another --out_dir, or pass --overwrite to replace it")
+
+
 def model_settings(args, cfg, resumed, pretrained):
     """The model's settings before the data is seen: the checkpoint's (resume), or preset, then flags."""
-    given = {f.name: getattr(args, f.name) for f in fields(Config) if hasattr(args, f.name)}
     if resumed is not None:
-        saved = resumed["config"]
-        clash = {k: v for k, v in given.items() if saved.get(k) != v}
-        if clash:
-            k, v = next(iter(clash.items()))
-            hint = " or fine-tune from it with --init_from" if k == "objective" else ""
-            raise TrainingError(f"--resume: the checkpoint in {cfg.out_dir} has {k}={saved.get(k)!r}, "
-                                f"not {v!r}; resume with the same settings{hint}")
-        return dict(saved)
+        return dict(resumed["config"])
     settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
     if pretrained is not None:  # fine-tuning keeps the pretrained trunk's shape
         settings.update({k: pretrained["config"][k] for k in ("depth", "width", "heads", "mlp_ratio", "patch_size",
                                                               "image_size", "vocab_size", "seq_len", "neutreno")})
-    settings.update(given)
+    settings.update(given(args, Config))
     objective = settings.get("objective", Config.objective)
     image = objective in IMAGE_OBJECTIVES
     if image != (cfg.dataset in IMAGE_DATASETS):
         wanted = IMAGE_DATASETS if image else TEXT_DATASETS
         raise TrainingError(f"--objective {objective} needs {'an image' if image else 'a text'} dataset "
                             f"({', '.join(wanted)}), not --dataset {cfg.dataset}")
+    Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     return settings
 
 
@@ -304,172 +431,227 @@ def model_config(settings, data):
     return Config.from_dict(settings)
 
 
-# ----------------------------------------------------------------------------- the run
+class Run:
+    """One training run's state: settings, processes, data, model, optimizer, progress."""
 
-def train(args):
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
-    resumed = None
-    if cfg.resume:
-        path = os.path.join(cfg.out_dir, "ckpt.pt")
-        resumed = load_checkpoint(path)
-        keep = {k: getattr(cfg, k) for k in ("out_dir", "device", "time_limit", "resume", "compile")}
-        unknown = set(resumed.get("train", {})) - {f.name for f in fields(TrainConfig)}
-        if "train" not in resumed or unknown:
-            raise CheckpointError(f"{path} has no training state this version can resume; fine-tune from it with "
-                                  "--init_from instead")
-        cfg = TrainConfig(**{**resumed["train"], **keep})
-    if cfg.batch_size < 1 or cfg.max_iters < 1 or cfg.grad_accum < 1 or cfg.eval_interval < 1:
-        raise TrainingError("--batch_size, --max_iters, --grad_accum and --eval_interval must be at least 1")
-    pretrained = load_checkpoint(cfg.init_from) if cfg.init_from else None
-    settings = model_settings(args, cfg, resumed, pretrained)
+    def __init__(self, cfg, device, rank, world):
+        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.ddp, self.master = world > 1, rank == 0
+        self.step, self.best, self.saved_step, self.metrics, self.stop, self.step_times = 0, None, None, None, None, []
+        self.ckpt_path, self.log_path = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.jsonl")
 
-    ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    def log(self, *args):
+        if self.master:
+            print(*args, flush=True)
+
+
+def start_processes(cfg):
+    """(device, rank, world): one process, or this rank of a torchrun DDP group."""
     rank, world, local_rank = 0, 1, 0
-    if ddp:
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(cfg.device, local_rank)
-    if device.type == "cpu":
-        keep_freed_memory()
-    if ddp:
+    if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
         raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
                             f"{world} x {cfg.grad_accum}")
-    micro = cfg.batch_size // (world * cfg.grad_accum)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
+    return device, rank, world
 
-    data = load_data(cfg, settings, device)
-    config = model_config(settings, data)
-    dtype = pick_dtype(cfg.dtype, device)
 
+def setup(args):
+    """Settings, checks (before any data is decoded), processes, data, model, optimizer; resumed if asked."""
+    resumed = None
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        raise TrainingError("--resume continues the run in --out_dir and --overwrite replaces it; choose one")
+    if getattr(args, "resume", False):
+        cfg, resumed = resume_config(args)
+    else:
+        cfg = TrainConfig(**given(args, TrainConfig))
+    validate(cfg)
+    pretrained = load_checkpoint(cfg.init_from) if cfg.init_from and resumed is None else None
+    settings = model_settings(args, cfg, resumed, pretrained)
+    device, rank, world = start_processes(cfg)
+    run = Run(cfg, device, rank, world)
+    if run.master:
+        prepare_out_dir(cfg)
+    run.data = load_data(cfg, settings, device)
+    config = model_config(settings, run.data)
+    run.dtype = pick_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)  # the same init on every rank and for every arm of a comparison
-    model = Bamboo(config).to(device)
+    run.raw = Bamboo(config).to(device)  # what is saved: never the compiled or DDP wrapper
     if pretrained is not None:
-        loaded, skipped = model.load_encoder(pretrained["model"])
-        log(f"init_from {cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
-            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
-    optimizer = make_optimizer(model, cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # bf16 needs no scaling
-    generator = torch.Generator().manual_seed(cfg.seed)  # data order and augmentation, the same on every rank
+        loaded, skipped = run.raw.load_encoder(pretrained["model"])
+        run.log(f"init_from {cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+                f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
+    run.optimizer = make_optimizer(run.raw, cfg, device)
+    run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)  # bf16 needs no scaling
+    run.generator = torch.Generator().manual_seed(cfg.seed)  # data order and augmentation, the same on every rank
     torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
-    step, best = 0, None
     if resumed is not None:
-        try:
-            model.load_state_dict(resumed["model"])
-            optimizer.load_state_dict(resumed["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{cfg.out_dir}/ckpt.pt does not match its own config "
-                                  f"({str(e).splitlines()[0][:120]}); it is damaged, train again") from None
-        scaler.load_state_dict(resumed["scaler"])
-        step, best = resumed["step"], resumed["best"]
-        generator.set_state(resumed["rng"]["data"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if device.type == "cuda" and resumed["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-        log(f"resumed from {cfg.out_dir}/ckpt.pt at step {step}")
-
-    raw = model  # what is saved: never the compiled or DDP wrapper
+        restore(run, resumed)
+        run.log(f"resumed from {run.ckpt_path} at step {run.step}")
+    model = fast.for_training(run.raw, device, run.dtype)
     if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
         model = torch.compile(model)
-    if ddp:
-        model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    run.model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) if run.ddp \
+        else model
+    run.autocast = torch.autocast(device.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
+    run.micro = cfg.batch_size // (world * cfg.grad_accum)
+    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+            f"{run.raw.num_params() / 1e6:.2f}M params, {run.raw.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} x {cfg.grad_accum} "
+            f"x {run.micro}")
+    return run
 
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path, log_path = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.jsonl")
-    metric_name, larger_is_better = headline(config.objective)
-    unit = "tok" if not config.is_image else "img"
-    per_sample = config.seq_len if unit == "tok" else 1
-    log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-        f"{raw.num_params() / 1e6:.2f}M params, {raw.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-        f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {micro}")
 
-    stop = {"why": None}
+# ----------------------------------------------------------------------------- the loop
 
-    def request_stop(signum, frame):
-        if stop["why"] == "interrupted":
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        stop["why"] = "interrupted"
+def agree(run, flag):
+    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag itself."""
+    if not run.ddp:
+        return flag
+    value = torch.tensor([float(flag)], device=run.device if run.device.type == "cuda" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
-    signal.signal(signal.SIGINT, request_stop)
+
+def lost_work(run):
+    """Where the last good state is, said truthfully."""
+    if run.saved_step is None:
+        return f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), so this run is lost"
+    return f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from it with --resume"
+
+
+def optimizer_step(run):
+    """One optimizer step over grad_accum micro-batches; returns the mean training loss of all ranks."""
+    cfg, lr = run.cfg, get_lr(run.step, run.cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"]
+    recipe = run.data.sample(cfg.batch_size, run.generator)  # the global batch; each rank takes its shard
+    shard = {k: v.view(run.world, cfg.grad_accum, run.micro, *v.shape[1:])[run.rank] for k, v in recipe.items()}
+    total = torch.zeros((), device=run.device)
+    for k in range(cfg.grad_accum):
+        x, y = run.data.train_batch({key: v[k] for key, v in shard.items()})
+        x = x.to(run.device, non_blocking=True)
+        # DDP syncs gradients only on the last micro-batch; forward and backward share one no_sync context
+        with run.model.no_sync() if run.ddp and k < cfg.grad_accum - 1 else nullcontext():
+            with run.autocast:
+                _, loss = run.model(x, y)
+            run.scaler.scale(loss / cfg.grad_accum).backward()
+        total += loss.detach() / cfg.grad_accum
+    if cfg.grad_clip > 0:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
+    if run.ddp:
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    train_loss = total.item()
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"loss is {train_loss} at step {run.step}; nothing was saved; {lost_work(run)}; "
+                            "lower --lr or set --grad_clip")
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return train_loss, lr
+
+
+def parameters_finite(model):
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def evaluate_and_save(run, train_loss, jsonl):
+    """Evaluate on rank 0, then save if the evaluation and the weights are finite; every rank takes part."""
+    ckpt = checkpoint_dict(run)  # a collective under DDP: every rank gives its RNG
+    problem = None
+    if run.master:
+        metrics = evaluate(run.raw, run.data, run.cfg, run.micro * run.cfg.grad_accum, run.device)
+        name, larger_is_better = headline(run.raw.config.objective)
+        if not parameters_finite(run.raw) or (metrics is not None and not math.isfinite(metrics["val_loss"])):
+            problem = (f"the weights or the evaluation went non-finite at step {run.step}; nothing was saved; "
+                       f"{lost_work(run)}; lower --lr or set --grad_clip")
+        else:
+            if metrics is not None:
+                if run.best is None or (metrics[name] > run.best if larger_is_better else metrics[name] < run.best):
+                    run.best = ckpt["best"] = metrics[name]
+                record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - run.t_start}
+                jsonl.write(json.dumps({"eval": True, **record}) + "\n")
+                jsonl.flush()
+                run.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+                run.metrics = metrics
+            save_checkpoint(run.ckpt_path, ckpt)
+            run.saved_step = run.step
+            if metrics is None:
+                problem = (f"the evaluation at step {run.step} had no masked token to score; the checkpoint is saved; "
+                           "continue with --resume and a larger --eval_samples")
+    if agree(run, problem is not None):
+        raise TrainingError(problem or "rank 0 stopped the run")
+
+
+def request_stop(run):
+    """Ctrl-C and SIGTERM (what schedulers send) finish the step, save and exit; a second Ctrl-C stops at once."""
+    def handler(signum, frame):
+        if run.stop == "interrupted" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        run.stop = "interrupted"
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def summary(run):
+    """The last evaluation, the best, and the speed: ms per step, samples or tokens per second, MFU on GPUs."""
+    if not run.step_times or not run.master or run.metrics is None:
+        return
+    c, cfg = run.raw.config, run.cfg
+    name, _ = headline(c.objective)
+    unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
+    step_s = sum(run.step_times[1:] or run.step_times) / max(1, len(run.step_times) - 1)  # the first step warms up
+    line = (f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), {step_s * 1000:.1f} ms/step, "
+            f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
+    peak = gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
+    if peak:
+        line += f", MFU {run.raw.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
+    run.log(line)
+
+
+def train(args):
+    run = setup(args)
+    cfg = run.cfg
+    request_stop(run)
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_iters, initial=step, disable=not master, dynamic_ncols=True, mininterval=1.0)
-    t_start, step_times = time.time(), []
+    run.bar = tqdm(total=cfg.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
+    run.t_start = time.time()
+    mode = "a" if cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
-        with open(log_path, "a") if master else nullcontext() as jsonl:
-            while step < cfg.max_iters:
+        with open(run.log_path, mode) if run.master else nullcontext() as jsonl:
+            while run.step < cfg.max_iters:
                 t0 = time.time()
-                lr = get_lr(step, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group["lr_scale"]
-                recipe = data.sample(cfg.batch_size, generator)  # the global batch; each rank takes its shard
-                shard = {k: v.view(world, cfg.grad_accum, micro, *v.shape[1:])[rank] for k, v in recipe.items()}
-                total = 0.0
-                for k in range(cfg.grad_accum):
-                    x, y = data.train_batch({key: v[k] for key, v in shard.items()})
-                    x = x.to(device, non_blocking=True)
-                    sync = model.no_sync() if ddp and k < cfg.grad_accum - 1 else nullcontext()
-                    with sync, autocast:
-                        _, loss = model(x, y)
-                    with sync:
-                        scaler.scale(loss / cfg.grad_accum).backward()
-                    total += loss.detach() / cfg.grad_accum
-                if cfg.grad_clip > 0:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-                if ddp:
-                    dist.all_reduce(total, op=dist.ReduceOp.AVG)
-                train_loss = total.item()
-                if not math.isfinite(train_loss):
-                    raise TrainingError(f"loss is {train_loss} at step {step}; stopped without saving, so "
-                                        f"{ckpt_path} still holds the last good state; lower --lr or set --grad_clip")
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                step_times.append(time.time() - t0)
-                bar.update(1)
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}",
-                                **{f"{unit}/s": f"{cfg.batch_size * per_sample / step_times[-1]:.0f}"})
-                if master and step % cfg.log_interval == 0:
-                    jsonl.write(json.dumps({"step": step, "loss": train_loss, "lr": lr}) + "\n")
-                if cfg.time_limit and time.time() - t_start > cfg.time_limit and step < cfg.max_iters:
-                    stop["why"] = "time limit reached"
-                if step % cfg.eval_interval == 0 or step == cfg.max_iters or stop["why"]:
-                    if master:
-                        metrics = evaluate(raw, data, cfg, micro * cfg.grad_accum, device)
-                        value = metrics[metric_name]
-                        if best is None or (value > best if larger_is_better else value < best):
-                            best = value
-                        record = {"step": step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - t_start}
-                        jsonl.write(json.dumps({"eval": True, **record}) + "\n")
-                        jsonl.flush()
-                        bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-                        save_checkpoint(ckpt_path, raw, optimizer, scaler, cfg, step, best, generator)
-                    if ddp:
-                        dist.barrier()
-                if stop["why"]:
-                    log(f"{stop['why']} at step {step}; checkpoint saved to {ckpt_path}; "
-                        f"continue with: python train.py --resume --out_dir {cfg.out_dir}")
+                train_loss, lr = optimizer_step(run)
+                run.step_times.append(time.time() - t0)
+                run.bar.update(1)
+                run.bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                if run.master and run.step % cfg.log_interval == 0:
+                    jsonl.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
+                if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
+                    run.stop = run.stop or "time limit reached"
+                stopping = agree(run, run.stop is not None)
+                if run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping:
+                    evaluate_and_save(run, train_loss, jsonl)
+                if stopping:
+                    run.log(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved to "
+                            f"{run.ckpt_path}; continue with: python train.py --resume --out_dir {cfg.out_dir}")
                     break
     finally:
-        bar.close()  # before any error line, so the message is the last thing printed
-    if step_times and master and not stop["why"]:
-        step_s = sum(step_times[1:] or step_times) / max(1, len(step_times) - 1)  # the first step pays warm-up
-        summary = (f"done: {metric_name} {metrics[metric_name]:.4g} (best {best:.4g}), {step_s * 1000:.1f} ms/step, "
-                   f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
-        if device.type == "cuda":
-            peak = gpu_peak_tflops(device)
-            if peak:
-                summary += f", MFU {raw.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
-        log(summary)
-    if ddp:
-        dist.destroy_process_group()
-    return 130 if stop["why"] == "interrupted" else 0
+        run.bar.close()  # before any error line, so the message is the last thing printed
+        if run.ddp:
+            dist.destroy_process_group()
+    if run.stop is None:
+        summary(run)
+    return 130 if run.stop == "interrupted" else 0
 
 
 def main(argv=None):
@@ -477,8 +659,12 @@ def main(argv=None):
     try:
         return train(args)
     except (DataError, TrainingError, CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
+        print("error: interrupted twice; stopped at once, the last checkpoint is as it was", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

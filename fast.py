@@ -1,0 +1,102 @@
+"""Speedups that pay only on some hardware, kept apart from the tutorial path.
+
+bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention,
+F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and
+train.py and bench.py apply it with one call, for_training(model, device, dtype). It never
+changes the model's API: out, loss = model(x, y) still returns logits for every objective.
+
+  explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
+                           fused CPU kernel (a cls:cifar-small step 1.43x faster)
+  chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
+                           (B*T, vocab) logits (a next:wikitext-small step 1.3x to 1.6x faster,
+                           less memory). On CUDA the plain loss is the fast one under compile.
+
+The measurements, their machine and their commands are in results/bench/README.md.
+
+Run: python -c "import fast, torch; from bamboo import *; print(fast.for_training(Bamboo(Config()), torch.device('cpu'), torch.bfloat16))"
+"""
+import torch
+import torch.nn as nn
+
+from neutreno import Attention
+
+EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond this the (T, T) matrices cost more memory than the kernel saves
+
+
+def for_training(model, device, dtype):
+    """The module to train: model itself, or model inside the speedups measured to pay on this device."""
+    if device.type != "cpu":
+        return model
+    c = model.config
+    tokens = c.num_patches() if c.is_image else c.seq_len
+    if dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.explicit = True
+    return ChunkedNextToken(model) if c.objective == "next" else model
+
+
+class ChunkedNextToken(nn.Module):
+    """model's next-token loss computed by ChunkedCrossEntropy: forward(tokens, y=None) -> (None, loss).
+
+    The features and targets are the model's own (Bamboo.next_token_features), so the loss is
+    the same as model(tokens, y)[1] to rounding; only the logits are never all materialised.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, tokens, y=None):
+        h, targets = self.model.next_token_features(tokens, y)
+        weight = self.model.output_embedding()
+        if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into an autograd Function
+            dtype = torch.get_autocast_dtype(h.device.type)
+            h, weight = h.to(dtype), weight.to(dtype)
+        return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
+
+    The next-token loss over GPT-2's 50257 ids makes (B*T, 50257) logits: at batch 32 x 128
+    tokens, 0.8 GB in fp32, plus as much again for log-softmax and for each gradient. Here
+    each chunk of rows makes its logits, its loss and straight away its gradient
+    (softmax - one-hot); only dL/dh and dL/dW are kept for backward. Same loss and gradients
+    to rounding.
+    """
+
+    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):
+        # h (N, D), weight (V, D), targets (N,) with -100 = ignored
+        valid = targets != -100
+        safe = targets.clamp(min=0)[:, None]  # (N, 1); ignored rows are zeroed through h_valid
+        h_valid = h * valid[:, None].to(h.dtype)  # cheaper than masking each (rows, V) gradient
+        rows = max(1, ChunkedCrossEntropy.ELEMENTS_PER_CHUNK // weight.shape[0])
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, h.shape[0], rows):
+            chunk = slice(i, i + rows)
+            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)  # (rows, V)
+            total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
+            grad = log_probs.exp_()  # softmax, in place
+            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))  # minus the one-hot
+            grad = grad.to(h.dtype)
+            grad_h[chunk] = (grad @ weight) * valid[chunk, None]
+            grad_w += grad.T @ h_valid[chunk]
+        count = valid.sum().clamp(min=1)  # no NaN when a batch has no targets
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
+
+
