@@ -644,24 +644,46 @@ def test_get_lr_warms_up_then_decays():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
-def test_ddp_two_processes_match_one(tiny_data, tmp_path):
-    """2-process gloo DDP on the same global batch: same data shards, so the losses agree to 1e-4.
-
-    fp32, because bf16 rounding alone moves the losses by ~1e-4 (measured), which says nothing about DDP.
-    """
-    flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6", "--batch_size", "8",
-                        "--dtype", "float32", "--out_dir", str(tmp_path / "ddp"), "--log_interval", "1")
+def run_torchrun(*flags, out_dir):
+    """train.py under a 2-process gloo DDP group; returns (exit code, output, log records)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "train.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ddp = [json.loads(line) for line in (tmp_path / "ddp" / "log.jsonl").read_text().splitlines()]
-    assert "2 x 1 x 4" in proc.stdout
-    code, out, single = run_train(*image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6",
-                                               "--batch_size", "8", "--dtype", "float32"), out_dir=tmp_path / "one")
+                           "train.py", *flags, "--out_dir", str(out_dir), "--log_interval", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    log = out_dir / "log.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, records
+
+
+def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path):
+    """2 processes x 2 micro-batches on the same global batch as 1 process x 2: the losses agree to 1e-4.
+
+    fp32, because bf16 rounding alone moves the losses by about 1e-4, which says nothing about DDP.
+    """
+    flags = image_flags(tiny_data, "cls", "--max_iters", "4", "--eval_interval", "4", "--batch_size", "8",
+                        "--dtype", "float32", "--grad_accum", "2")
+    code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
+    assert code == 0, out
+    assert "2 x 2 x 2" in out
+    code, out, single = run_train(*flags, out_dir=tmp_path / "one")
     assert code == 0, out
     a, b = train_losses(ddp), train_losses(single)
-    assert len(a) == 6 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+    assert len(a) == 4 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+
+
+def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
+    """MAE draws its masks from each rank's own RNG; an interrupted, resumed run must repeat them exactly.
+    A constant learning rate (min_lr = lr, no warmup) lets the first part stop early with --max_iters."""
+    flags = image_flags(tiny_data, "mae", "--eval_interval", "2", "--batch_size", "8", "--dtype", "float32",
+                        "--grad_accum", "2", "--warmup", "0", "--min_lr", "1e-2")
+    code, out, whole = run_torchrun(*flags, "--max_iters", "4", out_dir=tmp_path / "whole")
+    assert code == 0, out
+    code, out, _ = run_torchrun(*flags, "--max_iters", "2", out_dir=tmp_path / "parts")
+    assert code == 0, out
+    assert len(torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["rng"]["ranks"]) == 2
+    code, out, parts = run_torchrun("--resume", "--max_iters", "4", out_dir=tmp_path / "parts")
+    assert code == 0 and "resumed" in out, out
+    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
 
 
 # ---------------------------------------------------------------- one-line errors
