@@ -591,14 +591,14 @@ def evaluate_and_save(run, train_loss, jsonl):
 
 
 def request_stop(run):
-    """Ctrl-C and SIGTERM (what schedulers send) finish the step, save and exit; a second Ctrl-C stops at once."""
+    """Ctrl-C and SIGTERM (what schedulers send) finish the step, save and exit; a second Ctrl-C stops at once.
+    Returns the handlers it replaced, for train() to put back."""
     def handler(signum, frame):
         if run.stop == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         run.stop = "interrupted"
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def summary(run):
@@ -620,7 +620,7 @@ def summary(run):
 def train(args):
     run = setup(args)
     cfg = run.cfg
-    request_stop(run)
+    previous_handlers = request_stop(run)
     from tqdm import tqdm
 
     run.bar = tqdm(total=cfg.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
@@ -647,6 +647,8 @@ def train(args):
                     break
     finally:
         run.bar.close()  # before any error line, so the message is the last thing printed
+        for sig, previous in previous_handlers.items():
+            signal.signal(sig, previous)
         if run.ddp:
             dist.destroy_process_group()
     if run.stop is None:

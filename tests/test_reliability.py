@@ -1,0 +1,206 @@
+"""Bad input and faults: one error line that says how to fix it, never a traceback, never lost work.
+
+Run: python -m pytest -q tests/test_reliability.py
+"""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bamboo import Config
+
+from helpers import REPO, TINY_TEXT_FLAGS, cli_error, image_flags, run_train, text_flags, train_losses
+
+
+@pytest.mark.parametrize("resume_flags,message", [
+    # --resume may raise the iterations and change the learning rate: here to one that diverges at once
+    (["--max_iters", "50", "--eval_interval", "100", "--lr", "1e30"], "loss is"),
+    # step 3's loss is still finite; its update is not, and step 3 is an evaluation step
+    (["--max_iters", "3", "--lr", "1e30", "--min_lr", "1e30"], "non-finite at step 3"),
+])
+def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, tiny_data, tmp_path, resume_flags,
+                                                                         message):
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1"),
+                             out_dir=tmp_path)
+    assert code == 0, out
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip", "0")
+    assert message in err and "still holds step 2" in err
+    assert (tmp_path / "ckpt.pt").read_bytes() == good
+
+
+def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
+                                         "--grad_clip", "0", "--warmup", "0", "--lr", "1e30", "--min_lr", "1e30"),
+                    "--out_dir", str(tmp_path))
+    assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_fresh_run_refuses_another_runs_out_dir_unless_told(capsys, tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    code, out, first = run_train(*flags, out_dir=tmp_path)
+    assert code == 0, out
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    err = cli_error(capsys, *flags, "--out_dir", str(tmp_path))
+    assert "holds another run" in err and "--overwrite" in err and "--resume" in err
+    assert (tmp_path / "ckpt.pt").read_bytes() == good
+    code, out, second = run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
+    assert code == 0, out
+    assert len(second) == len(first)  # its own log, not appended to the other run's
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
+
+
+def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path, monkeypatch):
+    import errno
+
+    import train
+
+    (tmp_path / "ckpt.pt.tmp").write_text("someone else's")  # the old fixed temp name is never touched
+    train.save_checkpoint(str(tmp_path / "ckpt.pt"), {"step": 1})
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train.torch, "save", full_disk)
+    with pytest.raises(train.TrainingError, match="No space left on device.*--resume"):
+        train.save_checkpoint(str(tmp_path / "ckpt.pt"), {"step": 2})
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]  # no temp file left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path, sig):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
+    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out_dir", str(tmp_path), "--log_interval", "1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not ((tmp_path / "log.jsonl").exists() and (tmp_path / "log.jsonl").read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted at step" in out and "Traceback" not in out
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
+
+
+def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data, tmp_path):
+    import shutil
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    code, out, _ = run_train(*flags, out_dir=tmp_path / "run")
+    assert code == 0, out
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_data / "images", moved)
+    code, out, records = run_train("--resume", "--max_iters", "4", "--data_dir", str(moved), out_dir=tmp_path / "run")
+    assert code == 0 and "resumed" in out, out
+    assert max(train_losses(records)) == 4
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == 4 and ckpt["train"]["data_dir"] == str(moved)
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path / "run"), "--batch_size", "8")
+    assert "batch_size=16, not 8" in err and "--max_iters" in err
+
+
+def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, tmp_path):
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1", "--eval_interval", "1"),
+                             out_dir=tmp_path / "mae")
+    assert code == 0, out
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
+                             "--init_from", str(tmp_path / "mae" / "ckpt.pt"), out_dir=tmp_path / "ft")
+    assert code == 0, out
+    (tmp_path / "mae" / "ckpt.pt").unlink()
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "ft")
+    assert code == 0 and "resumed" in out, out
+
+
+def test_an_mlm_evaluation_with_no_masked_token_saves_and_says_so(capsys, tiny_data, tmp_path):
+    err = cli_error(capsys, *text_flags(tiny_data, "mlm", "--max_iters", "1", "--eval_interval", "1",
+                                        "--eval_samples", "1", "--mlm_prob", "0.0001"), "--out_dir", str(tmp_path))
+    assert "no masked token" in err and "checkpoint is saved" in err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+
+
+def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    missing_data = ["--dataset", "folder", "--data_dir", str(tmp_path / "no-data")]
+    assert "is a file" in cli_error(capsys, *missing_data, "--out_dir", str(tmp_path / "file"))
+    assert "--out_dir '' must name a folder" in cli_error(capsys, *missing_data, "--out_dir", "")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--log_interval", "0"], "--log_interval 0 must be at least 1"),
+    (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
+    (["--resume", "--overwrite"], "choose one"),
+])
+def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
+    assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
+                                "--out_dir", str(tmp_path / "out"))
+
+
+def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(images), "--out_dir", str(tmp_path / "o"))
+    assert "broken.png" in err and "remove or replace" in err
+
+
+def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_data, tmp_path):
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
+                             out_dir=tmp_path)
+    assert code == 0, out
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    for field, value in (("step", "three"), ("rng", [1, 2]), ("config", [1]), ("train", {"lr": "fast"})):
+        torch.save({**ckpt, field: value}, tmp_path / "ckpt.pt")
+        err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+        assert str(tmp_path / "ckpt.pt") in err, err
+
+
+def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path, monkeypatch):
+    import data
+
+    def offline(url, timeout=30):
+        raise OSError("no network")
+
+    monkeypatch.setattr(data, "_fetch", offline)
+    target = tmp_path / "d" / "wikitext-2-raw"
+    target.mkdir(parents=True)
+    (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir", str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+    assert str(target / "train.txt") in err and str(target / "valid.txt") in err
+    assert (target / "train.txt").read_text() == "the user's own file"
+    (target / "valid.txt").write_text("word " * 5000)  # following the message: now it trains, offline
+    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir", str(tmp_path / "d"),
+                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"), *TINY_TEXT_FLAGS[:6],
+                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1", "--batch_size", "2",
+                             out_dir=tmp_path / "o")
+    assert code == 0, out
+
+
+def test_bench_spec_booleans_are_strict(capsys):
+    import bench
+
+    assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
+    assert "checkpointing takes a bool (true or false)" in capsys.readouterr().err
+    assert Config.from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
+
+
+def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
+    import probe
+
+    code = probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
+                       "--json", str(tmp_path / "missing" / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1

@@ -1,0 +1,197 @@
+"""Speedups keep results: fast.py against the plain path, fused AdamW, checkpointing, bf16, bench.py.
+
+Run: python -m pytest -q tests/test_speedups.py
+"""
+import os
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bamboo import Bamboo
+
+from helpers import batch, tiny
+
+
+def test_mlm_head_on_chosen_positions_equals_the_full_head():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mlm"))
+    x, _ = batch(model.config)
+    inputs, targets = model.mask_tokens(x)
+    logits, loss = model(inputs, targets)
+    h, _, _ = model.run_blocks(model.embed(inputs)[0])
+    full = model.token_logits(model.mlm_transform(model.ln_f(h))) + model.mlm_bias  # every position
+    reference = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert torch.allclose(logits, full[targets != -100], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
+    from fast import ChunkedCrossEntropy
+
+    monkeypatch.setattr(ChunkedCrossEntropy, "ELEMENTS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
+    torch.manual_seed(0)
+    h = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(64, 16, requires_grad=True)
+    targets = torch.randint(0, 64, (23,))
+    targets[[3, 11]] = -100
+    full = F.cross_entropy(h @ weight.T, targets, ignore_index=-100)  # fp32 reference
+    full_grads = torch.autograd.grad(3 * full, (h, weight))
+    with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+        chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
+    grads = torch.autograd.grad(3 * chunked, (h, weight))  # the 3 checks the incoming gradient is applied
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(chunked.float(), full, rtol=tolerance)
+    for a, b in zip(grads, full_grads):
+        assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
+    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
+    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0  # nothing to predict: no NaN
+
+
+def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
+    import fast
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next", depth=2))
+    x, _ = batch(model.config)
+    out, chunked = fast.ChunkedNextToken(model)(x)
+    assert out is None
+    chunked.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits, loss = model(x)  # the tutorial path: plain logits and F.cross_entropy
+    loss.backward()
+    assert logits.shape == (4, model.config.seq_len - 1, model.config.vocab_size)
+    assert torch.allclose(loss, chunked, atol=1e-6)
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+
+
+def test_fast_wraps_next_token_training_on_cpu_only():
+    import fast
+
+    model = Bamboo(tiny("next"))
+    assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32), fast.ChunkedNextToken)
+    assert fast.for_training(model, torch.device("meta"), torch.float32) is model
+    assert fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"), torch.float32).__class__ is Bamboo
+
+
+def test_next_token_needs_two_tokens():
+    model = Bamboo(tiny("next"))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        model(torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("objective", ["cls", "next"])
+def test_activation_checkpointing_gives_the_same_gradients(objective):
+    grads = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = Bamboo(tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1, checkpointing=flag))
+        x, y = batch(model.config)
+        torch.manual_seed(1)
+        model(x, y)[1].backward()
+        grads[flag] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
+
+
+# ---------------------------------------------------------------- bench.py
+
+def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
+    import bench
+
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64",
+                                            "--batch_size", "2", "--steps", "1", "--rounds", "2", "--warmup", "1",
+                                            "--dtype", "float32,bfloat16", "--compile", "off", "--no-memory"])
+    rows = bench.run(args)
+    out = capsys.readouterr().out
+    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
+        ("cls", "float32"), ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["samples_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] < 100
+        assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
+    assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
+    assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
+
+
+def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
+    import bench
+
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--profile", "5", "--dtype", "float32"])
+    rows = bench.run(args)
+    out = capsys.readouterr().out
+    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
+    assert rows[0]["peak_mib"] > 50  # a child process's max RSS, torch included
+
+
+def test_bench_peak_memory_without_proc(monkeypatch):
+    import builtins
+
+    import bench
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if path == "/proc/self/status":
+            raise OSError("no /proc here")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert 10 < bench.peak_rss_mib() < 1e6  # ru_maxrss, in MiB (macOS, BSD)
+    monkeypatch.setitem(sys.modules, "resource", None)  # Windows: no resource module
+    assert bench.peak_rss_mib() is None
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    import bench
+
+    assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--warmup", "0"]) == 2 and "--warmup" in capsys.readouterr().err
+
+
+def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
+    import io as _io
+    import zipfile
+
+    import data
+
+    def fake_zip(members):
+        buffer = _io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name in members:
+                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
+        return buffer.getvalue()
+
+    seen = []
+    monkeypatch.setattr(data, "_fetch", lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
+    target = data.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
+    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
+    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
+    # an archive without its test split is refused, and the fallback failing too leaves nothing behind
+    monkeypatch.setattr(data, "_fetch", lambda url: fake_zip(["train", "valid"]))
+    with pytest.raises(data.DataError, match="could not download wikitext2"):
+        data.download_wikitext("wikitext2", str(tmp_path / "bad"))
+    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
+
+
+def test_bf16_autocast_tracks_fp32_training():
+    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60 steps."""
+    final = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("cls", width=64))
+        x, y = batch(model.config, B=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(60):
+            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+                loss = model(x, y)[1]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final[dtype] = model(x, y)[1].item()  # measured in fp32
+    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
