@@ -193,7 +193,8 @@ def build_runners(args, device):
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
     entries = [(spec, dtype, mode, reference) for spec in args.specs for dtype in dtypes
                for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))]
-    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference) for spec, dtype, mode, reference in entries]
+    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference)
+               for spec, dtype, mode, reference in entries]
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
         t0 = time.perf_counter()
         runner.step()

@@ -178,7 +178,8 @@ def training_flops(c):
         L, dw = c.num_patches(), c.decoder_width
         fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
         fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
-        fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw)) + 2 * L * dw * c.patch_size ** 2 * c.channels
+        fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw))
+        fwd += 2 * L * dw * c.patch_size ** 2 * c.channels  # the pixel prediction
     elif c.objective == "mlm":  # the head (transform + vocabulary) runs only at the mlm_prob chosen positions
         T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + c.mlm_prob * T * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)

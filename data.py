@@ -13,7 +13,8 @@ tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random w
 Every failure a user can meet (no network, missing files) raises DataError with one line:
 what is missing, where to put it, and which flag points elsewhere.
 
-Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt', 'cache', 128).vocab_size)"
+Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt', 'cache',
+     128).vocab_size)"
 """
 import hashlib
 import io

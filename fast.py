@@ -6,14 +6,15 @@ train.py and bench.py apply it with one call, for_training(model, device, dtype)
 changes the model's API: out, loss = model(x, y) still returns logits for every objective.
 
   explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
-                           fused CPU kernel (a cls:cifar-small step 1.43x faster)
+                           fused CPU kernel there
   chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
-                           (B*T, vocab) logits (a next:wikitext-small step 1.3x to 1.6x faster,
-                           less memory). On CUDA the plain loss is the fast one under compile.
+                           (B*T, vocab) logits: faster and smaller there. On CUDA the plain loss
+                           under torch.compile is the fast one, so it stays off.
 
 The measurements, their machine and their commands are in results/bench/README.md.
 
-Run: python -c "import fast, torch; from bamboo import *; print(fast.for_training(Bamboo(Config()), torch.device('cpu'), torch.bfloat16))"
+Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(objective='next')),
+     torch.device('cpu'), torch.bfloat16))"
 """
 import torch
 import torch.nn as nn

@@ -234,7 +234,8 @@ def print_table(report):
         print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
         for layer in range(depth + 1):
             cells = [report["metrics"][n][label][layer] for n in names]
-            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}" for c, w in zip(cells, widths)))
+            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
+                                            for c, w in zip(cells, widths)))
 
 
 def plot(report, path, relative):

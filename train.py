@@ -181,7 +181,7 @@ def make_optimizer(model, cfg, device):
 
 
 def fused_adamw(device):
-    """The fused AdamW kernel exists on CUDA and CPU (on CPU it was 3x faster: results/bench/README.md)."""
+    """The fused AdamW kernel exists on CUDA and CPU, and is the faster one on both (results/bench/README.md)."""
     return device.type in ("cuda", "cpu")
 
 
@@ -229,7 +229,8 @@ def evaluate(model, data, cfg, batch_size, device):
 
 def headline(objective):
     """The metric that decides the best checkpoint and whether larger is better."""
-    return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False), "mae": ("val_loss", False)}[objective]
+    return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False),
+            "mae": ("val_loss", False)}[objective]
 
 
 # ----------------------------------------------------------------------------- checkpoints: save and resume
@@ -250,8 +251,8 @@ def save_checkpoint(path, ckpt):
 
 def checkpoint_dict(run):
     """Everything a resume needs, as plain data: config, weights, optimizer, step, every rank's RNG."""
-    own = {"torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else torch.empty(0, dtype=torch.uint8)}
+    cuda = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else torch.empty(0, dtype=torch.uint8)
+    own = {"torch": torch.get_rng_state(), "cuda": cuda}
     ranks = [own]
     if run.ddp:  # masks and dropout differ per rank, so a resume needs each rank's own state
         ranks = [None] * run.world
@@ -301,8 +302,9 @@ def resume_config(args):
         before = saved.get(name, ckpt["config"].get(name))
         if name not in RESUMABLE + PER_INVOCATION and value != before:
             hint = " or fine-tune from it with --init_from" if name == "objective" else ""
+            may = " ".join("--" + n for n in RESUMABLE[:-1])
             raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has {name}={before!r}, not {value!r}; "
-                                f"--resume may change only {' '.join('--' + n for n in RESUMABLE[:-1])}; drop --{name}{hint}")
+                                f"--resume may change only {may}; drop --{name}{hint}")
     settings = {f.name: saved.get(f.name, f.default) for f in fields(TrainConfig)}  # fields added since: defaults
     for f in fields(TrainConfig):
         kinds = (int, float) if f.type is float else f.type
@@ -370,8 +372,8 @@ def cpu_has_bf16():
 
 
 def pick_dtype(name, device):
-    """auto: bf16 on CUDA and on CPUs with native bf16 (2.9x faster than fp32 on one such CPU, the same
-    loss: results/bench/README.md); fp32 elsewhere."""
+    """auto: bf16 on CUDA and on CPUs with native bf16 (faster than fp32 there at the same loss:
+    results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
     if name == "auto":
         bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
         name = "bfloat16" if bf16 else "float32"
@@ -579,7 +581,8 @@ def evaluate_and_save(run, train_loss, jsonl):
                 record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - run.t_start}
                 jsonl.write(json.dumps({"eval": True, **record}) + "\n")
                 jsonl.flush()
-                run.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+                run.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in record.items()))
                 run.metrics = metrics
             save_checkpoint(run.ckpt_path, ckpt)
             run.saved_step = run.step

@@ -58,26 +58,28 @@ for dtype in float32 bfloat16; do
 done | tee results/bench/dtype-loss.txt
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
-# The allocator: glibc's defaults against train.keep_freed_memory(). A process-wide setting, so the two arms
-# are separate processes, alternated twice.
-for i in 1 2; do
-  for malloc in glibc keep; do
-    run "malloc-$malloc-$i" next:wikitext-small cls:bamboo-b cls:cifar-small --batch_size 16 --rounds 3 --malloc $malloc
+# The allocator: glibc's defaults against glibc told by environment to keep freed memory (no code needed).
+# A process-wide setting, so the two arms are separate processes, alternated twice.
+malloc() {
+  for i in 1 2; do
+    run "malloc-glibc-$i" next:wikitext-small cls:bamboo-b cls:cifar-small --batch_size 16 --rounds 3
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 \
+      run "malloc-env-$i" next:wikitext-small cls:bamboo-b cls:cifar-small --batch_size 16 --rounds 3
   done
-done
+}
+malloc
 # Where the time goes: the profiler on one step.
 run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
 # What each CPU optimization bought against the code path it replaced, and what NeuTRENO costs: A/B in one process.
+changes() {
 $PY - <<'EOF' | tee results/bench/changes.txt
 import torch
 import torch.nn.functional as F
 
 import bench
 import neutreno
-import train
-from bamboo import Bamboo, ChunkedCrossEntropy, Config
-
-train.keep_freed_memory()  # as train.py and bench.py do
+from bamboo import Bamboo, Config
+from fast import ChunkedCrossEntropy
 
 
 def fastest(calls, rounds=7, reps=3):
@@ -97,15 +99,17 @@ args = bench.build_parser().parse_args(["cls:cifar-small", "--batch_size", "16"]
 runner = bench.Runner(bench.parse_spec("cls:cifar-small"), args, torch.device("cpu"), torch.bfloat16, "off")
 
 
-def step_with(max_tokens):
+def step_with(explicit):
     def step():
-        neutreno.CPU_EXPLICIT_MAX_TOKENS = max_tokens
+        for module in runner.model.modules():
+            if isinstance(module, neutreno.Attention):
+                module.explicit = explicit
         runner.step()
     return step
 
 
 report("cls:cifar-small bf16 training step, batch 16",
-       fastest({"fused SDPA": step_with(0), "explicit attention": step_with(256)}))
+       fastest({"fused SDPA": step_with(False), "explicit attention (fast.py)": step_with(True)}))
 
 # 2. AdamW on bamboo-b's 85M parameters: the for-loop implementation against the fused kernel.
 model = Bamboo(Config.from_preset("bamboo-b", objective="cls"))
@@ -133,6 +137,14 @@ def chunked():
 report("next-token loss forward + backward, bf16", fastest({"full logits": full_logits, "chunked": chunked},
                                                            rounds=5, reps=1))
 
+# ... and a whole next:wikitext-small training step: the model's plain logits loss against fast.ChunkedNextToken.
+args = bench.build_parser().parse_args(["next:wikitext-small", "--batch_size", "16"])
+chunked_step = bench.Runner(bench.parse_spec("next:wikitext-small"), args, torch.device("cpu"), torch.bfloat16, "off")
+plain_step = bench.Runner(bench.parse_spec("next:wikitext-small"), args, torch.device("cpu"), torch.bfloat16, "off")
+plain_step.forward = plain_step.model  # what train.py would run without fast.py
+report("next:wikitext-small bf16 training step, batch 16",
+       fastest({"plain logits": plain_step.step, "chunked (fast.py)": chunked_step.step}, rounds=5, reps=1))
+
 # 4. NeuTRENO's cost: one bamboo-b model and batch, its lambda switched between 0 and 0.6 step by step.
 args = bench.build_parser().parse_args(["cls:bamboo-b,neutreno=0.6", "--batch_size", "16"])
 runner = bench.Runner(bench.parse_spec("cls:bamboo-b,neutreno=0.6"), args, torch.device("cpu"), torch.bfloat16, "off")
@@ -150,6 +162,8 @@ best = fastest({"lambda 0": step_with_lambda(0.0), "lambda 0.6": step_with_lambd
 print(f"cls:bamboo-b bf16 training step, batch 16: lambda 0 {best['lambda 0']:.1f} ms, lambda 0.6 "
       f"{best['lambda 0.6']:.1f} ms, NeuTRENO costs {best['lambda 0.6'] / best['lambda 0']:.3f}x")
 EOF
+}
+changes
 # Against the implementations users would otherwise pick, same depth/width/heads/patch/sequence (6x256, 4 heads).
 if [ -n "${BENCHLIB:-}" ]; then
   export PYTHONPATH=$BENCHLIB
