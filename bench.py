@@ -15,7 +15,7 @@ Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (ma
 not dependencies of bamboo: install them in a scratch venv to compare.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
-     python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,on
+     python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
 """
 import argparse
 import multiprocessing
@@ -106,15 +106,20 @@ class Runner:
         opt_cfg = TrainConfig()
         self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
                           torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=fused_adamw(device)))
-        self.compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
-        trained = self.model if reference else fast.for_training(self.model, device, dtype)  # as train.py does
-        self.forward = torch.compile(trained) if self.compiled else trained
+        if reference:  # the library model compiled whole, as its users would
+            self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
+            kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
+            self.forward = torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
+        else:  # exactly as train.py does
+            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode)
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.device = device
 
     def step(self):
+        if self.compiled == "graphs":
+            torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:
             loss = self.loss_fn(self.forward, *self.batch)
         self.scaler.scale(loss).backward()
@@ -229,7 +234,7 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
           f"{torch.get_num_threads()} threads")
-    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<3} {'params':>8} {'step ms':>9} {'samples/s':>10} "
+    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'params':>8} {'step ms':>9} {'samples/s':>10} "
               f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
     print(header)
     print("-" * len(header))
@@ -247,7 +252,7 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
                      "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params,
                      "first_step_s": runner.first_step_s})
         r = rows[-1]
-        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {'yes' if r['compiled'] else 'no':<3} {params:>7.2f}M "
+        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {params:>7.2f}M "
               f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
               f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
               f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
@@ -293,7 +298,8 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
     p.add_argument("--dtype", default="auto",
                    help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
-    p.add_argument("--compile", default="auto", help="torch.compile: auto (on CUDA), on, off, or a comma list")
+    p.add_argument("--compile", default="auto",
+                   help="auto, off, model, blocks or graphs (see fast.py), or a comma list to compare")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
@@ -310,8 +316,8 @@ def main(argv=None):
             if name not in ("auto", "float32", "bfloat16", "float16"):
                 raise ValueError(f"unknown --dtype {name!r}; use auto, float32, bfloat16 or float16")
         for name in args.compile.split(","):
-            if name not in ("auto", "on", "off"):
-                raise ValueError(f"unknown --compile {name!r}; use auto, on or off")
+            if name not in fast.COMPILE_MODES:
+                raise ValueError(f"unknown --compile {name!r}; use {', '.join(fast.COMPILE_MODES)}")
         run(args)
     except ImportError as e:
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",

@@ -10,6 +10,12 @@ changes the model's API: out, loss = model(x, y) still returns logits for every 
   chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
                            (B*T, vocab) logits: faster and smaller there. On CUDA the plain loss
                            under torch.compile is the fast one, so it stays off.
+  compilation              --compile model: torch.compile of the whole training module;
+                           blocks: each transformer Block compiled once and reused by every
+                           identical Block (regional compilation), so compile time does not grow
+                           with depth; graphs: blocks under CUDA graphs (mode="reduce-overhead"),
+                           for deep-and-narrow models whose steps are bound by kernel launches.
+                           auto: graphs on CUDA where they are safe, else blocks; off on CPU.
 
 The measurements, their machine and their commands are in results/bench/README.md.
 
@@ -19,22 +25,67 @@ Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bambo
 import torch
 import torch.nn as nn
 
+from bamboo import Block
 from neutreno import Attention
 
 EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond this the (T, T) matrices cost more memory than the kernel saves
 
 
-def for_training(model, device, dtype):
-    """The module to train: model itself, or model inside the speedups measured to pay on this device."""
-    if device.type != "cpu":
-        return model
+COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
+
+
+def for_training(model, device, dtype, compile="off", ddp=False):
+    """(module to train, compile mode, note): model itself, or model inside the speedups that pay
+    on this device. The note says which compilation was chosen and why, for train.py to print.
+    Under mode "graphs" call torch.compiler.cudagraph_mark_step_begin() before every forward."""
     c = model.config
     tokens = c.num_patches() if c.is_image else c.seq_len
-    if dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS:
+    if device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS:
         for module in model.modules():
             if isinstance(module, Attention):
                 module.explicit = True
-    return ChunkedNextToken(model) if c.objective == "next" else model
+    module = ChunkedNextToken(model) if device.type == "cpu" and c.objective == "next" else model
+    mode, why = compile_plan(compile, device, c, ddp)
+    if mode == "model":
+        module = torch.compile(module)
+    elif mode in ("blocks", "graphs"):
+        compile_blocks(model, mode="reduce-overhead" if mode == "graphs" else "default")
+    return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
+
+
+def compile_plan(asked, device, config, ddp):
+    """(mode, reason): the compilation to use for --compile `asked`, and why where it differs."""
+    if asked not in COMPILE_MODES:
+        raise ValueError(f"--compile {asked!r}: choose one of {', '.join(COMPILE_MODES)}")
+    if asked == "auto":
+        if device.type != "cuda":
+            return "off", f"auto compiles on CUDA only; on {device.type} pass --compile blocks or model to compile"
+        asked = "graphs"
+    if asked != "graphs":
+        return asked, ""
+    unsafe = graphs_unsafe(device, config, ddp)
+    return ("blocks", unsafe + "; compiling blocks without CUDA graphs") if unsafe else ("graphs", "")
+
+
+def graphs_unsafe(device, config, ddp):
+    """Why CUDA graphs cannot be used for this run, or '' when they can."""
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if ddp:
+        return "CUDA graphs are not measured under DDP here"
+    if config.objective == "mlm":
+        return "MLM scores a different number of positions every step (dynamic shapes)"
+    if config.checkpointing:
+        return "activation checkpointing re-runs blocks in backward"
+    return ""
+
+
+def compile_blocks(model, **compile_kwargs):
+    """Regional compilation: compile each Block in place. Identical Blocks share one compiled graph
+    (their parameters are graph inputs), so compile time stays that of one block at any depth."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile(**compile_kwargs)
 
 
 class ChunkedNextToken(nn.Module):

@@ -41,7 +41,7 @@ import torch
 
 from bamboo import Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
-from train import CheckpointError, model_from_checkpoint
+from train import CheckpointError, TrainingError, model_from_checkpoint, pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # defined from block 1 (attn_sim: block 2) on
@@ -129,7 +129,7 @@ def head_value_output(block):
     diag(g) W_V,h W_O,h, the head's value-output product with the LayerNorm gain g folded in
     (eig(AB) = eig(BA) for the non-zero part), at a fraction of the cost."""
     w = block.attn.weights()
-    gain = block.ln1.weight.detach() if block.ln1.weight is not None else torch.ones(w["v"].shape[1])
+    gain = block.ln1.weight.detach() if block.ln1.weight is not None else w["v"].new_ones(w["v"].shape[1])
     return w["o"].double() @ (gain.double()[None, :, None] * w["v"].double())  # (nh, hs, hs)
 
 
@@ -203,17 +203,18 @@ def probe_model(model, samples, batch_size, mask=False):
         raise ValueError("--mask probes MAE's visible patches; it needs an image model")
     sums = {}  # (metric, layer) -> sum over samples
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
+    device = next(model.parameters()).device
     for i in range(0, len(samples), batch_size):
-        x = samples[i:i + batch_size]
-        noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen) if mask else None
+        x = samples[i:i + batch_size].to(device)
+        noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen).to(device) if mask else None
         hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
                                              mask_ratio=model.config.mask_ratio if mask else 0.0)
         for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
-            for name, values in metrics.items():
-                sums[name, layer] = sums.get((name, layer), 0.0) + values.sum().item()
+            for name, values in metrics.items():  # summed on the device: one host sync at the end, not per batch
+                sums[name, layer] = sums.get((name, layer), 0.0) + values.sum()
     layers = model.config.depth + 1
-    result = {name: [sums[name, layer] / len(samples) if (name, layer) in sums else None for layer in range(layers)]
-              for name in TOKEN_METRICS + LAYER_METRICS}
+    result = {name: [sums[name, layer].item() / len(samples) if (name, layer) in sums else None
+                     for layer in range(layers)] for name in TOKEN_METRICS + LAYER_METRICS}
     dominant, positive = h_spectrum(model)
     result["h_dominant"], result["h_positive"] = [None] + dominant, [None] + positive
     return result
@@ -280,6 +281,7 @@ def run(args):
     reference, raw, sample_sets = None, {}, {}
     for label, spec in zip(labels, args.checkpoints):
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
+        model.to(pick_device(args.device, 0))
         c = model.config
         key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"), train_cfg.get("data_dir"))
         if key not in sample_sets:  # decode or tokenize each dataset once, however many checkpoints share it
@@ -318,6 +320,7 @@ def build_parser():
     p.add_argument("--val_file", default="", help="--dataset text: held-out file in data_dir (default: val.txt)")
     p.add_argument("--samples", type=int, default=256, help="held-out samples, the first N in order (default: 256)")
     p.add_argument("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     p.add_argument("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
     p.add_argument("--relative", action="store_true", help="plot against relative depth (layer / depth)")
     p.add_argument("--json", default="", help="write the numbers here")
@@ -335,7 +338,7 @@ def main(argv=None):
             if path and not os.path.isdir(folder):  # checked before any computation
                 raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
         run(args)
-    except (CheckpointError, DataError, ValueError) as e:
+    except (CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing the outputs

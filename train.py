@@ -71,14 +71,14 @@ class TrainConfig:
     seed: int = 1337                # one seed for the init, the data order and the masks
     device: str = "auto"            # auto picks cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"             # auto | float32 | bfloat16 | float16 (autocast; auto = bf16 where native)
-    compile: str = "auto"           # auto | on | off: torch.compile (auto = on for CUDA)
+    compile: str = "auto"           # auto | off | model | blocks | graphs (see fast.py; auto = graphs on CUDA)
     resume: bool = False            # continue from out_dir/ckpt.pt with its settings (see RESUMABLE)
     init_from: str = ""             # fine-tune: load a pretrained trunk (e.g. MAE) from this checkpoint
     time_limit: float = 0.0         # stop with a checkpoint after this many seconds (0: no limit)
 
 
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "pool": ("mean", "cls"),
-           "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": ("auto", "on", "off"),
+           "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": fast.COMPILE_MODES,
            "preset": ("",) + tuple(PRESETS)}
 # What --resume may change: length and learning rate, where the data lives, logging. The settings of one
 # invocation (machine, time limit) are never inherited from the checkpoint: they are given now or default.
@@ -191,32 +191,35 @@ def fused_adamw(device):
 def evaluate(model, data, cfg, batch_size, device):
     """The metric each objective is judged by, on fixed held-out data with fixed masks.
 
-    None when there was nothing to score (an MLM evaluation whose masks chose no token).
+    Sums stay on the device (no host sync per batch). None when there was nothing to score
+    (an MLM evaluation whose masks chose no token).
     """
     objective = model.config.objective
     was_training = model.training
     model.eval()
-    loss_sum, count, correct = 0.0, 0, 0
+    loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training RNG untouched
         torch.manual_seed(cfg.seed)  # the same masks every evaluation
         for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
             x = x.to(device)
             if objective == "cls":
-                logits, loss = model(x, y.to(device))
-                correct += (logits.argmax(-1) == y.to(device)).sum().item()
+                y = y.to(device)
+                logits, loss = model(x, y)
+                correct += (logits.argmax(-1) == y).sum()
                 weight = len(x)
             elif objective == "mlm":
                 inputs, targets = model.mask_tokens(x)
                 logits, loss = model(inputs, targets)
                 chosen = targets[targets != -100]  # lines up with logits' rows
-                correct += (logits.argmax(-1) == chosen).sum().item()
-                weight = len(chosen)
+                correct += (logits.argmax(-1) == chosen).sum()
+                weight = (targets != -100).sum()
             else:  # mae: masked-patch loss; next: loss per predicted token
                 _, loss = model(x)
                 weight = len(x) if objective == "mae" else x[:, 1:].numel()
-            loss_sum += loss.item() * weight
+            loss_sum += loss.double() * weight
             count += weight
     model.train(was_training)
+    loss_sum, count, correct = loss_sum.item(), count.item(), correct.item()
     if count == 0:
         return None
     metrics = {"val_loss": loss_sum / count}
@@ -495,9 +498,8 @@ def setup(args):
     if resumed is not None:
         restore(run, resumed)
         run.log(f"resumed from {run.ckpt_path} at step {run.step}")
-    model = fast.for_training(run.raw, device, run.dtype)
-    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
-        model = torch.compile(model)
+    model, run.compile_mode, note = fast.for_training(run.raw, device, run.dtype, cfg.compile, run.ddp)
+    run.log(note)
     run.model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) if run.ddp \
         else model
     run.autocast = torch.autocast(device.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
@@ -538,6 +540,8 @@ def optimizer_step(run):
     for k in range(cfg.grad_accum):
         x, y = run.data.train_batch({key: v[k] for key, v in shard.items()})
         x = x.to(run.device, non_blocking=True)
+        if run.compile_mode == "graphs":  # a new replay may overwrite the last one's outputs: all consumed
+            torch.compiler.cudagraph_mark_step_begin()
         # DDP syncs gradients only on the last micro-batch; forward and backward share one no_sync context
         with run.model.no_sync() if run.ddp and k < cfg.grad_accum - 1 else nullcontext():
             with run.autocast:
@@ -626,7 +630,9 @@ def train(args):
     previous_handlers = request_stop(run)
     from tqdm import tqdm
 
-    run.bar = tqdm(total=cfg.max_iters, initial=run.step, disable=not run.master, dynamic_ncols=True, mininterval=1.0)
+    # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
+    run.bar = tqdm(total=cfg.max_iters, initial=run.step, disable=not (run.master and sys.stderr.isatty()),
+                   dynamic_ncols=True, mininterval=1.0)
     run.t_start = time.time()
     mode = "a" if cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:

@@ -44,18 +44,27 @@ for depth, width in ((12, 768), (48, 384)):
 EOF
 # ... and compiled, which fuses the deep model's twice larger elementwise work (cold inductor cache).
 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run table1-compile cls:base-12x768 cls:bamboo-b --batch_size 16 --rounds 4 --no-memory \
-  --compile off,on
+  --compile off,model
 # NeuTRENO's cost, and MAE (75% masked) against cls, on the same trunk.
 run neutreno-mae cls:bamboo-b cls:bamboo-b,neutreno=0.6 mae:bamboo-b cls:cifar-small cls:cifar-small,neutreno=0.6 \
   mae:cifar-small --batch_size 16 --rounds 9 --no-memory
 # bf16 autocast and torch.compile on this CPU; an empty inductor cache, so "1st s" holds a cold compile.
-TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,on --batch_size 64 --no-memory
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,model --batch_size 64 --no-memory
 # ... and bf16's accuracy: held-out loss after 200 real CIFAR-10 steps, fp32 against bf16, same seed.
 for dtype in float32 bfloat16; do
   $PY train.py --objective cls --preset cifar-small --dataset folder --data_dir "$DATA/cifar10-jpeg" --batch_size 64 \
     --max_iters 200 --warmup 20 --eval_interval 200 --dtype $dtype --out_dir "out/bench-$dtype" 2>&1 | tr '\r' '\n' \
     | grep --line-buffered -v "it/s\|s/it"
 done | tee results/bench/dtype-loss.txt
+# Regional compilation: the cold compile (first step, empty inductor cache, one process per mode) of the whole
+# model against each Block compiled once and reused, for the two deepest Table 1 presets.
+compile_time() {
+  for mode in model blocks; do
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run "compile-$mode" cls:bamboo-b cls:base-96x256 --batch_size 8 \
+      --warmup 1 --rounds 2 --steps 1 --no-memory --compile $mode
+  done
+}
+compile_time
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # The allocator: glibc's defaults against glibc told by environment to keep freed memory (no code needed).

@@ -39,3 +39,7 @@ def tiny_data(tmp_path_factory):
     for name, n in (("train.txt", 3000), ("val.txt", 600)):
         (text / name).write_text(" ".join(words[i % len(words)] for i in range(n)))
     return root
+
+
+# The CUDA tests (tests/gpu/) are collected only where a GPU is: CPU runs and CI never see them.
+collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]

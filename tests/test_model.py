@@ -441,3 +441,12 @@ def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
 
 
 # ---------------------------------------------------------------- training (data.py, train.py)
+
+
+def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
+    torch.manual_seed(0)
+    for objective in ("mae", "mlm"):
+        model = Bamboo(tiny(objective))
+        x, y = batch(model.config)
+        losses = {model(x, y)[1].item() for _ in range(4)}
+        assert len(losses) == 4, objective  # a fresh mask every call, from the (per-rank) torch RNG

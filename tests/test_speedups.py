@@ -195,3 +195,51 @@ def test_bf16_autocast_tracks_fp32_training():
             opt.step()
         final[dtype] = model(x, y)[1].item()  # measured in fp32
     assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
+
+
+# ---------------------------------------------------------------- compilation and CUDA graphs (fast.py)
+
+@pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
+    ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
+    ("auto", "cuda", {}, False, "graphs", ""),
+    ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
+    ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
+    ("auto", "cuda", {"objective": "mlm"}, False, "blocks", "dynamic shapes"),
+    ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
+    ("model", "cpu", {}, False, "model", ""),
+    ("off", "cuda", {}, False, "off", ""),
+])
+def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp, expected, why):
+    import fast
+
+    mode, reason = fast.compile_plan(asked, torch.device(device), tiny(options.pop("objective", "cls"), **options), ddp)
+    assert mode == expected and why in reason and (reason == "") == (why == "")
+    with pytest.raises(ValueError, match="choose one of"):
+        fast.compile_plan("fast", torch.device(device), tiny("cls"), ddp)
+
+
+@pytest.mark.parametrize("objective", ["cls", "mae"])
+def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
+    """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
+    graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
+    from torch._dynamo.utils import counters
+
+    import fast
+
+    graphs = {}
+    for depth in (3, 8):
+        torch.manual_seed(0)
+        model = Bamboo(tiny(objective, depth=depth, neutreno=0.6))
+        x, y = batch(model.config)
+        torch.manual_seed(1)
+        eager_out, eager_loss = model(x, y)
+        torch._dynamo.reset()
+        counters.clear()
+        fast.compile_blocks(model, backend="eager")  # the graph capture alone, no code generation
+        torch.manual_seed(1)
+        out, loss = model(x, y)
+        loss.backward()
+        assert torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(loss, eager_loss, atol=1e-6)
+        graphs[depth] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs[3] == graphs[8] <= 2 + (objective == "mae")  # the decoder's blocks: one more

@@ -28,6 +28,7 @@ def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, obje
     assert [r["step"] for r in evals] == [steps // 2, steps]
     headline = {"mae": "val_loss", "cls": "top1", "mlm": "mlm_acc", "next": "ppl"}[objective]
     assert all(math.isfinite(r[headline]) for r in evals) and "done: " in out
+    assert "it/s" not in out and "s/it" not in out  # not a terminal: no progress bar, one line per evaluation
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == steps and ckpt["config"]["objective"] == objective and isinstance(ckpt["config"], dict)
 
