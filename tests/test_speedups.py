@@ -73,9 +73,9 @@ def test_fast_wraps_next_token_training_on_cpu_only():
     import fast
 
     model = Bamboo(tiny("next"))
-    assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32), fast.ChunkedNextToken)
-    assert fast.for_training(model, torch.device("meta"), torch.float32) is model
-    assert fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"), torch.float32).__class__ is Bamboo
+    assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32)[0], fast.ChunkedNextToken)
+    assert fast.for_training(model, torch.device("meta"), torch.float32)[0] is model
+    assert fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"), torch.float32)[0].__class__ is Bamboo
 
 
 def test_next_token_needs_two_tokens():
