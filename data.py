@@ -67,7 +67,7 @@ def _decode(path, size):
         raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file") from None
 
 
-def _folder(data_dir, split, image_size):
+def _folder(data_dir, split, image_size, limit=0):
     from torchvision.datasets import ImageFolder
 
     names = ("train",) if split == "train" else ("test", "val")
@@ -80,21 +80,35 @@ def _folder(data_dir, split, image_size):
         tree = ImageFolder(roots[0])
     except (FileNotFoundError, RuntimeError) as e:
         raise DataError(f"{roots[0]} is not an image folder tree ({e}); expected <class>/<image> inside") from None
+    samples = tree.samples
+    if limit:  # a fixed random subset (the same for every run), decoded alone
+        keep = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:limit].sort().values
+        samples = [samples[i] for i in keep.tolist()]
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
-        pixels = list(pool.map(lambda s: _decode(s[0], image_size), tree.samples))
+        pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
     images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
-    return images, torch.tensor(tree.targets), len(tree.classes)
+    return images, torch.tensor([label for _, label in samples]), len(tree.classes)
 
 
-def _load_split(name, data_dir, split, image_size):
-    return _folder(data_dir, split, image_size) if name == "folder" else _cifar(name, data_dir, split == "train")
+def _load_split(name, data_dir, split, image_size, limit=0):
+    if name == "folder":
+        return _folder(data_dir, split, image_size, limit)
+    images, labels, classes = _cifar(name, data_dir, split == "train")
+    if limit:  # the same fixed random subset as for folders
+        keep = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:limit].sort().values
+        images, labels = images[keep], labels[keep]
+    if images.shape[-1] != image_size:
+        images = torch.nn.functional.interpolate(images.float(), size=image_size, mode="bicubic",
+                                                 antialias=True).round().clamp(0, 255).to(torch.uint8)
+    return images, labels, classes
 
 
 class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
-    def __init__(self, name, data_dir, device, image_size=32, train=True):
-        """train=False loads the test split only (the probe needs nothing else)."""
+    def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0):
+        """train=False loads the test split only (the probe needs nothing else); train_samples > 0
+        keeps a fixed random subset of the training split (the test split stays whole)."""
         if name == "folder":
             if not os.path.isdir(data_dir):
                 raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image folder "
@@ -102,7 +116,7 @@ class ImageData:
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, self.num_classes = _load_split(name, data_dir, "test", image_size)
-        self.train_x, self.train_y, _ = (_load_split(name, data_dir, "train", image_size) if train
+        self.train_x, self.train_y, _ = (_load_split(name, data_dir, "train", image_size, train_samples) if train
                                          else (self.test_x[:0], self.test_y[:0], None))
         if name == "folder":
             # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair sample.

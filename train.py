@@ -65,6 +65,7 @@ class TrainConfig:
     layer_decay: float = 1.0        # fine-tuning: lr of block i scaled by layer_decay^(depth + 1 - i)
     eval_interval: int = 200        # evaluate and checkpoint every this many steps
     eval_samples: int = 10000       # held-out images or text windows per evaluation; 0 means all
+    train_samples: int = 0          # images: train on a fixed random subset of this many (0: all)
     log_interval: int = 10          # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"            # checkpoint and log.jsonl go here
     overwrite: bool = False         # start afresh in an out_dir that holds another run (its files are replaced)
@@ -140,6 +141,7 @@ def validate(cfg):
         ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
         ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
         ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
+        ("train_samples", cfg.train_samples >= 0, "must be >= 0 (0 means the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
         ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
@@ -421,7 +423,8 @@ def model_settings(args, cfg, resumed, pretrained):
 
 def load_data(cfg, settings, device):
     if cfg.dataset in IMAGE_DATASETS:
-        return ImageData(cfg.dataset, cfg.data_dir, device, settings.get("image_size", Config.image_size))
+        return ImageData(cfg.dataset, cfg.data_dir, device, settings.get("image_size", Config.image_size),
+                         train_samples=cfg.train_samples)
     return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file, cfg.cache_dir,
                     settings.get("seq_len", Config.seq_len))
 

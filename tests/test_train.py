@@ -197,3 +197,13 @@ def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(
     (tmp_path / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
     assert "corrupt or truncated" in err
+
+
+def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):
+    from data import ImageData
+
+    first = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
+    again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
+    assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
+    assert first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32  # the test split stays whole
+    assert set(first.train_y.tolist()) == {0, 1}
