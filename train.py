@@ -630,6 +630,12 @@ def summary(run):
 def train(args):
     run = setup(args)
     cfg = run.cfg
+    if run.step >= cfg.max_iters:
+        run.log(f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters {cfg.max_iters}; "
+                "raise --max_iters to train on")
+        if run.ddp:
+            dist.destroy_process_group()
+        return 0
     previous_handlers = request_stop(run)
     from tqdm import tqdm
 

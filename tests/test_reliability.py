@@ -103,6 +103,8 @@ def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(caps
     assert max(train_losses(records)) == 4
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 4 and ckpt["train"]["data_dir"] == str(moved)
+    code, out, _ = run_train("--resume", out_dir=tmp_path / "run")  # finished: says so instead of silence
+    assert code == 0 and "nothing to train" in out and "--max_iters" in out, out
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path / "run"), "--batch_size", "8")
     assert "batch_size=16, not 8" in err and "--max_iters" in err
 

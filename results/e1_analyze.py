@@ -1,0 +1,141 @@
+"""Experiment 1's numbers and figure from the checkpoints results/e1.sh wrote (out/e1/s<seed>/{cls,mae,ft}).
+
+Per seed: checks that the cls and mae arms started from bit-identical trunks; scores every test image
+with cls and with the fine-tuned MAE (accuracy, and McNemar's exact test on the paired per-image
+outcomes); probes cls, fine-tuned MAE and the pre-trained encoder (all patches, and with --mask its
+visible ones) on the first 256 test images; beta of the MAE checkpoints against cls. Then mean and std
+over seeds, written to results/e1/e1.json and e1.md, and a figure with one band per arm.
+
+Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import probe  # noqa: E402
+from bamboo import Bamboo, Config  # noqa: E402
+from data import ImageData  # noqa: E402
+from train import model_from_checkpoint  # noqa: E402
+
+SEEDS = (0, 1, 2)
+METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
+ARMS = {"cls": "cls from scratch", "ft": "MAE fine-tuned", "mae": "MAE encoder, all patches",
+        "mae_mask": "MAE encoder, visible patches (--mask)"}
+
+
+def same_init(cls_config, mae_config, seed):
+    """Rebuild both arms' initial weights from their configs and seed; True if stem and blocks are identical."""
+    models = []
+    for config in (cls_config, mae_config):
+        torch.manual_seed(seed)
+        models.append(Bamboo(Config.from_dict(config)).state_dict())
+    shared = [k for k in models[0] if k.startswith(("patch_embed", "blocks."))]
+    return len(shared) > 0 and all(torch.equal(models[0][k], models[1][k]) for k in shared)
+
+
+@torch.no_grad()
+def correct_per_image(model, data):
+    model.eval()
+    return torch.cat([model(x)[0].argmax(-1) == y for x, y in data.eval_batches(500)])
+
+
+def mcnemar_p(a, b):
+    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): binomial on the discordant pairs."""
+    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    tail = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2))
+               for i in range(k + 1))
+    return min(1.0, 2 * tail)
+
+
+def analyze_seed(seed, data_dir, test_data):
+    out = os.path.join(ROOT, "out", "e1", f"s{seed}")
+    models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
+    result = {"same_init": same_init(models["cls"][1]["config"], models["mae"][1]["config"], seed)}
+    right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
+    result["top1"] = {arm: 100 * r.double().mean().item() for arm, r in right.items()}
+    result["mcnemar_p"] = mcnemar_p(right["cls"], right["ft"])
+    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
+    samples = probe.load_samples(args, models["cls"][0], {})
+    result["probe"] = {arm: probe.probe_model(models[arm.split("_")[0]][0].eval(), samples, 64, mask=arm == "mae_mask")
+                       for arm in ARMS}
+    result["beta"] = {arm: dict(zip(("qk", "v"), probe.beta(models[arm][0], models["cls"][0]))) for arm in ("mae", "ft")}
+    return result
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
+
+
+def summarize(per_seed):
+    summary = {"same_init": all(s["same_init"] for s in per_seed.values()),
+               "top1": {arm: mean_std([s["top1"][arm] for s in per_seed.values()]) for arm in ("cls", "ft")},
+               "mcnemar_p": {seed: s["mcnemar_p"] for seed, s in per_seed.items()}, "probe": {}, "beta": {}}
+    for arm in ARMS:
+        summary["probe"][arm] = {m: [mean_std([s["probe"][arm][m][layer] for s in per_seed.values()])
+                                     for layer in range(len(next(iter(per_seed.values()))["probe"][arm][m]))]
+                                 for m in METRICS}
+    for arm in ("mae", "ft"):
+        for part in ("qk", "v"):
+            rows = [s["beta"][arm][part] for s in per_seed.values()]
+            summary["beta"][f"{arm}_{part}"] = {
+                "above_1": [sum(v > 1 for v in row) for row in rows], "layers": len(rows[0]),
+                "median": [sorted(row)[len(row) // 2] for row in rows]}
+    return summary
+
+
+def plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
+    for ax, metric in zip(axes.flat, METRICS):
+        for arm, label in ARMS.items():
+            points = [(layer, m, s) for layer, (m, s) in enumerate(summary["probe"][arm][metric]) if m is not None]
+            layers, means, stds = zip(*points)
+            ax.plot(layers, means, marker="o", markersize=2.5, label=label)
+            ax.fill_between(layers, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                            alpha=0.2)
+        ax.set_title(metric)
+        ax.set_xlabel("layer (0 = embedding)")
+        ax.grid(alpha=0.3)
+    axes.flat[-1].axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 3 seeds")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    data_dir = os.path.join(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "shared", "data"),
+                            "cifar10-jpeg")
+    # the training subset too, so that the test images are normalised exactly as in training's evaluation
+    test_data = ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
+    per_seed = {seed: analyze_seed(seed, data_dir, test_data) for seed in SEEDS}
+    summary = summarize(per_seed)
+    folder = os.path.join(ROOT, "results", "e1")
+    with open(os.path.join(folder, "e1.json"), "w") as f:
+        json.dump({"per_seed": per_seed, "summary": summary}, f, indent=1)
+    plot(summary, os.path.join(folder, "e1.png"))
+    print(json.dumps({k: summary[k] for k in ("same_init", "top1", "mcnemar_p", "beta")}, indent=1))
+    for arm in ARMS:
+        last = {m: summary["probe"][arm][m][-1] for m in METRICS}
+        print(arm, {m: f"{v[0]:.3f} ± {v[1]:.3f}" for m, v in last.items() if v[0] is not None})
+
+
+if __name__ == "__main__":
+    main()
