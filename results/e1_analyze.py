@@ -67,7 +67,8 @@ def analyze_seed(seed, data_dir, test_data):
     samples = probe.load_samples(args, models["cls"][0], {})
     result["probe"] = {arm: probe.probe_model(models[arm.split("_")[0]][0].eval(), samples, 64, mask=arm == "mae_mask")
                        for arm in ARMS}
-    result["beta"] = {arm: dict(zip(("qk", "v"), probe.beta(models[arm][0], models["cls"][0]))) for arm in ("mae", "ft")}
+    result["beta"] = {arm: dict(zip(("qk", "v"), probe.beta(models[arm][0], models["cls"][0])))
+                      for arm in ("mae", "ft")}
     return result
 
 

@@ -20,7 +20,8 @@ def load(path):
 
 
 def main():
-    runs = {os.path.basename(p)[:-len(".jsonl")]: load(p) for p in sorted(glob.glob(os.path.join(HERE, "logs", "*.jsonl")))}
+    paths = sorted(glob.glob(os.path.join(HERE, "logs", "*.jsonl")))
+    runs = {os.path.basename(p)[:-len(".jsonl")]: load(p) for p in paths}
     lines = ["| run | steps | final eval | minutes |", "|---|---|---|---|"]
     for name, records in runs.items():
         evals = [r for r in records if r.get("eval")]
