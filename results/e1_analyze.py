@@ -10,7 +10,6 @@ Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -22,6 +21,9 @@ import probe  # noqa: E402
 from bamboo import Bamboo, Config  # noqa: E402
 from data import ImageData  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from analysis import correct_per_image, mcnemar_p, mean_std, plot_bands  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -40,22 +42,6 @@ def same_init(cls_config, mae_config, seed):
 
 
 @torch.no_grad()
-def correct_per_image(model, data):
-    model.eval()
-    return torch.cat([model(x)[0].argmax(-1) == y for x, y in data.eval_batches(500)])
-
-
-def mcnemar_p(a, b):
-    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): binomial on the discordant pairs."""
-    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
-    n, k = only_a + only_b, min(only_a, only_b)
-    if n == 0:
-        return 1.0
-    tail = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2))
-               for i in range(k + 1))
-    return min(1.0, 2 * tail)
-
-
 def analyze_seed(seed, data_dir, test_data):
     out = os.path.join(ROOT, "out", "e1", f"s{seed}")
     models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
@@ -70,14 +56,6 @@ def analyze_seed(seed, data_dir, test_data):
     result["beta"] = {arm: dict(zip(("qk", "v"), probe.beta(models[arm][0], models["cls"][0])))
                       for arm in ("mae", "ft")}
     return result
-
-
-def mean_std(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    mean = sum(values) / len(values)
-    return mean, (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
 
 
 def summarize(per_seed):
@@ -98,27 +76,8 @@ def summarize(per_seed):
 
 
 def plot(summary, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
-    for ax, metric in zip(axes.flat, METRICS):
-        for arm, label in ARMS.items():
-            points = [(layer, m, s) for layer, (m, s) in enumerate(summary["probe"][arm][metric]) if m is not None]
-            layers, means, stds = zip(*points)
-            ax.plot(layers, means, marker="o", markersize=2.5, label=label)
-            ax.fill_between(layers, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
-                            alpha=0.2)
-        ax.set_title(metric)
-        ax.set_xlabel("layer (0 = embedding)")
-        ax.grid(alpha=0.3)
-    axes.flat[-1].axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 3 seeds")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    title = "Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 3 seeds"
+    plot_bands(summary["probe"], ARMS, METRICS, title, path)
 
 
 def main():

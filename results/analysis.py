@@ -1,0 +1,60 @@
+"""Shared by the experiment analyses: per-image scoring, McNemar's exact test, mean ± std, figures with bands.
+
+Run: python results/e1_analyze.py   (this module has no command of its own)
+"""
+import math
+
+import torch
+
+
+@torch.no_grad()
+def correct_per_image(model, data):
+    model.eval()
+    return torch.cat([model(x)[0].argmax(-1) == y for x, y in data.eval_batches(500)])
+
+
+def mcnemar_p(a, b):
+    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): binomial on the discordant pairs."""
+    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    tail = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2))
+               for i in range(k + 1))
+    return min(1.0, 2 * tail)
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
+
+
+def plot_bands(probe_summary, arms, metrics, title, path):
+    """One panel per metric, one line per arm (mean over seeds) with a band of ± one std."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = math.ceil(len(metrics) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.75 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for arm, label in arms.items():
+            points = [(layer, m, s) for layer, (m, s) in enumerate(probe_summary[arm][metric]) if m is not None]
+            layers, means, stds = zip(*points)
+            ax.plot(layers, means, marker="o", markersize=2.5, label=label)
+            ax.fill_between(layers, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                            alpha=0.2)
+        ax.set_title(metric)
+        ax.set_xlabel("layer (0 = embedding)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
