@@ -352,8 +352,11 @@ class Bamboo(nn.Module):
         return self.ln_f(h), targets
 
     def forward_next(self, tokens, y=None):
-        h, targets = self.next_token_features(tokens, y)
-        logits = self.token_logits(h)  # (B, T, vocab)
+        return self.next_token_loss(*self.next_token_features(tokens, y))
+
+    def next_token_loss(self, h, targets):
+        """Logits (B, T, vocab) of the features h (B, T, D) and their mean cross-entropy against targets."""
+        logits = self.token_logits(h)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     # ---- bookkeeping ----

@@ -113,13 +113,14 @@ class Runner:
         else:  # exactly as train.py does
             self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode)
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
-        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        self.autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs") \
+            if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.device = device
 
     def step(self):
-        if self.compiled == "graphs":
-            torch.compiler.cudagraph_mark_step_begin()
+        if self.compiled == "graphs" and self.name != "bamboo":
+            torch.compiler.cudagraph_mark_step_begin()  # the library model under mode="reduce-overhead"
         with self.autocast:
             loss = self.loss_fn(self.forward, *self.batch)
         self.scaler.scale(loss).backward()

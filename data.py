@@ -103,6 +103,14 @@ def _load_split(name, data_dir, split, image_size, limit=0):
     return images, labels, classes
 
 
+def to_device(t, device):
+    """t on device without making the CPU wait for the GPU: a copy from pageable memory would wait for
+    everything queued before it, so small per-step tensors go through pinned memory."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
@@ -143,8 +151,9 @@ class ImageData:
 
     def train_batch(self, recipe):
         """Augmented, normalised images and their labels for (a shard of) a sampled batch."""
-        index = recipe["index"].to(self.train_x.device)
-        x = random_crop_flip(self.train_x[index], recipe["offset"], recipe["flip"])
+        device = self.train_x.device
+        index, offsets, flips = (to_device(recipe[k], device) for k in ("index", "offset", "flip"))
+        x = random_crop_flip(self.train_x[index], offsets, flips)
         return self.normalize(x), self.train_y[index]
 
     def eval_batches(self, batch_size, limit=None):

@@ -13,8 +13,10 @@ changes the model's API: out, loss = model(x, y) still returns logits for every 
   compilation              --compile model: torch.compile of the whole training module;
                            blocks: each transformer Block compiled once and reused by every
                            identical Block (regional compilation), so compile time does not grow
-                           with depth; graphs: blocks under CUDA graphs (mode="reduce-overhead"),
-                           for deep-and-narrow models whose steps are bound by kernel launches.
+                           with depth (and next-token's logits and loss, one more region);
+                           graphs: blocks compiled, then the whole forward and backward captured
+                           as one CUDA graph and replayed every step (CUDAGraphed), for deep-and-
+                           narrow models whose steps are bound by kernel launches.
                            auto: graphs on CUDA where they are safe, else blocks; off on CPU.
 
 The measurements, their machine and their commands are in results/bench/README.md.
@@ -37,7 +39,8 @@ COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 def for_training(model, device, dtype, compile="off", ddp=False):
     """(module to train, compile mode, note): model itself, or model inside the speedups that pay
     on this device. The note says which compilation was chosen and why, for train.py to print.
-    Under mode "graphs" call torch.compiler.cudagraph_mark_step_begin() before every forward."""
+    Under mode "graphs" run the module under autocast with cache_enabled=False (the autocast
+    cache would hold tensors from outside the graph) and feed it batches of one shape."""
     c = model.config
     tokens = c.num_patches() if c.is_image else c.seq_len
     if device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS:
@@ -49,7 +52,9 @@ def for_training(model, device, dtype, compile="off", ddp=False):
     if mode == "model":
         module = torch.compile(module)
     elif mode in ("blocks", "graphs"):
-        compile_blocks(model, mode="reduce-overhead" if mode == "graphs" else "default")
+        compile_blocks(model)
+    if mode == "graphs":
+        module = CUDAGraphed(module)
     return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
 
 
@@ -82,10 +87,58 @@ def graphs_unsafe(device, config, ddp):
 
 def compile_blocks(model, **compile_kwargs):
     """Regional compilation: compile each Block in place. Identical Blocks share one compiled graph
-    (their parameters are graph inputs), so compile time stays that of one block at any depth."""
+    (their parameters are graph inputs), so compile time stays that of one block at any depth.
+    Next-token's logits and loss are one more region: compiled, the (B, T, vocab) log-softmax is
+    fused into one pass instead of fp32 copies of the largest tensors of the step."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(**compile_kwargs)
+    if model.config.objective == "next":
+        model.next_token_loss = torch.compile(model.next_token_loss, **compile_kwargs)
+
+
+class CUDAGraphed(nn.Module):
+    """module's forward and backward captured as CUDA graphs on the first call, then replayed.
+
+    One replay launches the whole step's kernels at once: deep-and-narrow models spend most of
+    an eager step launching small kernels. torch.cuda.make_graphed_callables warms up on a side
+    stream (compiling the blocks there), captures, and returns a callable that autograd
+    differentiates with the captured backward. Random draws (MAE masks, dropout) come from the
+    CUDA generator, whose offset advances at every replay: new masks every step. The optimizer,
+    gradient clipping and the data pipeline stay outside the graph. A replay reuses the captured
+    shapes, so every call must have the first call's shapes; a replay overwrites the previous
+    outputs, so consume them (the loss) before the next call.
+    """
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.config, self.graphed, self.shapes = module, module.config, None, None
+
+    def forward(self, *args):
+        shapes = [tuple(a.shape) for a in args if a is not None]
+        if self.graphed is None:
+            inputs = tuple(a for a in args if a is not None)
+            rng = torch.cuda.get_rng_state(inputs[0].device)  # warm-up draws must not shift a resumed run's masks
+            self.graphed = torch.cuda.make_graphed_callables(Positional(self.module, args), inputs,
+                                                             allow_unused_input=True)
+            torch.cuda.set_rng_state(rng, inputs[0].device)  # replays read the generator's state as it is now
+            self.shapes = shapes
+        if shapes != self.shapes:
+            raise ValueError(f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
+                             "keep the batch size fixed or pass --compile blocks")
+        return self.graphed(*(a for a in args if a is not None))
+
+
+class Positional(nn.Module):
+    """module called with the non-None arguments of a template call (make_graphed_callables takes tensors only)."""
+
+    def __init__(self, module, template):
+        super().__init__()
+        self.module, self.present = module, [a is not None for a in template]
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        return self.module(*(next(it) if present else None for present in self.present))
 
 
 class ChunkedNextToken(nn.Module):

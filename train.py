@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, to_device
 
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
@@ -200,8 +200,11 @@ def evaluate(model, data, cfg, batch_size, device):
     was_training = model.training
     model.eval()
     loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training RNG untouched
-        torch.manual_seed(cfg.seed)  # the same masks every evaluation
+    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other shapes
+    # would be compiled and captured for a pass that runs once per eval_interval steps.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.compiler.set_stance("force_eager"):
+        torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
         for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
             x = x.to(device)
             if objective == "cls":
@@ -505,7 +508,8 @@ def setup(args):
     run.log(note)
     run.model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) if run.ddp \
         else model
-    run.autocast = torch.autocast(device.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
+    run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=run.compile_mode != "graphs") \
+        if run.dtype != torch.float32 else nullcontext()
     run.micro = cfg.batch_size // (world * cfg.grad_accum)
     run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{run.raw.num_params() / 1e6:.2f}M params, {run.raw.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
@@ -533,7 +537,8 @@ def lost_work(run):
 
 
 def optimizer_step(run):
-    """One optimizer step over grad_accum micro-batches; returns the mean training loss of all ranks."""
+    """One optimizer step over grad_accum micro-batches; returns the mean training loss of all ranks as a
+    tensor on the device: reading it would make the CPU wait for the GPU, so train() reads it only to log."""
     cfg, lr = run.cfg, get_lr(run.step, run.cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"]
@@ -542,9 +547,7 @@ def optimizer_step(run):
     total = torch.zeros((), device=run.device)
     for k in range(cfg.grad_accum):
         x, y = run.data.train_batch({key: v[k] for key, v in shard.items()})
-        x = x.to(run.device, non_blocking=True)
-        if run.compile_mode == "graphs":  # a new replay may overwrite the last one's outputs: all consumed
-            torch.compiler.cudagraph_mark_step_begin()
+        x = to_device(x, run.device)
         # DDP syncs gradients only on the last micro-batch; forward and backward share one no_sync context
         with run.model.no_sync() if run.ddp and k < cfg.grad_accum - 1 else nullcontext():
             with run.autocast:
@@ -556,15 +559,20 @@ def optimizer_step(run):
         torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
     if run.ddp:
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
-    train_loss = total.item()
-    if not math.isfinite(train_loss):
-        raise TrainingError(f"loss is {train_loss} at step {run.step}; nothing was saved; {lost_work(run)}; "
-                            "lower --lr or set --grad_clip")
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    return train_loss, lr
+    return total, lr
+
+
+def read_loss(run, total):
+    """The training loss as a number (a host sync), refusing a non-finite one before anything is saved."""
+    train_loss = total.item()
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"loss is {train_loss} at step {run.step} (read every --log_interval steps); nothing "
+                            f"was saved; {lost_work(run)}; lower --lr or set --grad_clip")
+    return train_loss
 
 
 def parameters_finite(model):
@@ -648,16 +656,19 @@ def train(args):
         with open(run.log_path, mode) if run.master else nullcontext() as jsonl:
             while run.step < cfg.max_iters:
                 t0 = time.time()
-                train_loss, lr = optimizer_step(run)
+                total, lr = optimizer_step(run)
                 run.step_times.append(time.time() - t0)
                 run.bar.update(1)
-                run.bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-                if run.master and run.step % cfg.log_interval == 0:
-                    jsonl.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
                 if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
                     run.stop = run.stop or "time limit reached"
                 stopping = agree(run, run.stop is not None)
-                if run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping:
+                evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
+                if run.step % cfg.log_interval == 0 or evaluating:
+                    train_loss = read_loss(run, total)
+                    run.bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                if run.master and run.step % cfg.log_interval == 0:
+                    jsonl.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
+                if evaluating:
                     evaluate_and_save(run, train_loss, jsonl)
                 if stopping:
                     run.log(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved to "

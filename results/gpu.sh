@@ -33,29 +33,30 @@ if ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   exit 1
 fi
 
-step tests 150 $PY -m pytest -q tests/gpu
+step tests 120 $PY -m pytest -q tests/gpu
 # MAE 48x384, batch 256: eager against CUDA graphs over regionally compiled blocks (target: at most 20 ms).
-step mae-bamboo-b 120 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5
+step mae-bamboo-b 90 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5
 # Bamboo Table 1 at batch 256, both under the default compilation (target: bamboo-b at least 0.7x of 12x768,
 # and 12x768 at least 45% MFU).
-step table1 120 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
-# Cold compile of the deepest models: the whole model against one Block reused (target: at most 30 s).
-TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) step compile-cold 150 $PY bench.py cls:bamboo-b cls:base-96x256 \
+step table1 90 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
+if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
+  # A short real run (target: a cifar-small step of 128 images in at most 4 ms), then its probe.
+  step train-cifar-small 60 $PY train.py --preset cifar-small --dataset folder --data_dir "$DATA" \
+    --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
+  step probe 40 $PY probe.py "$OUT/cifar-small/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" \
+    --plot "$OUT/probe.png"
+else
+  echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
+fi
+# Cold compile of the deepest models: one Block compiled and reused at every depth (target: at most 30 s).
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) step compile-cold 90 $PY bench.py cls:bamboo-b cls:base-96x256 \
   --batch_size 64 --compile blocks --rounds 1 --steps 1 --warmup 1
 if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
   # Against what users would pick, both compiled (targets: cls 1.4x timm, next 1.2x and mlm 1.2x Hugging Face).
-  step against-cls 150 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5
-  step against-text 120 $PY bench.py next:wikitext-small mlm:wikitext-small --against \
+  step against-cls 120 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5
+  step against-text 90 $PY bench.py next:wikitext-small mlm:wikitext-small --against \
     --batch_size 64 --compile auto --rounds 3 --steps 5
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
-fi
-if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
-  # A short real run (target: a cifar-small step of 128 images in at most 4 ms), then its probe.
-  step train-cifar-small 120 $PY train.py --preset cifar-small --dataset folder --data_dir "$DATA" \
-    --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
-  step probe 60 $PY probe.py "$OUT/cifar-small/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" --plot "$OUT/probe.png"
-else
-  echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
 fi
 echo "outputs in $OUT/"
