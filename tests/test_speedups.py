@@ -218,7 +218,7 @@ def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, o
         fast.compile_plan("fast", torch.device(device), tiny("cls"), ddp)
 
 
-@pytest.mark.parametrize("objective", ["cls", "mae"])
+@pytest.mark.parametrize("objective", ["cls", "mae", "next"])
 def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
     graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
@@ -242,4 +242,34 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
         assert torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(loss, eager_loss, atol=1e-6)
         graphs[depth] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
-    assert graphs[3] == graphs[8] <= 2 + (objective == "mae")  # the decoder's blocks: one more
+    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")  # the decoder's blocks, or next's loss: one more
+
+
+def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_data):
+    """evaluate() must not compile (or, under graphs, capture) graphs for its own, smaller last batch."""
+    from torch._dynamo.utils import counters
+
+    import fast
+    from data import ImageData
+    from train import TrainConfig, evaluate
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", image_size=16))
+    data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
+    torch._dynamo.reset()
+    counters.clear()
+    fast.compile_blocks(model, backend="eager")
+    metrics = evaluate(model, data, TrainConfig(eval_samples=0), 12, torch.device("cpu"))  # 32 = 12 + 12 + 8
+    assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
+    torch._dynamo.reset()
+
+
+def test_the_cuda_graph_wrapper_passes_missing_arguments_through_as_none():
+    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model as None."""
+    import fast
+
+    model = Bamboo(tiny("next"))
+    x, _ = batch(model.config)
+    wrapped = fast.Positional(model, (x, None))
+    torch.manual_seed(0)
+    assert torch.equal(wrapped(x)[1], model(x)[1])
