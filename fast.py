@@ -115,9 +115,9 @@ class CUDAGraphed(nn.Module):
         self.module, self.config, self.graphed, self.shapes = module, module.config, None, None
 
     def forward(self, *args):
-        shapes = [tuple(a.shape) for a in args if a is not None]
+        inputs = tuple(a for a in args if a is not None)
+        shapes = [tuple(a.shape) for a in inputs]
         if self.graphed is None:
-            inputs = tuple(a for a in args if a is not None)
             rng = torch.cuda.get_rng_state(inputs[0].device)  # warm-up draws must not shift a resumed run's masks
             self.graphed = torch.cuda.make_graphed_callables(Positional(self.module, args), inputs,
                                                              allow_unused_input=True)
@@ -126,7 +126,7 @@ class CUDAGraphed(nn.Module):
         if shapes != self.shapes:
             raise ValueError(f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
                              "keep the batch size fixed or pass --compile blocks")
-        return self.graphed(*(a for a in args if a is not None))
+        return self.graphed(*inputs)
 
 
 class Positional(nn.Module):

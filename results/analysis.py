@@ -1,10 +1,26 @@
-"""Shared by the experiment analyses: per-image scoring, McNemar's exact test, mean ± std, figures with bands.
+"""Shared by the experiment analyses: their test images, per-image scoring, McNemar's exact test, mean ± std,
+figures with bands.
 
 Run: python results/e1_analyze.py   (this module has no command of its own)
 """
 import math
+import os
+import sys
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def experiment_data(argv):
+    """(CIFAR-10 folder, its test split) for the CPU experiments: 16x16 images, normalised as training's
+    evaluation normalised them (statistics of the fixed 5,000-image training subset). argv[1] names the
+    data folder; it defaults to ../shared/data."""
+    sys.path.insert(0, ROOT)
+    from data import ImageData
+
+    data_dir = os.path.join(argv[1] if len(argv) > 1 else os.path.join(ROOT, "..", "shared", "data"), "cifar10-jpeg")
+    return data_dir, ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
 
 
 @torch.no_grad()

@@ -19,11 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
 from bamboo import Bamboo, Config  # noqa: E402
-from data import ImageData  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import correct_per_image, mcnemar_p, mean_std, plot_bands  # noqa: E402
+from analysis import correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -81,10 +80,7 @@ def plot(summary, path):
 
 
 def main():
-    data_dir = os.path.join(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "shared", "data"),
-                            "cifar10-jpeg")
-    # the training subset too, so that the test images are normalised exactly as in training's evaluation
-    test_data = ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
+    data_dir, test_data = experiment_data(sys.argv)
     per_seed = {seed: analyze_seed(seed, data_dir, test_data) for seed in SEEDS}
     summary = summarize(per_seed)
     folder = os.path.join(ROOT, "results", "e1")

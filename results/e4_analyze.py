@@ -14,11 +14,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from data import ImageData  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import correct_per_image, mcnemar_p, mean_std  # noqa: E402
+from analysis import correct_per_image, experiment_data, mcnemar_p, mean_std  # noqa: E402
 from e1_analyze import same_init  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -36,9 +35,7 @@ def analyze(seed, trunk, test_data):
 
 
 def main():
-    data_dir = os.path.join(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "shared", "data"),
-                            "cifar10-jpeg")
-    test_data = ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
+    _, test_data = experiment_data(sys.argv)
     per_seed = {trunk: {seed: analyze(seed, trunk, test_data) for seed in SEEDS} for trunk in TRUNKS}
     summary = {}
     for trunk, runs in per_seed.items():

@@ -18,9 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
-from analysis import correct_per_image, mcnemar_p, mean_std, plot_bands  # noqa: E402
+from analysis import correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands  # noqa: E402
 from bamboo import Bamboo, Config  # noqa: E402
-from data import ImageData  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -49,9 +48,7 @@ def analyze_seed(seed, data_dir, test_data):
 
 
 def main():
-    data_dir = os.path.join(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "shared", "data"),
-                            "cifar10-jpeg")
-    test_data = ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)  # training's normalisation
+    data_dir, test_data = experiment_data(sys.argv)
     per_seed = {seed: analyze_seed(seed, data_dir, test_data) for seed in SEEDS}
     depth = len(per_seed[0]["probe"]["free"]["cos"])
     summary = {"same_stem": all(s["same_stem"] for s in per_seed.values()),
