@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
-from train import TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype
+from train import (TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype,
+                   schedule_defaults)
 
 
 def parse_spec(spec):
@@ -103,7 +104,7 @@ class Runner:
             self.name, model, self.loss_fn = "bamboo", Bamboo(config), lambda m, x, y: m(x, y)[1]
         self.config = config
         self.model = model.to(device).train()
-        opt_cfg = TrainConfig()
+        opt_cfg = schedule_defaults(TrainConfig(batch_size=args.batch_size), config.depth)  # train.py's defaults
         self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
                           torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=fused_adamw(device)))
         if reference:  # the library model compiled whole, as its users would

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,10 @@ class TrainConfig:
     batch_size: int = 128           # samples per optimizer step, summed over processes and grad_accum
     grad_accum: int = 1             # micro-batches per optimizer step
     max_iters: int = 2000           # optimizer steps
-    lr: float = 1e-3                # peak learning rate (times the layer-decay scale)
-    min_lr: float = 1e-5            # learning rate at the end of the cosine
-    warmup: int = 100               # linear warmup steps
+    lr: float = -1.0                # peak learning rate (times the layer-decay scale); -1: base_lr x batch_size / 256
+    base_lr: float = 3e-4           # with --lr -1: the peak rate per 256 samples (the linear scaling rule of DeiT, MAE)
+    min_lr: float = 1e-5            # learning rate at the end of the cosine (with --lr -1: at most that rate)
+    warmup: int = -1                # linear warmup steps; -1: max(100, 5 x depth), longer for deeper trunks
     weight_decay: float = 0.05      # AdamW decay on matrices (not on biases, norms, positions)
     beta2: float = 0.95             # AdamW beta2
     grad_clip: float = 1.0          # clip the global gradient norm; 0 turns it off
@@ -83,8 +84,8 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "
            "preset": ("",) + tuple(PRESETS)}
 # What --resume may change: length and learning rate, where the data lives, logging. The settings of one
 # invocation (machine, time limit) are never inherited from the checkpoint: they are given now or default.
-RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples", "log_interval",
-             "data_dir", "cache_dir", "init_from")
+RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
+             "log_interval", "data_dir", "cache_dir", "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 
 
@@ -126,15 +127,27 @@ def given(args, cls):
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
+def schedule_defaults(cfg, depth):
+    """--lr -1 and --warmup -1 made concrete. The peak rate grows with the batch, as DeiT and MAE scale it; deep
+    trunks get a longer warmup, because a 48-block trunk whose rate peaked after 100 steps diverged."""
+    warmup = max(100, 5 * depth) if cfg.warmup == -1 else cfg.warmup
+    if cfg.lr != -1:
+        return replace(cfg, warmup=warmup)
+    lr = cfg.base_lr * cfg.batch_size / 256
+    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # small batches: the cosine never rises
+
+
 def validate(cfg):
-    """Check every training setting as Config checks its fields: one line naming the flag and the fix."""
+    """Check every training setting (after schedule_defaults) as Config checks its fields: one line naming the
+    flag and the fix."""
     checks = [
         ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
         ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
         ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
-        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr), "must be a finite number >= 0"),
+        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr), "must be a finite number >= 0"),
+        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr), "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
         ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0), f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
-        ("warmup", cfg.warmup >= 0, "must be >= 0"),
+        ("warmup", cfg.warmup >= 0, "must be >= 0, or -1 (max(100, 5 x depth))"),
         ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
         ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
         ("grad_clip", cfg.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
@@ -481,9 +494,10 @@ def setup(args):
         cfg, resumed = resume_config(args)
     else:
         cfg = TrainConfig(**given(args, TrainConfig))
-    validate(cfg)
     pretrained = load_checkpoint(cfg.init_from) if cfg.init_from and resumed is None else None
     settings = model_settings(args, cfg, resumed, pretrained)
+    cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
+    validate(cfg)
     device, rank, world = start_processes(cfg)
     run = Run(cfg, device, rank, world)
     if run.master:
@@ -514,7 +528,7 @@ def setup(args):
     run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{run.raw.num_params() / 1e6:.2f}M params, {run.raw.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
             f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} x {cfg.grad_accum} "
-            f"x {run.micro}")
+            f"x {run.micro}, peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps")
     return run
 
 

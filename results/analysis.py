@@ -30,14 +30,8 @@ def correct_per_image(model, data):
 
 
 def mcnemar_p(a, b):
-    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): binomial on the discordant pairs."""
-    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
-    n, k = only_a + only_b, min(only_a, only_b)
-    if n == 0:
-        return 1.0
-    tail = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2))
-               for i in range(k + 1))
-    return min(1.0, 2 * tail)
+    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): the sign test on the discordant pairs."""
+    return sign_test_p(int((a & ~b).sum()), int((~a & b).sum()))
 
 
 def mean_std(values):
@@ -48,8 +42,9 @@ def mean_std(values):
     return mean, (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
 
 
-def plot_bands(probe_summary, arms, metrics, title, path):
-    """One panel per metric, one line per arm (mean over seeds) with a band of ± one std."""
+def plot_bands(probe_summary, arms, metrics, title, path, relative=False):
+    """One panel per metric, one line per arm (mean over seeds) with a band of ± one std; relative=True puts
+    models of different depths on one axis (layer / depth)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,11 +57,13 @@ def plot_bands(probe_summary, arms, metrics, title, path):
         for arm, label in arms.items():
             points = [(layer, m, s) for layer, (m, s) in enumerate(probe_summary[arm][metric]) if m is not None]
             layers, means, stds = zip(*points)
+            if relative:
+                layers = [layer / (len(probe_summary[arm][metric]) - 1) for layer in layers]
             ax.plot(layers, means, marker="o", markersize=2.5, label=label)
             ax.fill_between(layers, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
                             alpha=0.2)
         ax.set_title(metric)
-        ax.set_xlabel("layer (0 = embedding)")
+        ax.set_xlabel("layer / depth" if relative else "layer (0 = embedding)")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(metrics):]:
         ax.axis("off")
@@ -74,3 +71,43 @@ def plot_bands(probe_summary, arms, metrics, title, path):
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
+
+
+TRUNK = ("patch_embed", "tok_embed", "pos_embed", "blocks.")
+
+
+def initial_model(config, seed):
+    """The model a run with this config and seed started from (train.py seeds, then builds)."""
+    sys.path.insert(0, ROOT)
+    from bamboo import Bamboo, Config
+
+    torch.manual_seed(seed)
+    return Bamboo(Config.from_dict(config)).eval()
+
+
+def same_init(configs, seed, prefixes=TRUNK):
+    """Whether the runs with these configs and this seed started with bit-identical tensors under the given name
+    prefixes; returns (equal, how many tensors were compared)."""
+    states = [{k: v for k, v in initial_model(c, seed).state_dict().items() if k.startswith(prefixes)} for c in configs]
+    shared = set.intersection(*(set(s) for s in states))
+    return all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in shared), len(shared)
+
+
+def sign_test_p(wins, losses):
+    """Exact two-sided sign test: binomial(wins + losses, 1/2) on the pairs that differ."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2))
+                            for i in range(k + 1)))
+
+
+def seed_bands(probes, metrics):
+    """Per layer (mean, std) over seeds of each metric; probes is one probe_model result per seed."""
+    layers = len(probes[0][metrics[0]])
+    return {m: [mean_std([p[m][layer] for p in probes]) for layer in range(layers)] for m in metrics}
+
+
+def last_layer(bands):
+    """'mean ± std' of the last layer of every metric of seed_bands' result, for printing."""
+    return {m: f"{v[-1][0]:.3f} ± {v[-1][1]:.3f}" for m, v in bands.items() if v[-1][0] is not None}

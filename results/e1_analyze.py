@@ -18,11 +18,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from bamboo import Bamboo, Config  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands  # noqa: E402
+from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
+                      same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -30,21 +30,12 @@ ARMS = {"cls": "cls from scratch", "ft": "MAE fine-tuned", "mae": "MAE encoder, 
         "mae_mask": "MAE encoder, visible patches (--mask)"}
 
 
-def same_init(cls_config, mae_config, seed):
-    """Rebuild both arms' initial weights from their configs and seed; True if stem and blocks are identical."""
-    models = []
-    for config in (cls_config, mae_config):
-        torch.manual_seed(seed)
-        models.append(Bamboo(Config.from_dict(config)).state_dict())
-    shared = [k for k in models[0] if k.startswith(("patch_embed", "blocks."))]
-    return len(shared) > 0 and all(torch.equal(models[0][k], models[1][k]) for k in shared)
-
-
 @torch.no_grad()
 def analyze_seed(seed, data_dir, test_data):
     out = os.path.join(ROOT, "out", "e1", f"s{seed}")
     models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
-    result = {"same_init": same_init(models["cls"][1]["config"], models["mae"][1]["config"], seed)}
+    configs = (models["cls"][1]["config"], models["mae"][1]["config"])
+    result = {"same_init": same_init(configs, seed, ("patch_embed", "blocks."))[0]}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
     result["top1"] = {arm: 100 * r.double().mean().item() for arm, r in right.items()}
     result["mcnemar_p"] = mcnemar_p(right["cls"], right["ft"])
@@ -62,9 +53,7 @@ def summarize(per_seed):
                "top1": {arm: mean_std([s["top1"][arm] for s in per_seed.values()]) for arm in ("cls", "ft")},
                "mcnemar_p": {seed: s["mcnemar_p"] for seed, s in per_seed.items()}, "probe": {}, "beta": {}}
     for arm in ARMS:
-        summary["probe"][arm] = {m: [mean_std([s["probe"][arm][m][layer] for s in per_seed.values()])
-                                     for layer in range(len(next(iter(per_seed.values()))["probe"][arm][m]))]
-                                 for m in METRICS}
+        summary["probe"][arm] = seed_bands([s["probe"][arm] for s in per_seed.values()], METRICS)
     for arm in ("mae", "ft"):
         for part in ("qk", "v"):
             rows = [s["beta"][arm][part] for s in per_seed.values()]
@@ -89,8 +78,7 @@ def main():
     plot(summary, os.path.join(folder, "e1.png"))
     print(json.dumps({k: summary[k] for k in ("same_init", "top1", "mcnemar_p", "beta")}, indent=1))
     for arm in ARMS:
-        last = {m: summary["probe"][arm][m][-1] for m in METRICS}
-        print(arm, {m: f"{v[0]:.3f} ± {v[1]:.3f}" for m, v in last.items() if v[0] is not None})
+        print(arm, last_layer(summary["probe"][arm]))
 
 
 if __name__ == "__main__":

@@ -12,27 +12,17 @@ import json
 import os
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
-from analysis import correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands  # noqa: E402
-from bamboo import Bamboo, Config  # noqa: E402
+from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
+                      same_init, seed_bands)
 from train import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 ARMS = {"free": "free W_V W_O", "smooth": "smooth (every eigenvalue > 0)", "sharpen": "sharpen (in [-1, 0))"}
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy", "h_positive")
-
-
-def same_stem(configs, seed):
-    stems = []
-    for config in configs:
-        torch.manual_seed(seed)
-        stems.append(Bamboo(Config.from_dict(config)).patch_embed.weight)
-    return all(torch.equal(stems[0], s) for s in stems[1:])
 
 
 def analyze_seed(seed, data_dir, test_data):
@@ -41,7 +31,7 @@ def analyze_seed(seed, data_dir, test_data):
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ARMS}
     args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
     samples = probe.load_samples(args, models["free"][0], {})
-    return {"same_stem": same_stem([m[1]["config"] for m in models.values()], seed),
+    return {"same_stem": same_init([m[1]["config"] for m in models.values()], seed, ("patch_embed", "pos_embed"))[0],
             "top1": {arm: 100 * r.double().mean().item() for arm, r in right.items()},
             "mcnemar_p_smooth_sharpen": mcnemar_p(right["smooth"], right["sharpen"]),
             "probe": {arm: probe.probe_model(models[arm][0].eval(), samples, 64) for arm in ARMS}}
@@ -50,12 +40,10 @@ def analyze_seed(seed, data_dir, test_data):
 def main():
     data_dir, test_data = experiment_data(sys.argv)
     per_seed = {seed: analyze_seed(seed, data_dir, test_data) for seed in SEEDS}
-    depth = len(per_seed[0]["probe"]["free"]["cos"])
     summary = {"same_stem": all(s["same_stem"] for s in per_seed.values()),
                "top1": {arm: mean_std([s["top1"][arm] for s in per_seed.values()]) for arm in ARMS},
                "mcnemar_p_smooth_sharpen": {seed: s["mcnemar_p_smooth_sharpen"] for seed, s in per_seed.items()},
-               "probe": {arm: {m: [mean_std([s["probe"][arm][m][layer] for s in per_seed.values()])
-                                   for layer in range(depth)] for m in METRICS} for arm in ARMS}}
+               "probe": {arm: seed_bands([s["probe"][arm] for s in per_seed.values()], METRICS) for arm in ARMS}}
     folder = os.path.join(ROOT, "results", "e5")
     with open(os.path.join(folder, "e5.json"), "w") as f:
         json.dump({"per_seed": per_seed, "summary": summary}, f, indent=1)
@@ -63,8 +51,7 @@ def main():
                "24x64, 16x16 CIFAR-10, 1,000 steps, mean ± std over 3 seeds", os.path.join(folder, "e5.png"))
     print(json.dumps({k: summary[k] for k in ("same_stem", "top1", "mcnemar_p_smooth_sharpen")}, indent=1))
     for arm in ARMS:
-        last = {m: summary["probe"][arm][m][-1] for m in METRICS}
-        print(arm, {m: f"{v[0]:.3f} ± {v[1]:.3f}" for m, v in last.items() if v[0] is not None})
+        print(arm, last_layer(summary["probe"][arm]))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 #   BENCHLIB=DIR  where timm, transformers and vit-pytorch are installed, if they are not importable already;
 #                 without them, the --against tables are skipped with a note
 # It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, a short CIFAR-10 run and
-# a probe of it. Each step has its own time limit, so the whole stays under 10 minutes on one H100; a step
-# that fails or times out is recorded in results/gpu/status.txt and the script goes on.
+# a probe of it, and the default schedule on the deepest presets. Each step has its own time limit, cut to what
+# is left of 580 s, so the whole ends within 10 minutes; a step that fails, times out or finds no time left is
+# recorded in results/gpu/status.txt and the script goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -18,10 +19,26 @@ if [ -n "${BENCHLIB:-}" ]; then export PYTHONPATH=$BENCHLIB; fi
 
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, output to $OUT/NAME.txt, status recorded
   local name=$1 limit=$2 start=$SECONDS; shift 2
+  if [ $((580 - SECONDS)) -lt "$limit" ]; then limit=$((580 - SECONDS)); fi
+  if [ "$limit" -le 0 ]; then echo "$name skipped: no time left" | tee -a "$OUT/status.txt"; return; fi
   echo "== $name: $*"
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/status.txt"
+}
+
+defaults_at_depth() {  # bamboo-b and base-96x256 at batch 256 in bf16, every schedule flag at its default, for
+  # twice their warmup of max(100, 5 x depth) steps; the logs are kept, the checkpoints go to a temporary folder.
+  local tmp preset steps
+  tmp=$(mktemp -d)
+  for preset in bamboo-b:480 base-96x256:960; do
+    steps=${preset#*:} preset=${preset%:*}
+    $PY train.py --preset "$preset" --objective cls --dataset folder --data_dir "$DATA" --train_samples 10000 \
+      --batch_size 256 --max_iters "$steps" --eval_interval "$steps" --eval_samples 2000 --log_interval 40 \
+      --out_dir "$tmp/$preset" || return 1
+    mkdir -p "$OUT/defaults-$preset" && cp "$tmp/$preset/log.jsonl" "$OUT/defaults-$preset/" || return 1
+  done
+  rm -rf "$tmp"
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -45,6 +62,9 @@ if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
     --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
   step probe 40 $PY probe.py "$OUT/cifar-small/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" \
     --plot "$OUT/probe.png"
+  # The default rate and warmup on the deepest presets (target: no divergence; a non-finite loss stops train.py).
+  export -f defaults_at_depth; export PY DATA OUT
+  step defaults-at-depth 120 bash -c defaults_at_depth
 else
   echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
 fi

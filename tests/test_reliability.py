@@ -140,6 +140,9 @@ def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
     (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
     (["--device", "gpu0"], "--device 'gpu0' is not a device"),
     (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--warmup", "-2"], "--warmup -2 must be >= 0, or -1"),
+    (["--base_lr", "-0.001"], "--base_lr -0.001 must be a finite number >= 0"),
+    (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
     (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
     (["--resume", "--overwrite"], "choose one"),
 ])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bamboo import Bamboo
+from bamboo import PRESETS, Bamboo
 
 from helpers import batch, cli_error, image_flags, run_torchrun, run_train, text_flags, tiny, train_losses
 
@@ -115,6 +115,41 @@ def test_get_lr_warms_up_then_decays():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+@pytest.mark.parametrize("preset", ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
+                                    "base-96x256", "wikitext-deep"])
+def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
+    import train
+
+    depth = PRESETS[preset]["depth"]
+    for batch_size in (64, 256, 1024):
+        cfg = train.schedule_defaults(train.TrainConfig(batch_size=batch_size), depth)
+        assert cfg.lr == pytest.approx(3e-4 * batch_size / 256)
+        assert cfg.warmup == max(100, 5 * depth)
+    given = train.schedule_defaults(train.TrainConfig(lr=0.0, min_lr=0.0, warmup=0), depth)
+    assert (given.lr, given.min_lr, given.warmup) == (0.0, 0.0, 0)  # given values are kept, 0 included
+    tiny_batch = train.schedule_defaults(train.TrainConfig(batch_size=2), depth)
+    assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
+
+
+def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
+    """bamboo-b's 48 blocks at width 16, on 32x32 RGB images in 8x8 patches, for 300 steps of the CLI with the
+    defaults' rate and warmup for a batch of 256 (the flagship's), on batches of 16 (noisier than 256), past the
+    warmup's peak, with the default clip and AdamW. In float32: the schedule is under test here, and bf16, which
+    this CPU emulates, would make the test 1.7x slower (results/gpu.sh runs the full width in bf16 on a GPU)."""
+    import train
+
+    cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
+    code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16", "--heads", "1",
+                                   "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
+                                   "--data_dir", tiny_data / "images", "--batch_size", "16", "--max_iters", "300",
+                                   "--eval_interval", "300", "--dtype", "float32", "--lr", cfg.lr,
+                                   "--warmup", cfg.warmup, out_dir=tmp_path)
+    assert code == 0, out
+    losses = list(train_losses(records).values())
+    assert len(losses) == 300 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-50:]) / 50 < 0.5 * sum(losses[:50]) / 50, losses[::25]
 
 
 def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path):
