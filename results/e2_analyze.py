@@ -59,7 +59,8 @@ def window_losses(model, windows, batch_size=8):
     for i in range(0, len(windows), batch_size):
         x = windows[i:i + batch_size]
         logits, _ = model(x)  # (B, T-1, vocab): the logits of x[:, :-1]
-        losses.append(F.cross_entropy(logits.transpose(1, 2).float(), x[:, 1:], reduction="none").mean(1))
+        per_token = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
+        losses.append(per_token.view(len(x), -1).mean(1))
     return torch.cat(losses)
 
 

@@ -1,6 +1,6 @@
 """Tables of final metrics and one figure of training curves, from results/logs/*.jsonl.
 
-Run: python results/summarize.py   (results/reproduce.sh calls it last)
+Run: python results/summarize.py   (for the earlier single-seed runs, whose logs are in results/logs/)
 """
 import glob
 import json

@@ -69,7 +69,7 @@ def test_layer_decay_scales_each_layer():
     import train
 
     model = Bamboo(tiny("cls", depth=3))
-    cfg = train.TrainConfig(layer_decay=0.5)
+    cfg = train.schedule_defaults(train.TrainConfig(layer_decay=0.5), depth=3)
     groups = train.make_optimizer(model, cfg, torch.device("cpu")).param_groups
     scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     assert scale[id(model.head.weight)] == 1.0 and scale[id(model.blocks[2].mlp.fc.weight)] == 0.5
@@ -90,7 +90,7 @@ def test_fused_adamw_matches_the_reference_adamw():
     model, reference = Bamboo(tiny("cls", depth=2)), Bamboo(tiny("cls", depth=2))
     reference.load_state_dict(model.state_dict())
     start = model.head.weight.detach().clone()
-    cfg = train.TrainConfig()
+    cfg = train.schedule_defaults(train.TrainConfig(), depth=2)
     fused = train.make_optimizer(model, cfg, torch.device("cpu"))
     assert fused.defaults["fused"] and len(fused.param_groups) == 2  # decay / no decay, nothing else
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
