@@ -3,11 +3,13 @@ figures with bands.
 
 Run: python results/e1_analyze.py   (this module has no command of its own)
 """
+import argparse
 import math
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +23,38 @@ def experiment_data(argv):
 
     data_dir = os.path.join(argv[1] if len(argv) > 1 else os.path.join(ROOT, "..", "shared", "data"), "cifar10-jpeg")
     return data_dir, ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
+
+
+def probe_images(data_dir, model, samples=256):
+    """The first `samples` test images of the CIFAR-10 folder, loaded as probe.py loads them for this model."""
+    sys.path.insert(0, ROOT)
+    import probe
+
+    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=samples, tokenizer="", val_file="")
+    return probe.load_samples(args, model, {})
+
+
+@torch.no_grad()
+def token_predictions(model, windows, batch_size=8):
+    """(loss, argmax and target of every predicted token, each (N,)): next-token on every position, or MLM on
+    the positions its corruption chose (torch.manual_seed(0): the same masks for every model). The logits are
+    never kept: for 1,024 windows of next-token they would need 26 GB."""
+    model.eval()
+    torch.manual_seed(0)
+    losses, guesses, all_targets = [], [], []
+    for i in range(0, len(windows), batch_size):
+        x = windows[i:i + batch_size]
+        if model.config.objective == "mlm":
+            inputs, targets = model.mask_tokens(x)
+            logits, _ = model(inputs, targets)  # (N chosen, vocab)
+            targets = targets[targets != -100]
+        else:
+            logits, _ = model(x)  # (B, T-1, vocab)
+            logits, targets = logits.flatten(0, 1), x[:, 1:].flatten()
+        losses.append(F.cross_entropy(logits.float(), targets, reduction="none"))
+        guesses.append(logits.argmax(-1))
+        all_targets.append(targets)
+    return torch.cat(losses), torch.cat(guesses), torch.cat(all_targets)
 
 
 @torch.no_grad()

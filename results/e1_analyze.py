@@ -8,7 +8,6 @@ over seeds, written to results/e1/e1.json and e1.md, and a figure with one band 
 
 Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
 """
-import argparse
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
-                      same_init, seed_bands)
+                      probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -39,8 +38,7 @@ def analyze_seed(seed, data_dir, test_data):
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
     result["top1"] = {arm: 100 * r.double().mean().item() for arm, r in right.items()}
     result["mcnemar_p"] = mcnemar_p(right["cls"], right["ft"])
-    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
-    samples = probe.load_samples(args, models["cls"][0], {})
+    samples = probe_images(data_dir, models["cls"][0])
     result["probe"] = {arm: probe.probe_model(models[arm.split("_")[0]][0].eval(), samples, 64, mask=arm == "mae_mask")
                        for arm in ARMS}
     result["beta"] = {arm: dict(zip(("qk", "v"), probe.beta(models[arm][0], models["cls"][0])))

@@ -16,13 +16,11 @@ import math
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from analysis import (ROOT, correct_per_image, experiment_data, initial_model, last_layer, mcnemar_p,  # noqa: E402
-                      mean_std, plot_bands, same_init, seed_bands, sign_test_p)
+                      mean_std, plot_bands, probe_images, same_init, seed_bands, sign_test_p, token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
@@ -51,24 +49,15 @@ def probe_arms(models, seed, samples):
     return result
 
 
-@torch.no_grad()
-def window_losses(model, windows, batch_size=8):
+def window_losses(model, windows):
     """Mean next-token cross-entropy of every window (N,), in nats."""
-    model.eval()
-    losses = []
-    for i in range(0, len(windows), batch_size):
-        x = windows[i:i + batch_size]
-        logits, _ = model(x)  # (B, T-1, vocab): the logits of x[:, :-1]
-        per_token = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
-        losses.append(per_token.view(len(x), -1).mean(1))
-    return torch.cat(losses)
+    return token_predictions(model, windows)[0].view(len(windows), -1).mean(1)
 
 
 def analyze_vision(seed, data_dir, test_data):
     models = load_arms(VISION, seed)
     right = {arm: correct_per_image(m, test_data) for arm, (m, _) in models.items()}
-    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
-    samples = probe.load_samples(args, models["softmax"][0], {})
+    samples = probe_images(data_dir, models["softmax"][0])
     return {"same_init": same_init([c["config"] for _, c in models.values()], seed, ("",)),
             "top1": {arm: 100 * r.double().mean().item() for arm, r in right.items()},
             "mcnemar_p": mcnemar_p(right["neutreno"], right["softmax"]),

@@ -15,11 +15,11 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import ROOT, initial_model, last_layer, mean_std, plot_bands, same_init, seed_bands  # noqa: E402
+from analysis import (ROOT, initial_model, last_layer, mean_std, plot_bands, same_init, seed_bands,  # noqa: E402
+                      token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
@@ -34,31 +34,8 @@ LABELS = {"next_init": "next, at init", "mlm_init": "mlm, at init (same weights)
 WINDOWS, FREQUENT = 1024, 100
 
 
-@torch.no_grad()
-def predictions(model, windows, batch_size=8):
-    """(loss, argmax and target of every predicted token, each (N,)): next-token on every position, or MLM on
-    the positions its corruption chose (torch.manual_seed(0): the same masks for every model). The logits are
-    never kept: for 1,024 windows of next-token they would need 26 GB."""
-    model.eval()
-    torch.manual_seed(0)
-    losses, guesses, all_targets = [], [], []
-    for i in range(0, len(windows), batch_size):
-        x = windows[i:i + batch_size]
-        if model.config.objective == "mlm":
-            inputs, targets = model.mask_tokens(x)
-            logits, _ = model(inputs, targets)  # (N chosen, vocab)
-            targets = targets[targets != -100]
-        else:
-            logits, _ = model(x)  # (B, T-1, vocab)
-            logits, targets = logits.flatten(0, 1), x[:, 1:].flatten()
-        losses.append(F.cross_entropy(logits.float(), targets, reduction="none"))
-        guesses.append(logits.argmax(-1))
-        all_targets.append(targets)
-    return torch.cat(losses), torch.cat(guesses), torch.cat(all_targets)
-
-
 def scores(model, windows, train_counts):
-    losses, guess, targets = predictions(model, windows)
+    losses, guess, targets = token_predictions(model, windows)
     rare = ~torch.isin(targets, torch.from_numpy(np.argsort(-train_counts)[:FREQUENT].copy()))
     unigram = torch.from_numpy(np.log((train_counts + 1) / (train_counts + 1).sum())).float()
     return {"loss": losses.mean().item(), "unigram_loss": -unigram[targets].mean().item(),

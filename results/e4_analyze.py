@@ -7,7 +7,6 @@ to results/e4/e4.json, and a figure of the probes against relative depth with on
 
 Run: python results/e4_analyze.py [DATA]     (DATA defaults to ../shared/data)
 """
-import argparse
 import json
 import os
 import sys
@@ -20,8 +19,8 @@ import probe  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands, same_init,  # noqa: E402
-                      seed_bands)
+from analysis import (correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands, probe_images,  # noqa: E402
+                      same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 TRUNKS = ("6x128", "12x92", "24x64")
@@ -42,9 +41,8 @@ def analyze(seed, trunk, test_data, samples):
 
 def main():
     data_dir, test_data = experiment_data(sys.argv)
-    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
-    samples = probe.load_samples(args, model_from_checkpoint(os.path.join(ROOT, "out", "e4", "s0", TRUNKS[0], "cls",
-                                                                          "ckpt.pt"))[0], {})
+    samples = probe_images(data_dir, model_from_checkpoint(os.path.join(ROOT, "out", "e4", "s0", TRUNKS[0], "cls",
+                                                                        "ckpt.pt"))[0])
     per_seed = {trunk: {seed: analyze(seed, trunk, test_data, samples) for seed in SEEDS} for trunk in TRUNKS}
     summary, bands = {}, {}
     for trunk, runs in per_seed.items():

@@ -7,7 +7,6 @@ results/e5/e5.json and a figure with one band per arm.
 
 Run: python results/e5_analyze.py [DATA]     (DATA defaults to ../shared/data)
 """
-import argparse
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
 from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
-                      same_init, seed_bands)
+                      probe_images, same_init, seed_bands)
 from train import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -29,8 +28,7 @@ def analyze_seed(seed, data_dir, test_data):
     out = os.path.join(ROOT, "out", "e5", f"s{seed}")
     models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ARMS}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ARMS}
-    args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=256, tokenizer="", val_file="")
-    samples = probe.load_samples(args, models["free"][0], {})
+    samples = probe_images(data_dir, models["free"][0])
     return {"same_stem": same_init([m[1]["config"] for m in models.values()], seed, ("patch_embed", "pos_embed"))[0],
             "top1": {arm: 100 * r.double().mean().item() for arm, r in right.items()},
             "mcnemar_p_smooth_sharpen": mcnemar_p(right["smooth"], right["sharpen"]),
