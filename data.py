@@ -106,7 +106,7 @@ def _load_split(name, data_dir, split, image_size, limit=0):
 def to_device(t, device):
     """t on device without making the CPU wait for the GPU: a copy from pageable memory would wait for
     everything queued before it, so small per-step tensors go through pinned memory."""
-    if device.type != "cuda" or t.device == device:
+    if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

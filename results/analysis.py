@@ -14,15 +14,16 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def experiment_data(argv):
-    """(CIFAR-10 folder, its test split) for the CPU experiments: 16x16 images, normalised as training's
-    evaluation normalised them (statistics of the fixed 5,000-image training subset). argv[1] names the
-    data folder; it defaults to ../shared/data."""
+def experiment_data(argv, image_size=16, train_samples=5000, device="cpu"):
+    """(CIFAR-10 folder, its test split on device) as the experiments trained on it: by default the CPU
+    experiments' 16x16 images, normalised as training's evaluation normalised them (statistics of the fixed
+    5,000-image training subset). argv[1] names the data folder; it defaults to ../shared/data."""
     sys.path.insert(0, ROOT)
     from data import ImageData
 
-    data_dir = os.path.join(argv[1] if len(argv) > 1 else os.path.join(ROOT, "..", "shared", "data"), "cifar10-jpeg")
-    return data_dir, ImageData("folder", data_dir, "cpu", image_size=16, train_samples=5000)
+    data_dir = os.path.join(argv[1] if len(argv) > 1 and argv[1] else os.path.join(ROOT, "..", "shared", "data"),
+                            "cifar10-jpeg")
+    return data_dir, ImageData("folder", data_dir, device, image_size=image_size, train_samples=train_samples)
 
 
 def probe_images(data_dir, model, samples=256):

@@ -4,10 +4,15 @@ Per seed: checks that the cls and mae arms started from bit-identical trunks; sc
 with cls and with the fine-tuned MAE (accuracy, and McNemar's exact test on the paired per-image
 outcomes); probes cls, fine-tuned MAE and the pre-trained encoder (all patches, and with --mask its
 visible ones) on the first 256 test images; beta of the MAE checkpoints against cls. Then mean and std
-over seeds, written to results/e1/e1.json and e1.md, and a figure with one band per arm.
+over seeds, written to results/e1/e1.json, and a figure with one band per arm. Each seed's numbers are
+also kept in <out>/seed<N>.json, so seeds trained in separate sessions (the GPU runs) join one summary:
+a seed whose checkpoints are gone is read back from there.
 
 Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
+     python results/e1_analyze.py DATA --runs /tmp/e1g --out results/e1-gpu --image_size 32 --train_samples 4000 \
+         --device cuda --title "..."      (the GPU runs of results/e1_gpu.sh)
 """
+import argparse
 import json
 import os
 import sys
@@ -30,9 +35,11 @@ ARMS = {"cls": "cls from scratch", "ft": "MAE fine-tuned", "mae": "MAE encoder, 
 
 
 @torch.no_grad()
-def analyze_seed(seed, data_dir, test_data):
-    out = os.path.join(ROOT, "out", "e1", f"s{seed}")
+def analyze_seed(seed, runs, data_dir, test_data):
+    out = os.path.join(runs, f"s{seed}")
     models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
+    for model, _ in models.values():
+        model.to(test_data.test_x.device)
     configs = (models["cls"][1]["config"], models["mae"][1]["config"])
     result = {"same_init": same_init(configs, seed, ("patch_embed", "blocks."))[0]}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
@@ -61,19 +68,44 @@ def summarize(per_seed):
     return summary
 
 
-def plot(summary, path):
-    title = "Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 3 seeds"
-    plot_bands(summary["probe"], ARMS, METRICS, title, path)
+def parse_args():
+    p = argparse.ArgumentParser(description="Experiment 1's numbers and figure from its checkpoints.")
+    p.add_argument("data", nargs="?", default="", help="folder holding cifar10-jpeg/ (default ../shared/data)")
+    p.add_argument("--runs", default=os.path.join(ROOT, "out", "e1"), help="folder of s<seed>/{cls,mae,ft}/ckpt.pt")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "e1"), help="where e1.json, e1.png go")
+    p.add_argument("--image_size", type=int, default=16, help="the runs' image size")
+    p.add_argument("--train_samples", type=int, default=5000, help="the runs' training subset (its statistics)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--device", default="cpu", help="where the models score the test set")
+    p.add_argument("--title", default="Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, "
+                                      "mean ± std over 3 seeds")
+    return p.parse_args()
+
+
+def seed_result(seed, args, data_dir, test_data):
+    """This seed's numbers: measured when its checkpoints exist (and kept), else read back from an earlier run."""
+    path = os.path.join(args.out, f"seed{seed}.json")
+    if os.path.exists(os.path.join(args.runs, f"s{seed}", "ft", "ckpt.pt")):
+        result = analyze_seed(seed, args.runs, data_dir, test_data)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
+    if not os.path.exists(path):
+        sys.exit(f"seed {seed}: no checkpoints under {args.runs}/s{seed} and no {path}; train it first")
+    with open(path) as f:
+        return json.load(f)
 
 
 def main():
-    data_dir, test_data = experiment_data(sys.argv)
-    per_seed = {seed: analyze_seed(seed, data_dir, test_data) for seed in SEEDS}
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    data_dir, test_data = experiment_data([None, args.data], args.image_size, args.train_samples, args.device)
+    per_seed = {seed: seed_result(seed, args, data_dir, test_data) for seed in args.seeds}
     summary = summarize(per_seed)
-    folder = os.path.join(ROOT, "results", "e1")
-    with open(os.path.join(folder, "e1.json"), "w") as f:
+    name = os.path.basename(os.path.normpath(args.out))
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"per_seed": per_seed, "summary": summary}, f, indent=1)
-    plot(summary, os.path.join(folder, "e1.png"))
+    plot_bands(summary["probe"], ARMS, METRICS, args.title, os.path.join(args.out, f"{name}.png"))
     print(json.dumps({k: summary[k] for k in ("same_init", "top1", "mcnemar_p", "beta")}, indent=1))
     for arm in ARMS:
         print(arm, last_layer(summary["probe"][arm]))

@@ -28,12 +28,13 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, output to $O
 }
 
 defaults_at_depth() {  # bamboo-b and base-96x256 at batch 256 in bf16, every schedule flag at its default, for
-  # twice their warmup of max(100, 5 x depth) steps; the logs are kept, the checkpoints go to a temporary folder.
+  # 240 steps past the peak of their warmup of max(100, 10 x depth) steps; seed 2, whose bamboo-b diverged with
+  # the earlier 5 x depth. The logs are kept, the checkpoints go to a temporary folder.
   local tmp preset steps
   tmp=$(mktemp -d)
-  for preset in bamboo-b:480 base-96x256:960; do
+  for preset in bamboo-b:720 base-96x256:1200; do
     steps=${preset#*:} preset=${preset%:*}
-    $PY train.py --preset "$preset" --objective cls --dataset folder --data_dir "$DATA" --train_samples 10000 \
+    $PY train.py --preset "$preset" --objective cls --seed 2 --dataset folder --data_dir "$DATA" --train_samples 10000 \
       --batch_size 256 --max_iters "$steps" --eval_interval "$steps" --eval_samples 2000 --log_interval 40 \
       --out_dir "$tmp/$preset" || return 1
     mkdir -p "$OUT/defaults-$preset" && cp "$tmp/$preset/log.jsonl" "$OUT/defaults-$preset/" || return 1
@@ -64,7 +65,7 @@ if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
     --plot "$OUT/probe.png"
   # The default rate and warmup on the deepest presets (target: no divergence; a non-finite loss stops train.py).
   export -f defaults_at_depth; export PY DATA OUT
-  step defaults-at-depth 120 bash -c defaults_at_depth
+  step defaults-at-depth 160 bash -c defaults_at_depth
 else
   echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
 fi

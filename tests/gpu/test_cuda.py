@@ -59,3 +59,13 @@ def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path
     assert code == 0, out
     a, b = train_losses(parts), train_losses(whole)
     assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+
+
+def test_to_device_leaves_a_gpu_tensor_where_it_is_whatever_the_device_is_called():
+    """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it would fail."""
+    from data import to_device
+
+    x = torch.arange(6, device="cuda:0")
+    assert to_device(x, torch.device("cuda")) is x
+    moved = to_device(torch.arange(6), torch.device("cuda"))
+    assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(6))
