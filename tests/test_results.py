@@ -1,0 +1,42 @@
+"""The experiment analyses in results/: experiment 1's analysis on tiny runs, its per-seed record and read-back.
+
+Run: python -m pytest -q tests/test_results.py
+"""
+import json
+import subprocess
+import sys
+
+from helpers import REPO, image_flags, run_train
+
+
+def analyze(data, runs, out, *seeds):
+    return subprocess.run([sys.executable, "results/e1_analyze.py", str(data), "--runs", str(runs), "--out", str(out),
+                           "--image_size", "16", "--train_samples", "0", "--seeds", *map(str, seeds)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_path):
+    """Experiment 1's analysis on 2-step cls, mae and fine-tuned runs of one seed: it checks the shared init, writes
+    the seed's numbers, and, with the checkpoints gone (GPU runs of another session), reads them back unchanged;
+    a seed with neither gives one line."""
+    runs = tmp_path / "runs" / "s0"
+    for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
+                                  ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
+        flags = image_flags(tiny_data, objective, *extra, "--seed", "0", "--max_iters", "2", "--eval_interval", "2",
+                            "--dtype", "float32")
+        code, out, _ = run_train(*flags, out_dir=runs / arm)
+        assert code == 0, out
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
+    out = tmp_path / "e1-tiny"
+    first = analyze(tmp_path / "data", tmp_path / "runs", out, 0)
+    assert first.returncode == 0, first.stderr
+    measured = json.loads((out / "e1-tiny.json").read_text())
+    assert measured["summary"]["same_init"] is True and (out / "seed0.json").exists() and (out / "e1-tiny.png").exists()
+    assert 0 <= measured["per_seed"]["0"]["top1"]["cls"] <= 100
+    again = analyze(tmp_path / "data", tmp_path / "gone", out, 0)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "e1-tiny.json").read_text()) == measured
+    missing = analyze(tmp_path / "data", tmp_path / "gone", out, 0, 1)
+    assert missing.returncode == 1 and "seed 1: no checkpoints" in missing.stderr
+    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
