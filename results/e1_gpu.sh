@@ -5,10 +5,11 @@
 # (1,563 steps of 256) at the default rate (3e-4) and WARMUP steps (240: the default when these runs were made;
 # seed 2's cls arm diverges with it, and the default is now 480, results/gpu/README.md); fine-tuning uses the
 # paper's layer-wise lr decay of 0.65 (Table 5, Base).
-# The seeds given run side by side on the one GPU, then results/e1_analyze.py scores and probes them there.
+# The seeds given run side by side on the one GPU; each is scored and probed there (results/e1_analyze.py) as
+# soon as its runs end, then one summary covers every seed done so far.
 #   DATA=DIR bash results/e1_gpu.sh 0 1        DIR holds cifar10-jpeg/; checkpoints go to RUNS (/tmp/e1g)
 #   DATA=DIR ALL_SEEDS="0 1 2" bash results/e1_gpu.sh 2     train seed 2, summarise all three (0, 1 read back)
-# Outputs: results/e1-gpu/ (logs, per-seed JSON, wall times, the GPU). PRESET, SAMPLES and STEPS override the
+# Outputs: OUT (results/e1-gpu/): logs, per-seed JSON, wall times, the GPU. PRESET, SAMPLES, STEPS, WARMUP override the
 # scale (a CPU smoke test: PRESET=cifar-tiny SAMPLES=256 STEPS=4 DEVICE=cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ PY=${PYTHON:-python}
 DATA=${DATA:-../shared/data}
 RUNS=${RUNS:-/tmp/e1g}
 PRESET=${PRESET:-bamboo-b} SAMPLES=${SAMPLES:-4000} STEPS=${STEPS:-1563} DEVICE=${DEVICE:-cuda} WARMUP=${WARMUP:-240}
-OUT=results/e1-gpu
+OUT=${OUT:-results/e1-gpu}
 mkdir -p "$OUT/logs"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"; fi
 COMMON="--preset $PRESET --dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --batch_size 256
@@ -30,18 +31,27 @@ arm() {  # arm SEED NAME FLAGS...: one training run, its log and wall time kept
   echo "seed $seed $name $((SECONDS - start)) s" >> "$OUT/time.txt"
 }
 
-seed_runs() {
+analysis() {  # analysis SEEDS...: results/e1_analyze.py on these seeds (read back where their checkpoints are gone)
+  $PY results/e1_analyze.py "$DATA" --runs "$RUNS" --out "$OUT" --image_size 32 --train_samples "$SAMPLES" \
+    --device "$DEVICE" --seeds "$@" \
+    --title "Experiment 1 on a GPU: cls from scratch against MAE, $PRESET, 32x32 CIFAR-10, 100 epochs, mean ± std"
+}
+
+seed_runs() {  # one seed's three arms, then its analysis while the checkpoints are there (a GPU session may end)
   arm "$1" cls --objective cls
   arm "$1" mae --objective mae
   arm "$1" ft --objective cls --init_from "$RUNS/s$1/mae/ckpt.pt" --layer_decay 0.65
+  local start=$SECONDS
+  analysis "$1" > "$OUT/logs/s$1-analyze.txt" 2>&1
+  echo "seed $1 analysis $((SECONDS - start)) s" >> "$OUT/time.txt"
 }
 
 start=$SECONDS
 for seed in "$@"; do seed_runs "$seed" & done
-failed=0
-for job in $(jobs -p); do wait "$job" || failed=1; done
+failed=""
+for seed in "$@"; do wait -n || failed="yes"; done
 echo "seeds $* side by side: $((SECONDS - start)) s" >> "$OUT/time.txt"
-if [ $failed = 1 ]; then echo "a training run failed: see $OUT/logs" >&2; exit 1; fi
-$PY results/e1_analyze.py "$DATA" --runs "$RUNS" --out "$OUT" --image_size 32 --train_samples "$SAMPLES" \
-  --device "$DEVICE" --seeds ${ALL_SEEDS:-$*} \
-  --title "Experiment 1 on a GPU: cls from scratch against MAE, $PRESET, 32x32 CIFAR-10, 100 epochs, mean ± std"
+if [ -n "$failed" ]; then echo "a seed failed: see $OUT/logs; the summary below leaves it out" >&2; fi
+done_seeds=$(for seed in ${ALL_SEEDS:-$*}; do [ -f "$OUT/seed$seed.json" ] && echo "$seed"; done)
+if [ -n "$done_seeds" ]; then analysis $done_seeds > "$OUT/analyze.txt" 2>&1; fi
+[ -z "$failed" ]
