@@ -581,12 +581,19 @@ def optimizer_step(run):
     return total, lr
 
 
+def divergence_advice(cfg):
+    """What to change after a non-finite loss: the rate and the warmup first (a deep trunk diverged on a GPU with
+    a warmup that was too short), then clipping if it is off."""
+    clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
+    return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
+
+
 def read_loss(run, total):
     """The training loss as a number (a host sync), refusing a non-finite one before anything is saved."""
     train_loss = total.item()
     if not math.isfinite(train_loss):
         raise TrainingError(f"loss is {train_loss} at step {run.step} (read every --log_interval steps); nothing "
-                            f"was saved; {lost_work(run)}; lower --lr or set --grad_clip")
+                            f"was saved; {lost_work(run)}; {divergence_advice(run.cfg)}")
     return train_loss
 
 
@@ -603,7 +610,7 @@ def evaluate_and_save(run, train_loss, jsonl):
         name, larger_is_better = headline(run.raw.config.objective)
         if not parameters_finite(run.raw) or (metrics is not None and not math.isfinite(metrics["val_loss"])):
             problem = (f"the weights or the evaluation went non-finite at step {run.step}; nothing was saved; "
-                       f"{lost_work(run)}; lower --lr or set --grad_clip")
+                       f"{lost_work(run)}; {divergence_advice(run.cfg)}")
         else:
             if metrics is not None:
                 if run.best is None or (metrics[name] > run.best if larger_is_better else metrics[name] < run.best):

@@ -29,7 +29,15 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
     good = (tmp_path / "ckpt.pt").read_bytes()
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip", "0")
     assert message in err and "still holds step 2" in err
+    assert "lengthen --warmup" in err and "--grad_clip 1.0" in err  # clipping was off here, so it is advised
     assert (tmp_path / "ckpt.pt").read_bytes() == good
+
+
+def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
+    import train
+
+    advice = train.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
+    assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
 
 def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
