@@ -6,7 +6,7 @@ outcomes); probes cls, fine-tuned MAE and the pre-trained encoder (all patches, 
 visible ones) on the first 256 test images; beta of the MAE checkpoints against cls. Then mean and std
 over seeds, written to results/e1/e1.json, and a figure with one band per arm. Each seed's numbers are
 also kept in <out>/seed<N>.json, so seeds trained in separate sessions (the GPU runs) join one summary:
-a seed whose checkpoints are gone is read back from there.
+a seed whose checkpoints are gone is read back from there, and --read_back reads every seed from there.
 
 Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
      python results/e1_analyze.py DATA --runs /tmp/e1g --out results/e1-gpu --image_size 32 --train_samples 4000 \
@@ -77,6 +77,8 @@ def parse_args():
     p.add_argument("--train_samples", type=int, default=5000, help="the runs' training subset (its statistics)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--device", default="cpu", help="where the models score the test set")
+    p.add_argument("--read_back", action="store_true",
+                   help="summarise from <out>/seed<N>.json only, even where the checkpoints are still there")
     p.add_argument("--title", default="Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, "
                                       "mean ± std over 3 seeds")
     return p.parse_args()
@@ -85,7 +87,7 @@ def parse_args():
 def seed_result(seed, args, data_dir, test_data):
     """This seed's numbers: measured when its checkpoints exist (and kept), else read back from an earlier run."""
     path = os.path.join(args.out, f"seed{seed}.json")
-    if os.path.exists(os.path.join(args.runs, f"s{seed}", "ft", "ckpt.pt")):
+    if not args.read_back and os.path.exists(os.path.join(args.runs, f"s{seed}", "ft", "ckpt.pt")):
         result = analyze_seed(seed, args.runs, data_dir, test_data)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
@@ -99,7 +101,8 @@ def seed_result(seed, args, data_dir, test_data):
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    data_dir, test_data = experiment_data([None, args.data], args.image_size, args.train_samples, args.device)
+    data_dir, test_data = ((None, None) if args.read_back else
+                           experiment_data([None, args.data], args.image_size, args.train_samples, args.device))
     per_seed = {seed: seed_result(seed, args, data_dir, test_data) for seed in args.seeds}
     summary = summarize(per_seed)
     name = os.path.basename(os.path.normpath(args.out))

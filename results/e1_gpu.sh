@@ -31,9 +31,9 @@ arm() {  # arm SEED NAME FLAGS...: one training run, its log and wall time kept
   echo "seed $seed $name $((SECONDS - start)) s" >> "$OUT/time.txt"
 }
 
-analysis() {  # analysis SEEDS...: results/e1_analyze.py on these seeds (read back where their checkpoints are gone)
+analysis() {  # analysis FLAGS...: results/e1_analyze.py on this experiment's runs (FLAGS name the seeds)
   $PY results/e1_analyze.py "$DATA" --runs "$RUNS" --out "$OUT" --image_size 32 --train_samples "$SAMPLES" \
-    --device "$DEVICE" --seeds "$@" \
+    --device "$DEVICE" "$@" \
     --title "Experiment 1 on a GPU: cls from scratch against MAE, $PRESET, 32x32 CIFAR-10, 100 epochs, mean ± std"
 }
 
@@ -42,7 +42,7 @@ seed_runs() {  # one seed's three arms, then its analysis while the checkpoints 
   arm "$1" mae --objective mae
   arm "$1" ft --objective cls --init_from "$RUNS/s$1/mae/ckpt.pt" --layer_decay 0.65
   local start=$SECONDS
-  analysis "$1" > "$OUT/logs/s$1-analyze.txt" 2>&1
+  analysis --seeds "$1" > "$OUT/logs/s$1-analyze.txt" 2>&1
   echo "seed $1 analysis $((SECONDS - start)) s" >> "$OUT/time.txt"
 }
 
@@ -53,5 +53,6 @@ for seed in "$@"; do wait -n || failed="yes"; done
 echo "seeds $* side by side: $((SECONDS - start)) s" >> "$OUT/time.txt"
 if [ -n "$failed" ]; then echo "a seed failed: see $OUT/logs; the summary below leaves it out" >&2; fi
 done_seeds=$(for seed in ${ALL_SEEDS:-$*}; do [ -f "$OUT/seed$seed.json" ] && echo "$seed"; done)
-if [ -n "$done_seeds" ]; then analysis $done_seeds > "$OUT/analyze.txt" 2>&1; fi
+# Each seed was measured above: the summary reads their numbers back instead of measuring them again.
+if [ -n "$done_seeds" ]; then analysis --read_back --seeds $done_seeds > "$OUT/analyze.txt" 2>&1; fi
 [ -z "$failed" ]

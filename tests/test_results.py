@@ -9,16 +9,16 @@ import sys
 from helpers import REPO, image_flags, run_train
 
 
-def analyze(data, runs, out, *seeds):
+def analyze(data, runs, out, *seeds, flags=()):
     return subprocess.run([sys.executable, "results/e1_analyze.py", str(data), "--runs", str(runs), "--out", str(out),
-                           "--image_size", "16", "--train_samples", "0", "--seeds", *map(str, seeds)],
+                           "--image_size", "16", "--train_samples", "0", *flags, "--seeds", *map(str, seeds)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_path):
     """Experiment 1's analysis on 2-step cls, mae and fine-tuned runs of one seed: it checks the shared init, writes
     the seed's numbers, and, with the checkpoints gone (GPU runs of another session), reads them back unchanged;
-    a seed with neither gives one line."""
+    --read_back reads the record even where the checkpoints are there; a seed with neither gives one line."""
     runs = tmp_path / "runs" / "s0"
     for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
                                   ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
@@ -37,6 +37,9 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_
     again = analyze(tmp_path / "data", tmp_path / "gone", out, 0)
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "e1-tiny.json").read_text()) == measured
+    (out / "seed0.json").write_text(json.dumps({**measured["per_seed"]["0"], "mcnemar_p": 0.5}))
+    kept = analyze(tmp_path / "data", tmp_path / "runs", out, 0, flags=["--read_back"])  # checkpoints there, unused
+    assert kept.returncode == 0 and json.loads((out / "e1-tiny.json").read_text())["summary"]["mcnemar_p"] == {"0": 0.5}
     missing = analyze(tmp_path / "data", tmp_path / "gone", out, 0, 1)
     assert missing.returncode == 1 and "seed 1: no checkpoints" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
