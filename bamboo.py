@@ -314,12 +314,20 @@ class Bamboo(nn.Module):
         pred = self.forward_decoder(latent, ids_restore)
         return pred, self.forward_loss(imgs, pred, mask)
 
-    def mask_tokens(self, tokens):
-        """BERT corruption: choose mlm_prob of positions; 80% -> [MASK], 10% random, 10% kept.
+    def choose_positions(self, tokens):
+        """The positions (B, k) of tokens (B, T) that MLM predicts, ascending in each row: BERT's exact count
+        k = round(mlm_prob * T) per window (at least 1), drawn by argsort of noise as MAE draws its masks.
+        A fixed count keeps every shape of the step static, so that it can run as a CUDA graph."""
+        noise = torch.rand(tokens.shape, device=tokens.device)
+        return noise.argsort(dim=1)[:, : self.config.num_chosen(tokens.shape[1])].sort(dim=1).values
 
-        Returns (inputs, targets) with targets = -100 (ignored) at unchosen positions.
+    def mask_tokens(self, tokens, positions=None):
+        """BERT corruption of the chosen positions: 80% -> [MASK], 10% a random token, 10% kept.
+
+        Returns (inputs, targets) with targets = -100 (ignored) at the positions not chosen.
         """
-        chosen = torch.rand(tokens.shape, device=tokens.device) < self.config.mlm_prob
+        positions = self.choose_positions(tokens) if positions is None else positions
+        chosen = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, positions, True)
         roll = torch.rand(tokens.shape, device=tokens.device)
         random_ids = torch.randint_like(tokens, self.config.vocab_size)
         inputs = torch.where(chosen & (roll < 0.8), self.mask_id, tokens)
@@ -334,14 +342,20 @@ class Bamboo(nn.Module):
         return h @ self.output_embedding().T
 
     def forward_mlm(self, tokens, y=None):
-        inputs, targets = self.mask_tokens(tokens) if y is None else (tokens, y)
-        h, _, _ = self.run_blocks(self.embed(inputs)[0])
-        chosen = targets != -100
+        if y is None:  # corrupt here; the chosen positions come in (B, k), static shapes
+            positions = self.choose_positions(tokens)
+            inputs, _ = self.mask_tokens(tokens, positions)
+            h, _, _ = self.run_blocks(self.embed(inputs)[0])
+            h, targets = take_tokens(h, positions).flatten(0, 1), tokens.gather(1, positions).flatten()
+        else:  # corrupted tokens and their targets given (-100 where ignored)
+            h, _, _ = self.run_blocks(self.embed(tokens)[0])
+            chosen = y != -100
+            h, targets = h[chosen], y[chosen]
         # The vocabulary projection only where the loss looks: 15% of the positions, the same loss.
-        logits = self.token_logits(self.mlm_transform(self.ln_f(h[chosen]))) + self.mlm_bias  # (N, vocab)
-        # A sum over chosen positions / their count: no NaN when a tiny batch chose none.
-        loss = F.cross_entropy(logits, targets[chosen], reduction="sum")
-        return logits, loss / chosen.sum().clamp(min=1)
+        logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias  # (N, vocab), row-major
+        # A sum over chosen positions / their count: no NaN when given targets choose none.
+        loss = F.cross_entropy(logits, targets, reduction="sum")
+        return logits, loss / max(1, len(targets))
 
     def next_token_features(self, tokens, y=None):
         """The final-norm features (B, T, D) and their targets: x[:, 1:] by default, or y, nanoGPT-style."""

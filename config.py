@@ -35,7 +35,7 @@ class Config:
     decoder_width: int = 192    # MAE decoder hidden size
     decoder_heads: int = 3      # MAE decoder heads
     norm_pix_loss: bool = False # MAE: regress per-patch normalised pixels
-    mlm_prob: float = 0.15      # MLM: fraction of positions chosen for the loss
+    mlm_prob: float = 0.15      # MLM: fraction of positions chosen for the loss (exactly, per window, as BERT)
     neutreno: float = 0.0       # NeuTRENO lambda; 0 is plain attention (papers: 0.6 vision, 0.4 language)
     vo_param: str = "free"      # per-head W_V W_O: free, or smooth / sharpen by construction (Dovonon et al.)
     checkpointing: bool = False # recompute each block's activations in backward: less memory, more time
@@ -81,6 +81,10 @@ class Config:
 
     def num_visible(self):
         return round(self.num_patches() * (1 - self.mask_ratio))
+
+    def num_chosen(self, length):
+        """MLM: how many of a window's `length` tokens are chosen for the loss (BERT: at least one)."""
+        return max(1, round(length * self.mlm_prob))
 
     @property
     def is_image(self):
@@ -180,9 +184,9 @@ def training_flops(c):
         fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp) + 2 * (c.num_visible() + prefix) * c.width * dw
         fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw))
         fwd += 2 * L * dw * c.patch_size ** 2 * c.channels  # the pixel prediction
-    elif c.objective == "mlm":  # the head (transform + vocabulary) runs only at the mlm_prob chosen positions
+    elif c.objective == "mlm":  # the head (transform + vocabulary) runs only at the chosen positions
         T = c.seq_len
-        fwd = blocks(c.depth, T, c.width, mlp) + c.mlm_prob * T * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)
+        fwd = blocks(c.depth, T, c.width, mlp) + c.num_chosen(T) * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)
     else:
         T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size

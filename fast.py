@@ -78,8 +78,6 @@ def graphs_unsafe(device, config, ddp):
         return "CUDA graphs need a CUDA device"
     if ddp:
         return "CUDA graphs are not measured under DDP here"
-    if config.objective == "mlm":
-        return "MLM scores a different number of positions every step (dynamic shapes)"
     if config.checkpointing:
         return "activation checkpointing re-runs blocks in backward"
     return ""

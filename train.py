@@ -207,8 +207,7 @@ def fused_adamw(device):
 def evaluate(model, data, cfg, batch_size, device):
     """The metric each objective is judged by, on fixed held-out data with fixed masks.
 
-    Sums stay on the device (no host sync per batch). None when there was nothing to score
-    (an MLM evaluation whose masks chose no token).
+    Sums stay on the device (no host sync per batch).
     """
     objective = model.config.objective
     was_training = model.training
@@ -239,8 +238,6 @@ def evaluate(model, data, cfg, batch_size, device):
             count += weight
     model.train(was_training)
     loss_sum, count, correct = loss_sum.item(), count.item(), correct.item()
-    if count == 0:
-        return None
     metrics = {"val_loss": loss_sum / count}
     if objective in ("cls", "mlm"):
         metrics["top1" if objective == "cls" else "mlm_acc"] = 100 * correct / count
@@ -608,24 +605,19 @@ def evaluate_and_save(run, train_loss, jsonl):
     if run.master:
         metrics = evaluate(run.raw, run.data, run.cfg, run.micro * run.cfg.grad_accum, run.device)
         name, larger_is_better = headline(run.raw.config.objective)
-        if not parameters_finite(run.raw) or (metrics is not None and not math.isfinite(metrics["val_loss"])):
+        if not parameters_finite(run.raw) or not math.isfinite(metrics["val_loss"]):
             problem = (f"the weights or the evaluation went non-finite at step {run.step}; nothing was saved; "
                        f"{lost_work(run)}; {divergence_advice(run.cfg)}")
         else:
-            if metrics is not None:
-                if run.best is None or (metrics[name] > run.best if larger_is_better else metrics[name] < run.best):
-                    run.best = ckpt["best"] = metrics[name]
-                record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - run.t_start}
-                jsonl.write(json.dumps({"eval": True, **record}) + "\n")
-                jsonl.flush()
-                run.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                       for k, v in record.items()))
-                run.metrics = metrics
+            if run.best is None or (metrics[name] > run.best if larger_is_better else metrics[name] < run.best):
+                run.best = ckpt["best"] = metrics[name]
+            record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - run.t_start}
+            jsonl.write(json.dumps({"eval": True, **record}) + "\n")
+            jsonl.flush()
+            run.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+            run.metrics = metrics
             save_checkpoint(run.ckpt_path, ckpt)
             run.saved_step = run.step
-            if metrics is None:
-                problem = (f"the evaluation at step {run.step} had no masked token to score; the checkpoint is saved; "
-                           "continue with --resume and a larger --eval_samples")
     if agree(run, problem is not None):
         raise TrainingError(problem or "rank 0 stopped the run")
 

@@ -1,5 +1,6 @@
 """Experiment 3's numbers and figure: next-token (out/e2/s<seed>/next-0, 400 steps) against masked-token
-prediction (out/e3/s<seed>/mlm, 1,200 steps), the same 24x128 trunk and initial weights per seed.
+prediction (out/e3/s<seed>/mlm, 1,200 steps), the same 24x128 trunk and initial weights per seed; and the
+control, the same MLM run with 6 blocks (out/e3/s<seed>/mlm-d6): whether this text can teach MLM at all.
 
 Per seed: whether both arms started from identical trunks; what each predicts on the first 1,024 windows of
 test.txt (MLM with fixed masks): top-1 accuracy on all predicted tokens and on the tokens outside the 100 most
@@ -27,10 +28,12 @@ from data import TextData  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
-ARMS = {"next": "e2/s{seed}/next-0", "mlm": "e3/s{seed}/mlm"}
+ARMS = {"next": "e2/s{seed}/next-0", "mlm": "e3/s{seed}/mlm"}  # the comparison: same trunk, same weights
+CONTROLS = {"mlm-d6": "e3/s{seed}/mlm-d6"}  # another trunk: scored and probed, not part of the same-init check
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")
 LABELS = {"next_init": "next, at init", "mlm_init": "mlm, at init (same weights)",
-          "next": "next, trained 400 steps", "mlm": "mlm, trained 1,200 steps"}
+          "next": "next, trained 400 steps", "mlm": "mlm, trained 1,200 steps",
+          "mlm-d6": "mlm at 6 blocks, trained 1,200 steps"}
 WINDOWS, FREQUENT = 1024, 100
 
 
@@ -47,13 +50,14 @@ def scores(model, windows, train_counts):
 
 def analyze_seed(seed, windows, train_counts):
     models = {arm: model_from_checkpoint(os.path.join(ROOT, "out", path.format(seed=seed), "ckpt.pt"))
-              for arm, path in ARMS.items()}
-    result = {"same_init": same_init([c["config"] for _, c in models.values()], seed),
+              for arm, path in {**ARMS, **CONTROLS}.items()}
+    result = {"same_init": same_init([models[arm][1]["config"] for arm in ARMS], seed),
               "steps": {arm: c["step"] for arm, (_, c) in models.items()},
               "scores": {arm: scores(m, windows, train_counts) for arm, (m, _) in models.items()}, "probe": {}}
     for arm, (model, ckpt) in models.items():
         result["probe"][arm] = probe.probe_model(model.eval(), windows[:256], 64)
-        result["probe"][f"{arm}_init"] = probe.probe_model(initial_model(ckpt["config"], seed), windows[:256], 64)
+        if arm in ARMS:
+            result["probe"][f"{arm}_init"] = probe.probe_model(initial_model(ckpt["config"], seed), windows[:256], 64)
     return result
 
 
@@ -68,7 +72,7 @@ def main():
     runs = list(per_seed.values())
     summary = {"same_init": all(r["same_init"][0] for r in runs),
                "scores": {arm: {k: mean_std([r["scores"][arm][k] for r in runs]) for k in runs[0]["scores"][arm]}
-                          for arm in ARMS},
+                          for arm in {**ARMS, **CONTROLS}},
                "probe": {arm: seed_bands([r["probe"][arm] for r in runs], METRICS) for arm in LABELS}}
     folder = os.path.join(ROOT, "results", "e3")
     with open(os.path.join(folder, "e3.json"), "w") as f:

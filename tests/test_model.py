@@ -253,15 +253,15 @@ def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
 
 # ---------------------------------------------------------------- MLM
 
-def test_mlm_masking_rates():
+def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     torch.manual_seed(0)
     model = Bamboo(tiny("mlm", vocab_size=1000))
     tokens = torch.randint(0, 1000, (64, 1024))  # 65,536 positions
     inputs, targets = model.mask_tokens(tokens)
     chosen = targets != -100
+    assert (chosen.sum(1) == round(0.15 * 1024)).all()  # exactly k in every window, not about k
     n = chosen.sum().item()
-    # Binomial standard errors: 0.14% on the 15% rate, about 0.4% on the splits; allow ~5 sigma.
-    assert abs(n / tokens.numel() - 0.15) < 0.007
+    # Binomial standard errors of the splits: about 0.4%; allow ~5 sigma.
     masked = (inputs == model.mask_id) & chosen
     unchanged = (inputs == tokens) & chosen
     assert abs(masked.sum().item() / n - 0.80) < 0.02
@@ -269,6 +269,11 @@ def test_mlm_masking_rates():
     assert abs(unchanged.sum().item() / n - 0.10) < 0.015
     assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
     assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen], tokens[chosen])
+    # positions anywhere in the window are as likely (about 4,900 chosen per half: ~5 sigma is 0.01)
+    first, second = chosen[:, :512].float().mean().item(), chosen[:, 512:].float().mean().item()
+    assert abs(first - second) < 0.01 and chosen.any(0).float().mean() > 0.99
+    # a window too short for 15% still gets one position, as BERT's max(1, round(...))
+    assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
 
 
 # ---------------------------------------------------------------- presets and configs
@@ -292,7 +297,7 @@ def test_training_flops_count_the_mlm_head_only_where_it_runs():
 
     shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
     trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000  # minus next's head
-    head = 3 * 0.15 * 32 * (2 * 64 * 64 + 2 * 64 * 1000)  # transform + vocabulary at 15% of 32 positions
+    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)  # transform + vocabulary at round(15% of 32) = 5 positions
     assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(trunk + head)
 
 

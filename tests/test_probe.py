@@ -160,6 +160,17 @@ def test_effective_rank_of_rank_k_matrices():
         assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
 
 
+@pytest.mark.parametrize("tokens,width", [(16, 48), (48, 16)])
+def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
+    from probe import singular_values
+
+    torch.manual_seed(0)
+    h = torch.randn(3, tokens, width, dtype=torch.float64)
+    h[1] = torch.randn(tokens, 2, dtype=torch.float64) @ torch.randn(2, width, dtype=torch.float64)  # rank 2
+    expected = torch.linalg.svdvals(h).flip(-1)  # descending there, ascending here
+    assert torch.allclose(singular_values(h), expected, atol=1e-6 * expected.max())
+
+
 def test_metrics_in_batches_equal_one_sample_at_a_time():
     from probe import token_metrics
 

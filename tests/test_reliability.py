@@ -12,7 +12,7 @@ import torch
 
 from bamboo import Config
 
-from helpers import REPO, TINY_TEXT_FLAGS, cli_error, image_flags, run_train, text_flags, train_losses
+from helpers import REPO, TINY_TEXT_FLAGS, cli_error, image_flags, run_train, train_losses
 
 
 @pytest.mark.parametrize("resume_flags,message", [
@@ -127,13 +127,6 @@ def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, tmp_pat
     (tmp_path / "mae" / "ckpt.pt").unlink()
     code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "ft")
     assert code == 0 and "resumed" in out, out
-
-
-def test_an_mlm_evaluation_with_no_masked_token_saves_and_says_so(capsys, tiny_data, tmp_path):
-    err = cli_error(capsys, *text_flags(tiny_data, "mlm", "--max_iters", "1", "--eval_interval", "1",
-                                        "--eval_samples", "1", "--mlm_prob", "0.0001"), "--out_dir", str(tmp_path))
-    assert "no masked token" in err and "checkpoint is saved" in err
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
 
 
 def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):

@@ -35,15 +35,16 @@ def test_every_compile_mode_gives_the_eager_loss_and_gradients(mode, objective):
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 
-def test_mae_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused():
+@pytest.mark.parametrize("objective", ["mae", "mlm"])
+def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(objective):
     torch.manual_seed(0)
-    model = Bamboo(tiny("mae", depth=4, width=64, decoder_width=64)).to(CUDA)
+    model = Bamboo(tiny(objective, depth=4, width=64, decoder_width=64)).to(CUDA)
     x, y = cuda_batch(model.config)
     module, chosen, _ = fast.for_training(model, CUDA, torch.bfloat16, "graphs")
     assert chosen == "graphs"
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         losses = [module(x, y)[1].item() for _ in range(5)]
-        assert len(set(losses)) == 5  # a new mask every replay, not the captured one
+        assert len(set(losses)) == 5  # a new mask (MAE) or corruption (MLM) every replay, not the captured one
         with pytest.raises(ValueError, match="replays the shapes it captured"):
             module(x[:1], y[:1])
 
