@@ -30,6 +30,7 @@ from train import model_from_checkpoint  # noqa: E402
 SEEDS = (0, 1, 2)
 ARMS = {"next": "e2/s{seed}/next-0", "mlm": "e3/s{seed}/mlm"}  # the comparison: same trunk, same weights
 CONTROLS = {"mlm-d6": "e3/s{seed}/mlm-d6"}  # another trunk: scored and probed, not part of the same-init check
+RUNS = {**ARMS, **CONTROLS}
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")
 LABELS = {"next_init": "next, at init", "mlm_init": "mlm, at init (same weights)",
           "next": "next, trained 400 steps", "mlm": "mlm, trained 1,200 steps",
@@ -50,7 +51,7 @@ def scores(model, windows, train_counts):
 
 def analyze_seed(seed, windows, train_counts):
     models = {arm: model_from_checkpoint(os.path.join(ROOT, "out", path.format(seed=seed), "ckpt.pt"))
-              for arm, path in {**ARMS, **CONTROLS}.items()}
+              for arm, path in RUNS.items()}
     result = {"same_init": same_init([models[arm][1]["config"] for arm in ARMS], seed),
               "steps": {arm: c["step"] for arm, (_, c) in models.items()},
               "scores": {arm: scores(m, windows, train_counts) for arm, (m, _) in models.items()}, "probe": {}}
@@ -72,7 +73,7 @@ def main():
     runs = list(per_seed.values())
     summary = {"same_init": all(r["same_init"][0] for r in runs),
                "scores": {arm: {k: mean_std([r["scores"][arm][k] for r in runs]) for k in runs[0]["scores"][arm]}
-                          for arm in {**ARMS, **CONTROLS}},
+                          for arm in RUNS},
                "probe": {arm: seed_bands([r["probe"][arm] for r in runs], METRICS) for arm in LABELS}}
     folder = os.path.join(ROOT, "results", "e3")
     with open(os.path.join(folder, "e3.json"), "w") as f:
