@@ -3,6 +3,8 @@
 Run: python -m pytest -q tests/test_results.py
 """
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -43,3 +45,15 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_
     missing = analyze(tmp_path / "data", tmp_path / "gone", out, 0, 1)
     assert missing.returncode == 1 and "seed 1: no checkpoints" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
+    """results/gpu.sh where no GPU is visible: one line, exit 1, and the committed GPU outputs untouched."""
+    recorded = tmp_path / "results" / "gpu"
+    shutil.copytree(os.path.join(REPO, "results", "gpu"), recorded)
+    shutil.copy(os.path.join(REPO, "results", "gpu.sh"), tmp_path / "results" / "gpu.sh")
+    before = {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()}
+    done = subprocess.run(["bash", str(tmp_path / "results" / "gpu.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and done.stdout.startswith("no CUDA device") and len(done.stdout.splitlines()) == 1
+    assert {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()} == before
