@@ -68,7 +68,7 @@ def summarize(per_seed):
     return summary
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Experiment 1's numbers and figure from its checkpoints.")
     p.add_argument("data", nargs="?", default="", help="folder holding cifar10-jpeg/ (default ../shared/data)")
     p.add_argument("--runs", default=os.path.join(ROOT, "out", "e1"), help="folder of s<seed>/{cls,mae,ft}/ckpt.pt")
@@ -81,7 +81,7 @@ def parse_args():
                    help="summarise from <out>/seed<N>.json only, even where the checkpoints are still there")
     p.add_argument("--title", default="Experiment 1: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, "
                                       "mean ± std over 3 seeds")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def seed_result(seed, args, data_dir, test_data):
@@ -98,8 +98,8 @@ def seed_result(seed, args, data_dir, test_data):
         return json.load(f)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     data_dir, test_data = ((None, None) if args.read_back else
                            experiment_data([None, args.data], args.image_size, args.train_samples, args.device))

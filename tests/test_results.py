@@ -11,10 +11,17 @@ import sys
 from helpers import REPO, image_flags, run_train
 
 
-def analyze(data, runs, out, *seeds, flags=()):
-    return subprocess.run([sys.executable, "results/e1_analyze.py", str(data), "--runs", str(runs), "--out", str(out),
-                           "--image_size", "16", "--train_samples", "0", *flags, "--seeds", *map(str, seeds)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def analyze_argv(data, runs, out, *seeds, flags=()):
+    return [str(data), "--runs", str(runs), "--out", str(out), "--image_size", "16", "--train_samples", "0", *flags,
+            "--seeds", *map(str, seeds)]
+
+
+def analyze(*args, **kwargs):
+    """results/e1_analyze.py's main in this process (no interpreter start-up to pay for each call)."""
+    sys.path.insert(0, os.path.join(REPO, "results"))
+    import e1_analyze
+
+    e1_analyze.main(analyze_argv(*args, **kwargs))
 
 
 def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_path):
@@ -31,18 +38,18 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
     out = tmp_path / "e1-tiny"
-    first = analyze(tmp_path / "data", tmp_path / "runs", out, 0)
-    assert first.returncode == 0, first.stderr
+    analyze(tmp_path / "data", tmp_path / "runs", out, 0)
     measured = json.loads((out / "e1-tiny.json").read_text())
     assert measured["summary"]["same_init"] is True and (out / "seed0.json").exists() and (out / "e1-tiny.png").exists()
     assert 0 <= measured["per_seed"]["0"]["top1"]["cls"] <= 100
-    again = analyze(tmp_path / "data", tmp_path / "gone", out, 0)
-    assert again.returncode == 0, again.stderr
+    analyze(tmp_path / "data", tmp_path / "gone", out, 0)
     assert json.loads((out / "e1-tiny.json").read_text()) == measured
     (out / "seed0.json").write_text(json.dumps({**measured["per_seed"]["0"], "mcnemar_p": 0.5}))
-    kept = analyze(tmp_path / "data", tmp_path / "runs", out, 0, flags=["--read_back"])  # checkpoints there, unused
-    assert kept.returncode == 0 and json.loads((out / "e1-tiny.json").read_text())["summary"]["mcnemar_p"] == {"0": 0.5}
-    missing = analyze(tmp_path / "data", tmp_path / "gone", out, 0, 1)
+    analyze(tmp_path / "data", tmp_path / "runs", out, 0, flags=["--read_back"])  # checkpoints there, unused
+    assert json.loads((out / "e1-tiny.json").read_text())["summary"]["mcnemar_p"] == {"0": 0.5}
+    argv = analyze_argv(tmp_path / "data", tmp_path / "gone", out, 0, 1)
+    missing = subprocess.run([sys.executable, "results/e1_analyze.py", *argv], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)  # the command line's own error, from a process of its own
     assert missing.returncode == 1 and "seed 1: no checkpoints" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
