@@ -18,7 +18,8 @@ def analyze_argv(data, runs, out, *seeds, flags=()):
 
 def analyze(*args, **kwargs):
     """results/e1_analyze.py's main in this process (no interpreter start-up to pay for each call)."""
-    sys.path.insert(0, os.path.join(REPO, "results"))
+    if os.path.join(REPO, "results") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "results"))
     import e1_analyze
 
     e1_analyze.main(analyze_argv(*args, **kwargs))
