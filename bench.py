@@ -174,9 +174,8 @@ def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
 @functools.cache
 def measure_cpu_peak_tflops(dtype, seconds=1.0):
     """The CPU's practical peak for MFU: the best rate of square GEMMs in this dtype, or in float32 where that is
-    faster. A CPU without bf16 units emulates it: a 1024 bf16 GEMM took 2.3 s on a Zen 3 (1 GFLOP/s, against
-    134 in float32), while a model's small bf16 ops ran faster than that, above 100% of a bf16 'peak'.
-    Measured once per process and dtype, after one warm-up GEMM."""
+    faster: a CPU without bf16 units emulates it, so slowly for large GEMMs that a model's small bf16 ops would
+    read above 100% of a bf16 'peak' (results/bench/README.md). Once per process and dtype, after a warm-up GEMM."""
     def best_rate(dt):
         n = 1024
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)

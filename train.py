@@ -716,8 +716,8 @@ if __name__ == "__main__":
     code = main()
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves without the
-        # interpreter's shutdown, where gloo's threads can still touch Python objects and abort the rank after
-        # a good run ("terminate called without an active exception", 1 in about 50 torchrun runs here).
+        # interpreter's shutdown, where gloo's threads can still touch Python objects and, now and then, abort
+        # the rank after a good run ("terminate called without an active exception").
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
