@@ -1,14 +1,15 @@
-"""The experiment analyses in results/: experiment 1's analysis on tiny runs, its per-seed record and read-back.
+"""The experiment analyses in results/: experiments 1 and 3 on tiny runs, their records and read-back.
 
 Run: python -m pytest -q tests/test_results.py
 """
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-from helpers import REPO, image_flags, run_train
+from helpers import REPO, image_flags, run_train, text_flags
 
 
 def analyze_argv(data, runs, out, *seeds, flags=()):
@@ -16,13 +17,15 @@ def analyze_argv(data, runs, out, *seeds, flags=()):
             "--seeds", *map(str, seeds)]
 
 
-def analyze(*args, **kwargs):
-    """results/e1_analyze.py's main in this process (no interpreter start-up to pay for each call)."""
+def results_module(name):
+    """A script of results/ imported, to call its main(argv) in this process (no interpreter start-up to pay)."""
     if os.path.join(REPO, "results") not in sys.path:
         sys.path.insert(0, os.path.join(REPO, "results"))
-    import e1_analyze
+    return importlib.import_module(name)
 
-    e1_analyze.main(analyze_argv(*args, **kwargs))
+
+def analyze(*args, **kwargs):
+    results_module("e1_analyze").main(analyze_argv(*args, **kwargs))
 
 
 def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_path):
@@ -65,3 +68,35 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
                           env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 1 and done.stdout.startswith("no CUDA device") and len(done.stdout.splitlines()) == 1
     assert {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()} == before
+
+
+def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others(tiny_data, tmp_path):
+    """Experiment 3's analysis on 2-step next and mlm runs of one seed (mlm's checkpoint stands in for the other
+    MLM runs): same init, scores and probes; with only one MLM run's checkpoint left (the others made in an
+    earlier session), the rest is read back unchanged; a run with neither gives one line."""
+    e3_analyze = results_module("e3_analyze")
+    runs = tmp_path / "runs"
+    for objective, folder in (("next", runs / "e2" / "s0" / "next-0"), ("mlm", runs / "e3" / "s0" / "mlm")):
+        code, out, _ = run_train(*text_flags(tiny_data, objective, "--seed", "0", "--max_iters", "2",
+                                             "--eval_interval", "2", "--dtype", "float32"), out_dir=folder)
+        assert code == 0, out
+    for run in ("mlm-lr5e-4", "mlm-d6", "mlm-d6-lr5e-4"):
+        shutil.copytree(runs / "e3" / "s0" / "mlm", runs / "e3" / "s0" / run)
+    out = tmp_path / "e3"
+    argv = [str(tmp_path), "--text_dir", str(tiny_data / "text"), "--train_file", "train.txt", "--val_file", "val.txt",
+            "--tokenizer", "bytes", "--seq_len", "32", "--cache_dir", str(tiny_data / "cache"), "--runs", str(runs),
+            "--out", str(out), "--seeds", "0"]
+    e3_analyze.main(argv)
+    measured = json.loads((out / "e3.json").read_text())
+    seed0 = measured["per_seed"]["0"]
+    assert measured["summary"]["same_init"] is True and (out / "e3.png").exists()
+    assert seed0["steps"] == {run: 2 for run in e3_analyze.RUNS}
+    assert seed0["scores"]["mlm-d6"] == seed0["scores"]["mlm"] and 0 <= seed0["scores"]["next"]["top1"] <= 100
+    for run in ("next", "mlm", "mlm-d6"):
+        shutil.rmtree(runs / ("e2" if run == "next" else "e3") / "s0" / (run if run != "next" else "next-0"))
+    e3_analyze.main(argv)
+    assert json.loads((out / "e3.json").read_text()) == measured
+    missing = subprocess.run([sys.executable, "results/e3_analyze.py", *argv[:-1], "1"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)  # the command line's own error
+    assert missing.returncode == 1 and "seed 1: no" in missing.stderr and "next-0" in missing.stderr
+    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
