@@ -3,12 +3,12 @@ prediction (out/e3/s<seed>/mlm, 1,200 steps at lr 2e-3, and mlm-lr5e-4 at lr 5e-
 initial weights per seed; and the controls, the same MLM runs with 6 blocks (out/e3/s<seed>/mlm-d6 and
 mlm-d6-lr5e-4): whether this text can teach MLM at all, and at which rate.
 
-Per seed: whether both arms started from identical trunks; what each predicts on the first 1,024 windows of
+Per seed: whether the three arms started from identical trunks; what each predicts on the first 1,024 windows of
 test.txt (MLM with fixed masks): top-1 accuracy on all predicted tokens and on the tokens outside the 100 most
 frequent of the training text, how many distinct ids it predicts, and its loss against the unigram baseline
-(always the training text's frequencies) and the most-frequent-token baseline; and the probe of both arms at init
-and trained on the first 256 windows. Mean ± std over seeds go to results/e3/e3.json and a figure. A run whose
-checkpoint is gone (made in an earlier session) is read back from results/e3/e3.json.
+(always the training text's frequencies) and the most-frequent-token baseline; and the probe of every run
+trained, and of next and mlm at init, on the first 256 windows. Mean ± std over seeds go to results/e3/e3.json and
+a figure. A run whose checkpoint is gone (made in an earlier session) is read back from results/e3/e3.json.
 
 Run: python results/e3_analyze.py [DATA]     (DATA defaults to ../shared/data; --help lists the rest)
 """
