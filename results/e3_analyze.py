@@ -97,8 +97,9 @@ def analyze_seed(runs, seed, earlier, windows, train_counts):
     own objective (the arms differ in nothing else)."""
     result = {"steps": {}, "configs": {}, "scores": {}, "probe": {}}
     for run in RUNS:
-        if os.path.exists(checkpoint(runs, seed, run)):
-            measured = analyze_run(checkpoint(runs, seed, run), seed, run, windows, train_counts)
+        path = checkpoint(runs, seed, run)
+        if os.path.exists(path):
+            measured = analyze_run(path, seed, run, windows, train_counts)
             result["configs"][run] = measured["config"]
         elif earlier is not None and run in earlier["scores"]:
             measured = {"step": earlier["steps"][run], "scores": earlier["scores"][run],
@@ -106,7 +107,7 @@ def analyze_seed(runs, seed, earlier, windows, train_counts):
             if run in earlier.get("configs", {}):
                 result["configs"][run] = earlier["configs"][run]
         else:
-            sys.exit(f"seed {seed}: no {checkpoint(runs, seed, run)} and no earlier numbers for {run}; "
+            sys.exit(f"seed {seed}: no {path} and no earlier numbers for {run}; "
                      "run results/e3.sh (and results/e2.sh for next) first")
         result["steps"][run], result["scores"][run] = measured["step"], measured["scores"]
         result["probe"].update(measured["probe"])

@@ -76,12 +76,13 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
     earlier session), the rest is read back unchanged; a run with neither gives one line."""
     e3_analyze = results_module("e3_analyze")
     runs = tmp_path / "runs"
-    for objective, folder in (("next", runs / "e2" / "s0" / "next-0"), ("mlm", runs / "e3" / "s0" / "mlm")):
-        code, out, _ = run_train(*text_flags(tiny_data, objective, "--seed", "0", "--max_iters", "2",
-                                             "--eval_interval", "2", "--dtype", "float32"), out_dir=folder)
+    folder = {run: runs / path.format(seed=0) for run, path in e3_analyze.RUNS.items()}
+    for run in ("next", "mlm"):
+        code, out, _ = run_train(*text_flags(tiny_data, run, "--seed", "0", "--max_iters", "2",
+                                             "--eval_interval", "2", "--dtype", "float32"), out_dir=folder[run])
         assert code == 0, out
     for run in ("mlm-lr5e-4", "mlm-d6", "mlm-d6-lr5e-4"):
-        shutil.copytree(runs / "e3" / "s0" / "mlm", runs / "e3" / "s0" / run)
+        shutil.copytree(folder["mlm"], folder[run])
     out = tmp_path / "e3"
     argv = [str(tmp_path), "--text_dir", str(tiny_data / "text"), "--train_file", "train.txt", "--val_file", "val.txt",
             "--tokenizer", "bytes", "--seq_len", "32", "--cache_dir", str(tiny_data / "cache"), "--runs", str(runs),
@@ -93,7 +94,7 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
     assert seed0["steps"] == {run: 2 for run in e3_analyze.RUNS}
     assert seed0["scores"]["mlm-d6"] == seed0["scores"]["mlm"] and 0 <= seed0["scores"]["next"]["top1"] <= 100
     for run in ("next", "mlm", "mlm-d6"):
-        shutil.rmtree(runs / ("e2" if run == "next" else "e3") / "s0" / (run if run != "next" else "next-0"))
+        shutil.rmtree(folder[run])
     e3_analyze.main(argv)
     assert json.loads((out / "e3.json").read_text()) == measured
     missing = subprocess.run([sys.executable, "results/e3_analyze.py", *argv[:-1], "1"], cwd=REPO,
