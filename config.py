@@ -56,7 +56,8 @@ class Config:
              f"must divide image_size={self.image_size}"),
             ("image_size", self.image_size >= 1, "must be at least 1"),
             ("channels", self.channels >= 1, "must be at least 1"),
-            ("num_classes", self.num_classes >= 2, "must be at least 2"),
+            ("num_classes", self.num_classes >= (2 if self.objective == "cls" else 1),
+             "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
@@ -121,8 +122,8 @@ class Config:
             try:
                 settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
             except ValueError:
-                raise ValueError(f"bad value in {pair!r}: {key} takes a {types[key].__name__}"
-                                 f"{' (true or false)' if types[key] is bool else ''}") from None
+                kind = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[types[key]]
+                raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
         return cls.from_preset(name, **settings)
 
 

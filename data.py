@@ -19,6 +19,7 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
 import hashlib
 import io
 import os
+import tempfile
 import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ def _cifar(name, data_dir, train):
         raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
                         f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
                         "with an ImageFolder tree") from None
-    return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets), len(ds.classes)
+    return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets), list(ds.classes)
 
 
 def _decode(path, size):
@@ -87,7 +88,7 @@ def _folder(data_dir, split, image_size, limit=0):
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
     images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
-    return images, torch.tensor([label for _, label in samples]), len(tree.classes)
+    return images, torch.tensor([label for _, label in samples]), tree.classes
 
 
 def _load_split(name, data_dir, split, image_size, limit=0):
@@ -123,9 +124,15 @@ class ImageData:
                                 "tree with train/ and test/ inside")
         else:
             os.makedirs(data_dir, exist_ok=True)
-        self.test_x, self.test_y, self.num_classes = _load_split(name, data_dir, "test", image_size)
-        self.train_x, self.train_y, _ = (_load_split(name, data_dir, "train", image_size, train_samples) if train
-                                         else (self.test_x[:0], self.test_y[:0], None))
+        self.test_x, self.test_y, classes = _load_split(name, data_dir, "test", image_size)
+        self.train_x, self.train_y, train_classes = (
+            _load_split(name, data_dir, "train", image_size, train_samples) if train
+            else (self.test_x[:0], self.test_y[:0], classes))
+        if train_classes != classes:  # labels are class indices: any difference would mislabel the test split
+            only_train, only_test = sorted(set(train_classes) - set(classes)), sorted(set(classes) - set(train_classes))
+            raise DataError(f"{data_dir}: the splits have different classes (only in training: {only_train[:5]}, "
+                            f"only in test: {only_test[:5]}); give both the same class folders")
+        self.num_classes = len(classes)
         if name == "folder":
             # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair sample.
             order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
@@ -135,6 +142,9 @@ class ImageData:
         # Per-channel statistics of the training pixels (test pixels without a train split), to normalise.
         flat = (self.train_x if train else self.test_x)[:10000].float().div(255).transpose(0, 1).flatten(1)
         self.mean, self.std = flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
+        # A channel that barely varies (a colour unused by the dataset, a single image) would divide by ~0 and make
+        # every input non-finite; such a channel is only centred. 1/255 is one grey level.
+        self.std = torch.where(self.std > 1 / 255, self.std, torch.ones_like(self.std))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
 
     def num_train(self):
@@ -195,11 +205,21 @@ def _fetch(url, timeout=30):
         return response.read()
 
 
-def _write_atomic(path, data):
-    """Write to path.part, then rename: a crash never leaves a half-written file under the real name."""
-    with open(path + ".part", "wb") as f:
-        f.write(data)
-    os.replace(path + ".part", path)
+def atomic_write(path, write):
+    """Call write(f) on a binary temp file unique to this process beside path, then rename it to path: a crash,
+    a full disk or a second process writing the same path never leaves it half-written. On failure the temp
+    file (ours) is removed, and an OSError names path."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.remove(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
 
 
 def _from_mirror(url, folder, target):
@@ -211,7 +231,7 @@ def _from_mirror(url, folder, target):
         text = archive.read(f"{folder}/wiki.{split}.raw")
         if len(text) < 100_000:
             raise OSError(f"wiki.{split}.raw is only {len(text)} bytes")
-        _write_atomic(os.path.join(target, f"{split}.txt"), text)
+        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(text))
 
 
 def _from_hugging_face(config, target):
@@ -225,7 +245,7 @@ def _from_hugging_face(config, target):
         for i in range(n):
             table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name, i=i, n=n))))
             rows += table.column("text").to_pylist()
-        _write_atomic(os.path.join(target, f"{split}.txt"), "".join(rows).encode())
+        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write("".join(rows).encode()))
 
 
 def download_wikitext(name, data_dir):
@@ -235,7 +255,7 @@ def download_wikitext(name, data_dir):
     if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
         return target
     os.makedirs(target, exist_ok=True)
-    ours = [os.path.join(target, f"{s}.txt{part}") for s in ("train", "valid", "test") for part in ("", ".part")]
+    ours = [os.path.join(target, f"{s}.txt") for s in ("train", "valid", "test")]
     ours = [path for path in ours if not os.path.exists(path)]  # only what this call may write
     errors = []
     for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
@@ -281,7 +301,7 @@ def tokenize_cached(path, tokenizer, cache_dir):
         os.makedirs(cache_dir, exist_ok=True)
         with open(path, encoding="utf-8", errors="replace") as f:
             ids = tokenizer.encode_ordinary(f.read())
-        _write_atomic(cache, np.asarray(ids, dtype=dtype).tobytes())
+        atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
     return np.memmap(cache, dtype=dtype, mode="r")
 
 
@@ -300,6 +320,8 @@ class TextData:
             path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
                 raise DataError(f"missing text file {path}; put it there, or point --data_dir and {flag} elsewhere")
+            if os.path.getsize(path) == 0:
+                raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size = self.tokenizer.n_vocab

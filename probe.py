@@ -35,12 +35,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 import torch
 
 from bamboo import Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, atomic_write
 from train import CheckpointError, TrainingError, model_from_checkpoint, pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
@@ -219,8 +218,13 @@ def probe_model(model, samples, batch_size, mask=False):
         noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen).to(device) if mask else None
         hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
                                              mask_ratio=model.config.mask_ratio if mask else 0.0)
+        finite = torch.stack([h.isfinite().all() for h in hiddens])
+        if not finite.all():  # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
+            bad = finite.logical_not().nonzero()[0].item()
+            raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} to {i + len(x) - 1}; "
+                             "check the data (a channel or token that breaks normalisation) or the checkpoint")
         for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
-            for name, values in metrics.items():  # summed on the device: one host sync at the end, not per batch
+            for name, values in metrics.items():  # summed on the device, read once at the end
                 sums[name, layer] = sums.get((name, layer), 0.0) + values.sum()
     layers = model.config.depth + 1
     result = {name: [sums[name, layer].item() / len(samples) if (name, layer) in sums else None
@@ -310,10 +314,7 @@ def run(args):
                                 for label in labels} for name in order}
     print_table(report)
     if args.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(args.json) or ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     if args.plot:
         plot(report, args.plot, args.relative)
     return report
@@ -347,6 +348,8 @@ def main(argv=None):
             folder = os.path.dirname(path) or "."
             if path and not os.path.isdir(folder):  # checked before any computation
                 raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+            if path and os.path.isdir(path):
+                raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
         run(args)
     except (CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
@@ -33,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, to_device
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, atomic_write, to_device
 
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
@@ -255,17 +254,12 @@ def headline(objective):
 # ----------------------------------------------------------------------------- checkpoints: save and resume
 
 def save_checkpoint(path, ckpt):
-    """Write ckpt to a temp file unique to this process, then rename: a crash never corrupts path."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ckpt.", suffix=".tmp")
+    """Write ckpt atomically: the last good checkpoint stays as it was if anything goes wrong."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(ckpt, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(ckpt, f))
     except OSError as e:
-        os.remove(tmp)  # the temp file is ours; the last good checkpoint stays as it was
-        raise TrainingError(f"could not write {path} ({e.strerror or e}); free space in {folder} or choose another "
-                            f"--out_dir, then continue with --resume") from None
+        raise TrainingError(f"could not write {path} ({e.strerror}); free space in {os.path.dirname(path) or '.'} "
+                            "or choose another --out_dir, then continue with --resume") from None
 
 
 def checkpoint_dict(run):
@@ -467,6 +461,19 @@ class Run:
             print(*args, flush=True)
 
 
+def check_trunk_loaded(model, loaded, path):
+    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must have come from the
+    checkpoint (a text trunk for an image model, or a flag that reshapes the trunk, would silently train from
+    scratch). Fewer blocks than the checkpoint is allowed: the first ones are used."""
+    stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
+    missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem) and name not in loaded]
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} tensors are absent "
+                            f"or shaped differently ({names}); fine-tune from a checkpoint of the same modality and "
+                            "tokenizer, without flags that reshape its trunk (--width, --mlp_ratio, --patch_size)")
+
+
 def start_processes(cfg):
     """(device, rank, world): one process, or this rank of a torchrun DDP group."""
     rank, world, local_rank = 0, 1, 0
@@ -507,6 +514,7 @@ def setup(args):
     run.raw = Bamboo(config).to(device)  # what is saved: never the compiled or DDP wrapper
     if pretrained is not None:
         loaded, skipped = run.raw.load_encoder(pretrained["model"])
+        check_trunk_loaded(run.raw, loaded, cfg.init_from)
         run.log(f"init_from {cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
                 f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
     run.optimizer = make_optimizer(run.raw, cfg, device)

@@ -14,6 +14,24 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class AnalysisError(Exception):
+    """A run or a record the analysis needs is missing: said in one line, never as a traceback."""
+
+
+def command_line(main):
+    """Run an analysis's main() as a command: a failure it can explain (missing data, runs or records, a bad
+    checkpoint, an output it cannot write) is one line on stderr and exit code 2, as train.py and probe.py do."""
+    sys.path.insert(0, ROOT)
+    from data import DataError
+    from train import CheckpointError, TrainingError
+
+    try:
+        main()
+    except (AnalysisError, DataError, CheckpointError, TrainingError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def experiment_data(argv, image_size=16, train_samples=5000, device="cpu"):
     """(CIFAR-10 folder, its test split on device) as the experiments trained on it: by default the CPU
     experiments' 16x16 images, normalised as training's evaluation normalised them (statistics of the fixed

@@ -25,8 +25,8 @@ import probe  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
-                      probe_images, same_init, seed_bands)
+from analysis import (AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
+                      mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -93,7 +93,8 @@ def seed_result(seed, args, data_dir, test_data):
             json.dump(result, f, indent=1)
         return result
     if not os.path.exists(path):
-        sys.exit(f"seed {seed}: no checkpoints under {args.runs}/s{seed} and no {path}; train it first")
+        raise AnalysisError(f"seed {seed}: no checkpoints under {args.runs}/s{seed} and no {path}; "
+                            "train it first")
     with open(path) as f:
         return json.load(f)
 
@@ -115,4 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main)

@@ -19,8 +19,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (ROOT, correct_per_image, experiment_data, initial_model, last_layer, mcnemar_p,  # noqa: E402
-                      mean_std, plot_bands, probe_images, same_init, seed_bands, sign_test_p, token_predictions)
+from analysis import (ROOT, command_line, correct_per_image, experiment_data, initial_model, last_layer,  # noqa: E402
+                      mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands, sign_test_p,
+                      token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
@@ -109,4 +110,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main)

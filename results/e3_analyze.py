@@ -22,8 +22,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (ROOT, initial_model, last_layer, mean_std, plot_bands, same_init, seed_bands,  # noqa: E402
-                      token_predictions)
+from analysis import (ROOT, AnalysisError, command_line, initial_model, last_layer, mean_std, plot_bands,  # noqa: E402
+                      same_init, seed_bands, token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
@@ -107,13 +107,14 @@ def analyze_seed(runs, seed, earlier, windows, train_counts):
             if run in earlier.get("configs", {}):
                 result["configs"][run] = earlier["configs"][run]
         else:
-            sys.exit(f"seed {seed}: no {path} and no earlier numbers for {run}; "
+            raise AnalysisError(f"seed {seed}: no {path} and no earlier numbers for {run}; "
                      "run results/e3.sh (and results/e2.sh for next) first")
         result["steps"][run], result["scores"][run] = measured["step"], measured["scores"]
         result["probe"].update(measured["probe"])
     known = next(iter(result["configs"].values()), None)
     if known is None:
-        sys.exit(f"seed {seed}: no checkpoint to rebuild the initial models from; run results/e3.sh first")
+        raise AnalysisError(f"seed {seed}: no checkpoint to rebuild the initial models from; "
+                            "run results/e3.sh first")
     configs = [result["configs"].get(arm, {**known, "objective": OBJECTIVE[arm]}) for arm in ARMS]
     result["same_init"] = same_init(configs, seed)
     return result
@@ -149,4 +150,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main)

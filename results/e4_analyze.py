@@ -19,8 +19,8 @@ import probe  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands, probe_images,  # noqa: E402
-                      same_init, seed_bands)
+from analysis import (command_line, correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands,  # noqa: E402
+                      probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 TRUNKS = ("6x128", "12x92", "24x64")
@@ -64,4 +64,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main)

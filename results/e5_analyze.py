@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
-from analysis import (correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std, plot_bands,  # noqa: E402
-                      probe_images, same_init, seed_bands)
+from analysis import (command_line, correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std,  # noqa: E402
+                      plot_bands, probe_images, same_init, seed_bands)
 from train import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -53,4 +53,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main)

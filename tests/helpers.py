@@ -79,6 +79,16 @@ def text_flags(tiny_data, objective, *extra):
             "--warmup", "2", *extra]
 
 
+def trained_checkpoint(tiny_data, objective, out_dir, steps=1, *extra):
+    """Train a tiny `objective` model on the tiny data for `steps` steps (evaluated and saved at the last);
+    returns the path of its checkpoint."""
+    flags = (image_flags if objective in ("mae", "cls") else text_flags)(
+        tiny_data, objective, "--max_iters", str(steps), "--eval_interval", str(steps), *extra)
+    code, out, _ = run_train(*flags, out_dir=out_dir)
+    assert code == 0, out
+    return out_dir / "ckpt.pt"
+
+
 def run_torchrun(*flags, out_dir):
     """train.py under a 2-process gloo DDP group; returns (exit code, output, log records)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

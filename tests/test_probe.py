@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from bamboo import Bamboo
 
-from helpers import batch, image_flags, run_train, text_flags, tiny
+from helpers import batch, tiny, trained_checkpoint
 
 
 def test_identical_tokens_are_fully_smoothed():
@@ -246,12 +246,8 @@ def test_beta_of_a_model_against_itself_is_one():
 def trained_checkpoints(tiny_data, tmp_path_factory):
     """A tiny cls checkpoint and a tiny next-token checkpoint, trained for two steps."""
     out = tmp_path_factory.mktemp("probe_ckpts")
-    code, log, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2"),
-                             out_dir=out / "cls")
-    assert code == 0, log
-    code, log, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "2", "--eval_interval", "2"),
-                             out_dir=out / "next")
-    assert code == 0, log
+    trained_checkpoint(tiny_data, "cls", out / "cls", 2)
+    trained_checkpoint(tiny_data, "next", out / "next", 2)
     return out
 
 
@@ -293,6 +289,16 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     assert full["std"] != masked["std"]
     visible = model.hidden_states(samples, mask_ratio=0.75, noise=torch.rand(4, 16))[-1]
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
+
+
+def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
+    import probe
+
+    model = Bamboo(tiny("cls"))
+    with torch.no_grad():
+        model.blocks[1].mlp.proj.bias[0] = float("nan")  # finite through block 0, not after block 1
+    with pytest.raises(ValueError, match="layer 2's hidden states are not finite on samples 0 to 3"):
+        probe.probe_model(model, batch(model.config, B=6)[0], 4)
 
 
 def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_path):

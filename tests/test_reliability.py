@@ -12,7 +12,7 @@ import torch
 
 from bamboo import Config
 
-from helpers import REPO, TINY_TEXT_FLAGS, cli_error, image_flags, run_train, train_losses
+from helpers import REPO, TINY_TEXT_FLAGS, cli_error, image_flags, run_train, train_losses, trained_checkpoint
 
 
 @pytest.mark.parametrize("resume_flags,message", [
@@ -118,15 +118,24 @@ def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(caps
 
 
 def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, tmp_path):
-    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1", "--eval_interval", "1"),
-                             out_dir=tmp_path / "mae")
-    assert code == 0, out
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
-                             "--init_from", str(tmp_path / "mae" / "ckpt.pt"), out_dir=tmp_path / "ft")
-    assert code == 0, out
-    (tmp_path / "mae" / "ckpt.pt").unlink()
+    mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae")
+    trained_checkpoint(tiny_data, "cls", tmp_path / "ft", 1, "--init_from", str(mae))
+    mae.unlink()
     code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "ft")
     assert code == 0 and "resumed" in out, out
+
+
+def test_fine_tuning_refuses_a_checkpoint_whose_trunk_does_not_fit(capsys, tiny_data, tmp_path):
+    """A text trunk for an image classifier, or a flag that reshapes the trunk, would silently train from scratch."""
+    text_trunk = trained_checkpoint(tiny_data, "next", tmp_path / "next")
+    mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae")
+    cls = image_flags(tiny_data, "cls", "--max_iters", "1")
+    err = cli_error(capsys, *cls, "--init_from", str(text_trunk), "--out_dir", str(tmp_path / "a"))
+    assert "does not hold this model's trunk: 2 tensors" in err and "patch_embed.weight, patch_embed.bias)" in err
+    err = cli_error(capsys, *cls, "--init_from", str(mae), "--width", "64", "--out_dir", str(tmp_path / "b"))
+    assert "blocks.0.ln1.weight, ...); fine-tune" in err and "--width" in err
+    code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
+    assert code == 0 and "loaded" in out, out  # fewer blocks than pretrained: the first one is used
 
 
 def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
@@ -162,10 +171,62 @@ def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
     assert "broken.png" in err and "remove or replace" in err
 
 
-def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_data, tmp_path):
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
-                             out_dir=tmp_path)
+def write_folder(root, classes_per_split, n=4, blue=True):
+    """An ImageFolder tree of 16x16 noise images, {split: [class names]}; blue=False leaves that channel at 0."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, classes in classes_per_split.items():
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                pixels[..., 2] *= blue
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+    return root
+
+
+def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
+    """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN inputs."""
+    import probe
+    from data import ImageData
+
+    images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]}, blue=False)
+    data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
+    x, _ = next(data.eval_batches(8))
+    assert x.isfinite().all() and x[:, 2].eq(0).all()  # the constant channel is centred, not divided by 0
+    code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images, "--max_iters", "3",
+                                   out_dir=tmp_path / "o")
+    assert code == 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r), out
+    assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir", str(images),
+                       "--samples", "8"]) == 0, capsys.readouterr().err
+
+
+def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(capsys, tiny_data, tmp_path):
+    """Labels are class indices: test/ with other classes than train/ would be scored against the wrong labels."""
+    mismatch = write_folder(tmp_path / "mismatch", {"train": ["cat", "dog"], "test": ["dog", "emu"]})
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(mismatch),
+                    "--out_dir", str(tmp_path / "a"))
+    assert "different classes (only in training: ['cat'], only in test: ['emu'])" in err
+    single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(single), "--out_dir", str(tmp_path / "b"))
+    assert "num_classes=1 must be at least 2 for cls" in err
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir", single,
+                             out_dir=tmp_path / "c")  # self-supervised: an unlabelled folder of one class is enough
     assert code == 0, out
+
+
+def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
+    (tmp_path / "train.txt").write_text("")
+    (tmp_path / "val.txt").write_text("some held-out words " * 50)
+    err = cli_error(capsys, "--objective", "next", "--dataset", "text", "--data_dir", str(tmp_path), "--tokenizer",
+                    "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "o"))
+    assert f"text file {tmp_path / 'train.txt'} is empty; give --train_file a file" in err
+
+
+def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_data, tmp_path):
+    trained_checkpoint(tiny_data, "cls", tmp_path)
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     for field, value in (("step", "three"), ("rng", [1, 2]), ("config", [1]), ("train", {"lr": "fast"})):
         torch.save({**ckpt, field: value}, tmp_path / "ckpt.pt")
@@ -199,7 +260,7 @@ def test_bench_spec_booleans_are_strict(capsys):
     import bench
 
     assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
-    assert "checkpointing takes a bool (true or false)" in capsys.readouterr().err
+    assert "checkpointing takes true or false" in capsys.readouterr().err
     assert Config.from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
 
@@ -210,3 +271,32 @@ def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
                        "--json", str(tmp_path / "missing" / "p.json")])
     err = capsys.readouterr().err
     assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1
+    (tmp_path / "out").mkdir()
+    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
+                       "--plot", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
+
+
+def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys, tiny_data, tmp_path,
+                                                                                   monkeypatch):
+    import json
+
+    import probe
+
+    (tmp_path / "p.json").write_text("the previous report")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
+            "--samples", "2", "--json", str(tmp_path / "p.json")]
+    monkeypatch.setattr(probe.json, "dumps", full_disk)
+    assert probe.main(argv) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # the temp file is gone, the old report kept
+    assert (tmp_path / "p.json").read_text() == "the previous report"
+    assert probe.main(argv) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, image_flags, run_train, text_flags
 
 
@@ -24,14 +26,25 @@ def results_module(name):
     return importlib.import_module(name)
 
 
+def command_line_error(capsys, module, argv):
+    """What the analysis prints as a command (its __main__ runs analysis.command_line(main)) when it must stop:
+    exit code 2 and one line, no traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        results_module("analysis").command_line(lambda: module.main(argv))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
 def analyze(*args, **kwargs):
     results_module("e1_analyze").main(analyze_argv(*args, **kwargs))
 
 
-def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_path):
+def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, tiny_data, tmp_path):
     """Experiment 1's analysis on 2-step cls, mae and fine-tuned runs of one seed: it checks the shared init, writes
     the seed's numbers, and, with the checkpoints gone (GPU runs of another session), reads them back unchanged;
-    --read_back reads the record even where the checkpoints are there; a seed with neither gives one line."""
+    --read_back reads the record even where the checkpoints are there; a seed with neither, or a missing data
+    folder, gives one line."""
     runs = tmp_path / "runs" / "s0"
     for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
                                   ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
@@ -51,11 +64,11 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(tiny_data, tmp_
     (out / "seed0.json").write_text(json.dumps({**measured["per_seed"]["0"], "mcnemar_p": 0.5}))
     analyze(tmp_path / "data", tmp_path / "runs", out, 0, flags=["--read_back"])  # checkpoints there, unused
     assert json.loads((out / "e1-tiny.json").read_text())["summary"]["mcnemar_p"] == {"0": 0.5}
-    argv = analyze_argv(tmp_path / "data", tmp_path / "gone", out, 0, 1)
-    missing = subprocess.run([sys.executable, "results/e1_analyze.py", *argv], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)  # the command line's own error, from a process of its own
-    assert missing.returncode == 1 and "seed 1: no checkpoints" in missing.stderr
-    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    e1_analyze = results_module("e1_analyze")
+    err = command_line_error(capsys, e1_analyze, analyze_argv(tmp_path / "data", tmp_path / "gone", out, 0, 1))
+    assert err.startswith("error: seed 1: no checkpoints")
+    err = command_line_error(capsys, e1_analyze, analyze_argv(tmp_path / "nowhere", tmp_path / "runs", out, 0))
+    assert err.startswith(f"error: data directory {tmp_path / 'nowhere'}")
 
 
 def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
@@ -70,7 +83,7 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
     assert {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()} == before
 
 
-def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others(tiny_data, tmp_path):
+def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others(capsys, tiny_data, tmp_path):
     """Experiment 3's analysis on 2-step next and mlm runs of one seed (mlm's checkpoint stands in for the other
     MLM runs): same init, scores and probes; with only one MLM run's checkpoint left (the others made in an
     earlier session), the rest is read back unchanged; a run with neither gives one line."""
@@ -97,7 +110,5 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
         shutil.rmtree(folder[run])
     e3_analyze.main(argv)
     assert json.loads((out / "e3.json").read_text()) == measured
-    missing = subprocess.run([sys.executable, "results/e3_analyze.py", *argv[:-1], "1"], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)  # the command line's own error
-    assert missing.returncode == 1 and "seed 1: no" in missing.stderr and "next-0" in missing.stderr
-    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    err = command_line_error(capsys, e3_analyze, [*argv[:-1], "1"])
+    assert err.startswith("error: seed 1: no") and "next-0" in err
