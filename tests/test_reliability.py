@@ -47,6 +47,29 @@ def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, t
     assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
 
 
+def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data, tmp_path,
+                                                                             monkeypatch):
+    import train
+
+    calls = {"n": 0}
+    dumps = train.json.dumps
+
+    def disk_fills_at_step_2(*args, **kwargs):  # step 1's log line and evaluation, then the disk is full
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return dumps(*args, **kwargs)
+
+    monkeypatch.setattr(train.json, "dumps", disk_fills_at_step_2)
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "1"),
+                    "--log_interval", "1", "--out_dir", str(tmp_path))
+    monkeypatch.undo()
+    assert "(No space left on device); the last checkpoint is as it was" in err and "--resume" in err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+    code, out, _ = run_train("--resume", out_dir=tmp_path)
+    assert code == 0 and "resumed from" in out and "at step 1" in out, out
+
+
 def test_a_fresh_run_refuses_another_runs_out_dir_unless_told(capsys, tiny_data, tmp_path):
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
     code, out, first = run_train(*flags, out_dir=tmp_path)
