@@ -359,9 +359,12 @@ class Bamboo(nn.Module):
 
     def next_token_features(self, tokens, y=None):
         """The final-norm features (B, T, D) and their targets: x[:, 1:] by default, or y, nanoGPT-style."""
+        if y is None and (tokens.dim() != 2 or tokens.dtype != torch.long or
+                          not 2 <= tokens.shape[1] <= self.config.seq_len + 1):
+            raise ValueError(f"expected token windows (B, T) of dtype long with 2 <= T <= seq_len + 1 = "
+                             f"{self.config.seq_len + 1} (the last token is only a target, or pass targets y), "
+                             f"got {tuple(tokens.shape)} {tokens.dtype}")
         inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
-        if inputs.shape[1] < 1:
-            raise ValueError("next-token prediction needs windows of at least 2 tokens (or explicit targets y)")
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
         return self.ln_f(h), targets
 

@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_model.py
 """
 import math
+import re
 
 import pytest
 import torch
@@ -341,9 +342,11 @@ def test_wrong_input_shape_is_a_clear_error():
     model = Bamboo(tiny("cls"))
     with pytest.raises(ValueError, match="expected images"):
         model(torch.rand(2, 3, 32, 32))
-    text = Bamboo(tiny("next"))
-    with pytest.raises(ValueError, match="expected tokens"):
-        text(torch.randint(0, 64, (2, 40)))
+    text = Bamboo(tiny("next"))  # seq_len 16: 16 inputs, and a 17th token that is only a target
+    for wrong in (torch.randint(0, 64, (2, 18)), torch.rand(2, 9), torch.randint(0, 64, (2, 1))):
+        with pytest.raises(ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + re.escape(str(tuple(wrong.shape)))):
+            text(wrong)  # the shape the caller passed, not the shifted inputs
+    assert text(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 64)
 
 
 # ---------------------------------------------------------------- overfitting one batch
