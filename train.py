@@ -675,7 +675,8 @@ def train(args):
     run.t_start = time.time()
     mode = "a" if cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
-        with open(run.log_path, mode) if run.master else nullcontext() as jsonl:
+        # Line-buffered: `tail -f log.jsonl` follows the run, and a killed run keeps every line it logged.
+        with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as jsonl:
             while run.step < cfg.max_iters:
                 t0 = time.time()
                 total, lr = optimizer_step(run)

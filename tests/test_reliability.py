@@ -121,6 +121,22 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path, sig)
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
 
 
+def test_the_log_reaches_the_disk_line_by_line_while_the_run_goes(tiny_data, tmp_path, monkeypatch):
+    """`tail -f log.jsonl` follows a run, and a run killed outright (SIGKILL, a lost node) keeps what it logged."""
+    import train
+
+    lines_on_disk = []
+    optimizer_step = train.optimizer_step
+
+    def look_then_step(run):
+        lines_on_disk.append((tmp_path / "log.jsonl").read_text().count("\n"))
+        return optimizer_step(run)
+
+    monkeypatch.setattr(train, "optimizer_step", look_then_step)
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3"), out_dir=tmp_path)
+    assert code == 0 and lines_on_disk == [0, 1, 2], (lines_on_disk, out)
+
+
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data, tmp_path):
     import shutil
 
