@@ -716,10 +716,10 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # the log could not be written: a full disk, a removed folder
+    except OSError as e:  # mostly the log: a full disk, a removed folder (checkpoints say so themselves)
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: could not write {e.filename or 'the log'} ({e.strerror or e}); the last checkpoint is as "
-                  "it was; free space or fix the path, then continue with --resume", file=sys.stderr)
+            print(f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); the last checkpoint "
+                  "is as it was; free space or restore the path, then continue with --resume", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
         print("error: interrupted twice; stopped at once, the last checkpoint is as it was", file=sys.stderr)
