@@ -1,7 +1,8 @@
 """Experiment 3's numbers and figure: next-token (out/e2/s<seed>/next-0, 400 steps at lr 2e-3) against masked-token
 prediction (out/e3/s<seed>/mlm, 1,200 steps at lr 2e-3, and mlm-lr5e-4 at lr 5e-4), the same 24x128 trunk and
 initial weights per seed; and the controls, the same MLM runs with 6 blocks (out/e3/s<seed>/mlm-d6 and
-mlm-d6-lr5e-4): whether this text can teach MLM at all, and at which rate.
+mlm-d6-lr5e-4, and mlm-d6-lr5e-4-long at 3,600 steps): whether this text can teach MLM at all, at which rate, and
+whether longer training teaches it rarer tokens.
 
 Per seed: whether the three arms started from identical trunks; what each predicts on the first 1,024 windows of
 test.txt (MLM with fixed masks): top-1 accuracy on all predicted tokens and on the tokens outside the 100 most
@@ -34,14 +35,16 @@ SEEDS = (0, 1, 2)
 # The comparison: same trunk, same weights (the two MLM arms differ in their rate only).
 ARMS = {"next": "e2/s{seed}/next-0", "mlm": "e3/s{seed}/mlm", "mlm-lr5e-4": "e3/s{seed}/mlm-lr5e-4"}
 # Another trunk: scored and probed, not part of the same-init check.
-CONTROLS = {"mlm-d6": "e3/s{seed}/mlm-d6", "mlm-d6-lr5e-4": "e3/s{seed}/mlm-d6-lr5e-4"}
+CONTROLS = {"mlm-d6": "e3/s{seed}/mlm-d6", "mlm-d6-lr5e-4": "e3/s{seed}/mlm-d6-lr5e-4",
+            "mlm-d6-lr5e-4-long": "e3/s{seed}/mlm-d6-lr5e-4-long"}
 RUNS = {**ARMS, **CONTROLS}
 PROBED_AT_INIT = ("next", "mlm")  # mlm-lr5e-4 starts from mlm's weights
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")
 LABELS = {"next_init": "next, at init", "mlm_init": "mlm, at init (same weights)",
           "next": "next, trained 400 steps", "mlm": "mlm, trained 1,200 steps",
           "mlm-lr5e-4": "mlm at lr 5e-4, trained 1,200 steps", "mlm-d6": "mlm at 6 blocks, trained 1,200 steps",
-          "mlm-d6-lr5e-4": "mlm at 6 blocks and lr 5e-4, trained 1,200 steps"}
+          "mlm-d6-lr5e-4": "mlm at 6 blocks and lr 5e-4, trained 1,200 steps",
+          "mlm-d6-lr5e-4-long": "mlm at 6 blocks and lr 5e-4, trained 3,600 steps"}
 WINDOWS, FREQUENT = 1024, 100
 
 
@@ -108,7 +111,7 @@ def analyze_seed(runs, seed, earlier, windows, train_counts):
                 result["configs"][run] = earlier["configs"][run]
         else:
             raise AnalysisError(f"seed {seed}: no {path} and no earlier numbers for {run}; "
-                     "run results/e3.sh (and results/e2.sh for next) first")
+                                "run results/e3.sh (and results/e2.sh for next) first")
         result["steps"][run], result["scores"][run] = measured["step"], measured["scores"]
         result["probe"].update(measured["probe"])
     known = next(iter(result["configs"].values()), None)
