@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, image_flags, run_train, text_flags
+from helpers import REPO, trained_checkpoint
 
 
 def analyze_argv(data, runs, out, *seeds, flags=()):
@@ -48,10 +48,7 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, tiny_da
     runs = tmp_path / "runs" / "s0"
     for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
                                   ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
-        flags = image_flags(tiny_data, objective, *extra, "--seed", "0", "--max_iters", "2", "--eval_interval", "2",
-                            "--dtype", "float32")
-        code, out, _ = run_train(*flags, out_dir=runs / arm)
-        assert code == 0, out
+        trained_checkpoint(tiny_data, objective, runs / arm, 2, *extra, "--seed", "0", "--dtype", "float32")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
     out = tmp_path / "e1-tiny"
@@ -91,9 +88,7 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
     runs = tmp_path / "runs"
     folder = {run: runs / path.format(seed=0) for run, path in e3_analyze.RUNS.items()}
     for run in ("next", "mlm"):
-        code, out, _ = run_train(*text_flags(tiny_data, run, "--seed", "0", "--max_iters", "2",
-                                             "--eval_interval", "2", "--dtype", "float32"), out_dir=folder[run])
-        assert code == 0, out
+        trained_checkpoint(tiny_data, run, folder[run], 2, "--seed", "0", "--dtype", "float32")
     for run in set(e3_analyze.RUNS) - {"next", "mlm"}:
         shutil.copytree(folder["mlm"], folder[run])
     out = tmp_path / "e3"
