@@ -4,23 +4,34 @@
 # then fine-tuning 500), 3 seeds, the same initial weights for both arms of a seed. Three trunks of about
 # equal FLOPs per token (depth x width^2 = 98k, 102k, 98k): 6x128, 12x92 and 24x64, on the setting of
 # experiment 1 (16x16 CIFAR-10 images, 16 patch tokens, a fixed 5,000-image training subset).
+# BUDGET=3 runs every arm for 3x the steps (cls 4500; MAE 3000 then 1500), warmups unchanged, into out/e4-x3 and
+# results/e4-x3: does MAE's deficit, or the loss with depth, come from the short budget?
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
+#   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
+BUDGET=${BUDGET:-1}
+NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=e4-x$BUDGET; fi
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples 5000 --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
-mkdir -p results/e4/logs
-for seed in 0 1 2; do
-  for shape in 6x128x2 12x92x2 24x64x1; do
-    IFS=x read -r depth width heads <<< "$shape"
-    out=out/e4/s$seed/${depth}x$width
-    trunk="--depth $depth --width $width --heads $heads --seed $seed"
-    $PY train.py $COMMON $trunk --objective cls --max_iters 1500 --warmup 100 --out_dir $out/cls --overwrite
-    $PY train.py $COMMON $trunk --objective mae --max_iters 1000 --warmup 100 --out_dir $out/mae --overwrite
-    $PY train.py $COMMON $trunk --objective cls --init_from $out/mae/ckpt.pt --max_iters 500 --warmup 50 \
-      --layer_decay 0.75 --out_dir $out/ft --overwrite
-    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/e4/logs/s$seed-${depth}x$width-$arm.jsonl; done
+mkdir -p results/$NAME/logs
+for seed in ${SEEDS:-0 1 2}; do
+  for trunk in ${TRUNKS:-6x128 12x92 24x64}; do
+    case $trunk in
+      6x128|12x92) heads=2 ;;
+      24x64) heads=1 ;;
+      *) echo "unknown trunk $trunk: choose among 6x128 12x92 24x64" >&2; exit 2 ;;
+    esac
+    out=out/$NAME/s$seed/$trunk
+    flags="--depth ${trunk%x*} --width ${trunk#*x} --heads $heads --seed $seed"
+    $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
+      --overwrite
+    $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
+      --overwrite
+    $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $((500 * BUDGET)) \
+      --warmup 50 --layer_decay 0.75 --out_dir $out/ft --overwrite
+    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$trunk-$arm.jsonl; done
   done
 done

@@ -3,10 +3,12 @@
 Per seed and trunk: checks that the cls and mae arms started from bit-identical trunks, scores every test
 image with cls from scratch and with the fine-tuned MAE (accuracy, McNemar's exact test on the paired
 per-image outcomes), and probes both on the first 256 test images. Then mean ± std over seeds per trunk, written
-to results/e4/e4.json, and a figure of the probes against relative depth with one band per trunk and arm.
+to <out>/<name of out>.json, and a figure of the probes against relative depth with one band per trunk and arm.
 
 Run: python results/e4_analyze.py [DATA]     (DATA defaults to ../shared/data)
+     python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 24x64   (BUDGET=3 e4.sh)
 """
+import argparse
 import json
 import os
 import sys
@@ -19,8 +21,8 @@ import probe  # noqa: E402
 from train import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (command_line, correct_per_image, experiment_data, mcnemar_p, mean_std, plot_bands,  # noqa: E402
-                      probe_images, same_init, seed_bands)
+from analysis import (AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
+                      mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 TRUNKS = ("6x128", "12x92", "24x64")
@@ -28,8 +30,8 @@ METRICS = ("abs_cos_centered", "cos", "erank", "std", "update", "attn_entropy")
 
 
 @torch.no_grad()
-def analyze(seed, trunk, test_data, samples):
-    out = os.path.join(ROOT, "out", "e4", f"s{seed}", trunk)
+def analyze(runs, seed, trunk, test_data, samples):
+    out = os.path.join(runs, f"s{seed}", trunk)
     models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
     configs = (models["cls"][1]["config"], models["mae"][1]["config"])
@@ -39,11 +41,32 @@ def analyze(seed, trunk, test_data, samples):
             "probe": {arm: probe.probe_model(models[arm][0].eval(), samples, 64) for arm in ("cls", "ft")}}
 
 
-def main():
-    data_dir, test_data = experiment_data(sys.argv)
-    samples = probe_images(data_dir, model_from_checkpoint(os.path.join(ROOT, "out", "e4", "s0", TRUNKS[0], "cls",
-                                                                        "ckpt.pt"))[0])
-    per_seed = {trunk: {seed: analyze(seed, trunk, test_data, samples) for seed in SEEDS} for trunk in TRUNKS}
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Experiment 4's numbers and figure from its checkpoints.")
+    p.add_argument("data", nargs="?", default="", help="folder holding cifar10-jpeg/ (default ../shared/data)")
+    p.add_argument("--runs", default=os.path.join(ROOT, "out", "e4"), help="folder of s<seed>/<trunk>/{cls,mae,ft}")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "e4"), help="where <name>.json and .png go")
+    p.add_argument("--trunks", nargs="+", default=list(TRUNKS), help="the trunks to analyse, as depth x width")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--image_size", type=int, default=16, help="the runs' image size")
+    p.add_argument("--train_samples", type=int, default=5000, help="the runs' training subset (its statistics)")
+    p.add_argument("--title", default="Experiment 4: three trunks of equal FLOPs, cls from scratch against MAE + "
+                                      "fine-tuning, mean ± std over 3 seeds")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data_dir, test_data = experiment_data([None, args.data], args.image_size, args.train_samples)
+    paths = [os.path.join(args.runs, f"s{seed}", trunk, arm, "ckpt.pt")
+             for seed in args.seeds for trunk in args.trunks for arm in ("cls", "mae", "ft")]
+    missing = [path for path in paths if not os.path.exists(path)]
+    if missing:
+        raise AnalysisError(f"{len(missing)} of {len(paths)} checkpoints missing, the first {missing[0]}; "
+                            "run results/e4.sh first")
+    samples = probe_images(data_dir, model_from_checkpoint(paths[0])[0])
+    per_seed = {trunk: {seed: analyze(args.runs, seed, trunk, test_data, samples) for seed in args.seeds}
+                for trunk in args.trunks}
     summary, bands = {}, {}
     for trunk, runs in per_seed.items():
         summary[trunk] = {"same_init": all(r["same_init"] for r in runs.values()),
@@ -52,15 +75,18 @@ def main():
         summary[trunk].update({arm: mean_std([r["top1"][arm] for r in runs.values()]) for arm in ("cls", "ft")})
         for arm in ("cls", "ft"):
             bands[f"{trunk} {arm}"] = seed_bands([r["probe"][arm] for r in runs.values()], METRICS)
-    with open(os.path.join(ROOT, "results", "e4", "e4.json"), "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    name = os.path.basename(os.path.normpath(args.out))
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"per_seed": per_seed, "summary": summary, "probe": bands}, f, indent=1)
-    labels = {name: name.replace(" ft", ", MAE + fine-tuning").replace(" cls", ", cls") for name in bands}
-    plot_bands(bands, labels, METRICS, "Experiment 4: three trunks of equal FLOPs, cls from scratch against MAE + "
-               "fine-tuning, mean ± std over 3 seeds", os.path.join(ROOT, "results", "e4", "e4.png"), relative=True)
+    labels = {arm: arm.replace(" ft", ", MAE + fine-tuning").replace(" cls", ", cls") for arm in bands}
+    plot_bands(bands, labels, METRICS, args.title, os.path.join(args.out, f"{name}.png"), relative=True)
     for trunk, s in summary.items():
         print(f"{trunk}: cls {s['cls'][0]:.2f} ± {s['cls'][1]:.2f}, MAE+ft {s['ft'][0]:.2f} ± {s['ft'][1]:.2f}, "
               f"ft - cls {s['ft_minus_cls'][0]:+.2f} ± {s['ft_minus_cls'][1]:.2f}, same init {s['same_init']}, "
               f"McNemar p {', '.join(f'{p:.2g}' for p in s['mcnemar_p'])}")
+        for arm in ("cls", "ft"):
+            print(f"  {arm} last layer", last_layer(bands[f"{trunk} {arm}"]))
 
 
 if __name__ == "__main__":

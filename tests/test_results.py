@@ -1,4 +1,4 @@
-"""The experiment analyses in results/: experiments 1 and 3 on tiny runs, their records and read-back.
+"""The experiment analyses in results/: experiments 1, 3 and 4 on tiny runs, their records and read-back.
 
 Run: python -m pytest -q tests/test_results.py
 """
@@ -40,31 +40,40 @@ def analyze(*args, **kwargs):
     results_module("e1_analyze").main(analyze_argv(*args, **kwargs))
 
 
-def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def image_runs(tiny_data, tmp_path_factory):
+    """2-step cls, mae and fine-tuned runs of seed 0 (runs/s0/{cls,mae,ft}) and a data folder holding the tiny
+    images as cifar10-jpeg/: what experiments 1 and 4 analyse, trained once for both."""
+    root = tmp_path_factory.mktemp("image-runs")
+    runs = root / "runs" / "s0"
+    for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
+                                  ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
+        trained_checkpoint(tiny_data, objective, runs / arm, 2, *extra, "--seed", "0", "--dtype", "float32")
+    (root / "data").mkdir()
+    (root / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
+    return root / "data", root / "runs"
+
+
+def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, image_runs, tmp_path):
     """Experiment 1's analysis on 2-step cls, mae and fine-tuned runs of one seed: it checks the shared init, writes
     the seed's numbers, and, with the checkpoints gone (GPU runs of another session), reads them back unchanged;
     --read_back reads the record even where the checkpoints are there; a seed with neither, or a missing data
     folder, gives one line."""
-    runs = tmp_path / "runs" / "s0"
-    for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
-                                  ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
-        trained_checkpoint(tiny_data, objective, runs / arm, 2, *extra, "--seed", "0", "--dtype", "float32")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
+    data, runs = image_runs
     out = tmp_path / "e1-tiny"
-    analyze(tmp_path / "data", tmp_path / "runs", out, 0)
+    analyze(data, runs, out, 0)
     measured = json.loads((out / "e1-tiny.json").read_text())
     assert measured["summary"]["same_init"] is True and (out / "seed0.json").exists() and (out / "e1-tiny.png").exists()
     assert 0 <= measured["per_seed"]["0"]["top1"]["cls"] <= 100
-    analyze(tmp_path / "data", tmp_path / "gone", out, 0)
+    analyze(data, tmp_path / "gone", out, 0)
     assert json.loads((out / "e1-tiny.json").read_text()) == measured
     (out / "seed0.json").write_text(json.dumps({**measured["per_seed"]["0"], "mcnemar_p": 0.5}))
-    analyze(tmp_path / "data", tmp_path / "runs", out, 0, flags=["--read_back"])  # checkpoints there, unused
+    analyze(data, runs, out, 0, flags=["--read_back"])  # checkpoints there, unused
     assert json.loads((out / "e1-tiny.json").read_text())["summary"]["mcnemar_p"] == {"0": 0.5}
     e1_analyze = results_module("e1_analyze")
-    err = command_line_error(capsys, e1_analyze, analyze_argv(tmp_path / "data", tmp_path / "gone", out, 0, 1))
+    err = command_line_error(capsys, e1_analyze, analyze_argv(data, tmp_path / "gone", out, 0, 1))
     assert err.startswith("error: seed 1: no checkpoints")
-    err = command_line_error(capsys, e1_analyze, analyze_argv(tmp_path / "nowhere", tmp_path / "runs", out, 0))
+    err = command_line_error(capsys, e1_analyze, analyze_argv(tmp_path / "nowhere", runs, out, 0))
     assert err.startswith(f"error: data directory {tmp_path / 'nowhere'}")
 
 
@@ -107,3 +116,25 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
     assert json.loads((out / "e3.json").read_text()) == measured
     err = command_line_error(capsys, e3_analyze, [*argv[:-1], "1"])
     assert err.startswith("error: seed 1: no") and "next-0" in err
+
+
+def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(capsys, image_runs, tmp_path):
+    """Experiment 4's analysis on one seed of one tiny trunk (the 2-step runs of experiment 1's test in
+    s0/<trunk>/): same init, paired accuracies and probes, written to <out>/<name>.json and .png; a missing
+    checkpoint is one line that says how many are missing."""
+    data, runs = image_runs
+    trunk_runs = tmp_path / "runs" / "s0"
+    trunk_runs.mkdir(parents=True)
+    (trunk_runs / "2x16").symlink_to(runs / "s0")
+    e4_analyze = results_module("e4_analyze")
+    def argv(*seeds):
+        return [str(data), "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "e4-tiny"), "--trunks", "2x16",
+                "--image_size", "16", "--train_samples", "0", "--seeds", *seeds]
+
+    e4_analyze.main(argv("0"))
+    measured = json.loads((tmp_path / "e4-tiny" / "e4-tiny.json").read_text())["summary"]["2x16"]
+    assert measured["same_init"] is True and (tmp_path / "e4-tiny" / "e4-tiny.png").exists()
+    assert 0 <= measured["cls"][0] <= 100 and measured["ft_minus_cls"][0] == measured["ft"][0] - measured["cls"][0]
+    assert "2x16: cls" in capsys.readouterr().out
+    err = command_line_error(capsys, e4_analyze, argv("0", "1"))
+    assert err.startswith("error: 3 of 6 checkpoints missing") and "s1" in err
