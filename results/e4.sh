@@ -13,19 +13,24 @@ cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
+case $BUDGET in
+  ''|*[!0-9]*|0*) echo "BUDGET must be a positive whole number (the steps' multiplier), got '$BUDGET'" >&2; exit 2 ;;
+esac
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=e4-x$BUDGET; fi
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples 5000 --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
+TRUNKS=${TRUNKS:-6x128 12x92 24x64}
+heads_of() {  # the sweep's trunks and their heads (head dims 64, 46 and 64)
+  case $1 in 6x128|12x92) echo 2 ;; 24x64) echo 1 ;; *) return 1 ;; esac
+}
+for trunk in $TRUNKS; do
+  heads_of "$trunk" > /dev/null || { echo "unknown trunk $trunk: choose among 6x128 12x92 24x64" >&2; exit 2; }
+done
 mkdir -p results/$NAME/logs
 for seed in ${SEEDS:-0 1 2}; do
-  for trunk in ${TRUNKS:-6x128 12x92 24x64}; do
-    case $trunk in
-      6x128|12x92) heads=2 ;;
-      24x64) heads=1 ;;
-      *) echo "unknown trunk $trunk: choose among 6x128 12x92 24x64" >&2; exit 2 ;;
-    esac
+  for trunk in $TRUNKS; do
     out=out/$NAME/s$seed/$trunk
-    flags="--depth ${trunk%x*} --width ${trunk#*x} --heads $heads --seed $seed"
+    flags="--depth ${trunk%x*} --width ${trunk#*x} --heads $(heads_of "$trunk") --seed $seed"
     $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
       --overwrite
     $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
