@@ -138,3 +138,17 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
     assert "2x16: cls" in capsys.readouterr().out
     err = command_line_error(capsys, e4_analyze, argv("0", "1"))
     assert err.startswith("error: 3 of 6 checkpoints missing") and "s1" in err
+
+
+@pytest.mark.parametrize("env,message", [({"BUDGET": "1.5"}, "BUDGET must be a positive whole number"),
+                                         ({"BUDGET": "0"}, "BUDGET must be a positive whole number"),
+                                         ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8")])
+def test_experiment_4_script_refuses_a_bad_budget_or_trunk_before_it_writes_anything(tmp_path, env, message):
+    """results/e4.sh with a budget that is not a positive whole number, or a trunk outside the sweep: one line,
+    exit 2, no folder made and no run started."""
+    (tmp_path / "results").mkdir()
+    shutil.copy(os.path.join(REPO, "results", "e4.sh"), tmp_path / "results" / "e4.sh")
+    done = subprocess.run(["bash", str(tmp_path / "results" / "e4.sh")], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHON": "false", **env})
+    assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
+    assert os.listdir(tmp_path / "results") == ["e4.sh"] and not (tmp_path / "out").exists()
