@@ -127,6 +127,7 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
     trunk_runs.mkdir(parents=True)
     (trunk_runs / "2x16").symlink_to(runs / "s0")
     e4_analyze = results_module("e4_analyze")
+
     def argv(*seeds):
         return [str(data), "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "e4-tiny"), "--trunks", "2x16",
                 "--image_size", "16", "--train_samples", "0", "--seeds", *seeds]
