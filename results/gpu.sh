@@ -6,7 +6,7 @@
 #   BENCHLIB=DIR  where timm, transformers and vit-pytorch are installed, if they are not importable already;
 #                 without them, the --against tables are skipped with a note
 # It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, a short CIFAR-10 run and
-# a probe of it, and the default schedule on the deepest presets. Each step has its own time limit, cut to what
+# a probe of it, and last the default schedule on the deepest presets. Each step has its own time limit, cut to what
 # is left of 580 s, so the whole ends within 10 minutes; a step that fails, times out or finds no time left is
 # recorded in results/gpu/status.txt and the script goes on.
 set -uo pipefail
@@ -63,9 +63,6 @@ if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
     --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
   step probe 40 $PY probe.py "$OUT/cifar-small/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" \
     --plot "$OUT/probe.png"
-  # The default rate and warmup on the deepest presets (target: no divergence; a non-finite loss stops train.py).
-  export -f defaults_at_depth; export PY DATA OUT
-  step defaults-at-depth 180 bash -c defaults_at_depth
 else
   echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
 fi
@@ -79,5 +76,11 @@ if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
     --batch_size 64 --compile auto --rounds 3 --steps 5
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
+fi
+# Last, as the longest step and the only one without a target figure: the default rate and warmup on the deepest
+# presets (target: no divergence; a non-finite loss stops train.py).
+if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
+  export -f defaults_at_depth; export PY DATA OUT
+  step defaults-at-depth 180 bash -c defaults_at_depth
 fi
 echo "outputs in $OUT/"
