@@ -5,20 +5,27 @@
 # equal FLOPs per token (depth x width^2 = 98k, 102k, 98k): 6x128, 12x92 and 24x64, on the setting of
 # experiment 1 (16x16 CIFAR-10 images, 16 patch tokens, a fixed 5,000-image training subset).
 # BUDGET=3 runs every arm for 3x the steps (cls 4500; MAE 3000 then 1500), warmups unchanged, into out/e4-x3 and
-# results/e4-x3: does MAE's deficit, or the loss with depth, come from the short budget?
+# results/e4-x3: does MAE's deficit, or the loss with depth, come from the short budget? SAMPLES=20000 trains on a
+# fixed subset of 20,000 images instead of 5,000, into out/e4-n20000 (with BUDGET=3: e4-x3-n20000): from the data?
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
-#   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores)
+#   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
+#   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
+#   after SAMPLES=N, so that evaluation normalises with the training subset's statistics)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
+SAMPLES=${SAMPLES:-5000}
 case $BUDGET in
   ''|*[!0-9]*|0*) echo "BUDGET must be a positive whole number (the steps' multiplier), got '$BUDGET'" >&2; exit 2 ;;
 esac
-NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=e4-x$BUDGET; fi
+case $SAMPLES in
+  ''|*[!0-9]*|0*) echo "SAMPLES must be a positive whole number of training images, got '$SAMPLES'" >&2; exit 2 ;;
+esac
+NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
-        --train_samples 5000 --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
+        --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
 heads_of() {  # the sweep's trunks and their heads (head dims 64, 46 and 64)
   case $1 in 6x128|12x92) echo 2 ;; 24x64) echo 1 ;; *) return 1 ;; esac

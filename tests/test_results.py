@@ -143,10 +143,11 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
 
 @pytest.mark.parametrize("env,message", [({"BUDGET": "1.5"}, "BUDGET must be a positive whole number"),
                                          ({"BUDGET": "0"}, "BUDGET must be a positive whole number"),
+                                         ({"SAMPLES": "5k"}, "SAMPLES must be a positive whole number"),
                                          ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8")])
-def test_experiment_4_script_refuses_a_bad_budget_or_trunk_before_it_writes_anything(tmp_path, env, message):
-    """results/e4.sh with a budget that is not a positive whole number, or a trunk outside the sweep: one line,
-    exit 2, no folder made and no run started."""
+def test_experiment_4_script_refuses_a_bad_budget_subset_or_trunk_before_it_writes_anything(tmp_path, env, message):
+    """results/e4.sh with a budget or subset size that is not a positive whole number, or a trunk outside the
+    sweep: one line, exit 2, no folder made and no run started."""
     (tmp_path / "results").mkdir()
     shutil.copy(os.path.join(REPO, "results", "e4.sh"), tmp_path / "results" / "e4.sh")
     done = subprocess.run(["bash", str(tmp_path / "results" / "e4.sh")], capture_output=True, text=True, timeout=30,
