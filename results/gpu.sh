@@ -57,7 +57,8 @@ step mae-bamboo-b 90 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,gr
 # Bamboo Table 1 at batch 256, both under the default compilation (target: bamboo-b at least 0.7x of 12x768,
 # and 12x768 at least 45% MFU).
 step table1 90 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
-if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
+HAVE_DATA=false; if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then HAVE_DATA=true; fi
+if $HAVE_DATA; then
   # A short real run (target: a cifar-small step of 128 images in at most 4 ms), then its probe.
   step train-cifar-small 60 $PY train.py --preset cifar-small --dataset folder --data_dir "$DATA" \
     --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
@@ -79,7 +80,7 @@ else
 fi
 # Last, as the longest step and the only one without a target figure: the default rate and warmup on the deepest
 # presets (target: no divergence; a non-finite loss stops train.py).
-if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then
+if $HAVE_DATA; then
   export -f defaults_at_depth; export PY DATA OUT
   step defaults-at-depth 180 bash -c defaults_at_depth
 fi
