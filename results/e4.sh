@@ -17,12 +17,11 @@ DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
 SAMPLES=${SAMPLES:-5000}
-case $BUDGET in
-  ''|*[!0-9]*|0*) echo "BUDGET must be a positive whole number (the steps' multiplier), got '$BUDGET'" >&2; exit 2 ;;
-esac
-case $SAMPLES in
-  ''|*[!0-9]*|0*) echo "SAMPLES must be a positive whole number of training images, got '$SAMPLES'" >&2; exit 2 ;;
-esac
+positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
+  case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
+}
+positive_whole BUDGET "(the steps' multiplier)"
+positive_whole SAMPLES "of training images"
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"

@@ -77,14 +77,20 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, image_r
     assert err.startswith(f"error: data directory {tmp_path / 'nowhere'}")
 
 
+def run_results_script(tmp_path, name, env, timeout=60):
+    """Run a copy of results/<name> from tmp_path/results (so nothing it writes lands in the repository)."""
+    (tmp_path / "results").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(REPO, "results", name), tmp_path / "results" / name)
+    return subprocess.run(["bash", str(tmp_path / "results" / name)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
 def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
     """results/gpu.sh where no GPU is visible: one line, exit 1, and the committed GPU outputs untouched."""
     recorded = tmp_path / "results" / "gpu"
     shutil.copytree(os.path.join(REPO, "results", "gpu"), recorded)
-    shutil.copy(os.path.join(REPO, "results", "gpu.sh"), tmp_path / "results" / "gpu.sh")
     before = {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()}
-    done = subprocess.run(["bash", str(tmp_path / "results" / "gpu.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 1 and done.stdout.startswith("no CUDA device") and len(done.stdout.splitlines()) == 1
     assert {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()} == before
 
@@ -93,11 +99,8 @@ def test_the_gpu_check_runs_every_step_and_the_schedule_check_last(tmp_path):
     """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step is
     recorded in status.txt in order, the targets' steps before the long schedule check, whose failure (the stand-in
     writes no training log) is recorded without stopping the script."""
-    (tmp_path / "results").mkdir()
-    shutil.copy(os.path.join(REPO, "results", "gpu.sh"), tmp_path / "results" / "gpu.sh")
     (tmp_path / "data" / "train").mkdir(parents=True)
-    done = subprocess.run(["bash", str(tmp_path / "results" / "gpu.sh")], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHON": "true", "DATA": str(tmp_path / "data"), "BENCHLIB": ""})
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true", "DATA": str(tmp_path / "data"), "BENCHLIB": ""})
     assert done.returncode == 0, done.stdout + done.stderr
     status = (tmp_path / "results" / "gpu" / "status.txt").read_text().splitlines()
     steps = ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
@@ -165,9 +168,6 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
 def test_experiment_4_script_refuses_a_bad_budget_subset_or_trunk_before_it_writes_anything(tmp_path, env, message):
     """results/e4.sh with a budget or subset size that is not a positive whole number, or a trunk outside the
     sweep: one line, exit 2, no folder made and no run started."""
-    (tmp_path / "results").mkdir()
-    shutil.copy(os.path.join(REPO, "results", "e4.sh"), tmp_path / "results" / "e4.sh")
-    done = subprocess.run(["bash", str(tmp_path / "results" / "e4.sh")], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "PYTHON": "false", **env})
+    done = run_results_script(tmp_path, "e4.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert os.listdir(tmp_path / "results") == ["e4.sh"] and not (tmp_path / "out").exists()
