@@ -6,7 +6,7 @@ per-image outcomes), and probes both on the first 256 test images. Then mean ± 
 to <out>/<name of out>.json, and a figure of the probes against relative depth with one band per trunk and arm.
 
 Run: python results/e4_analyze.py [DATA]     (DATA defaults to ../shared/data)
-     python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 24x64   (after BUDGET=3)
+     python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 12x92 24x64   (after BUDGET=3)
      python results/e4_analyze.py --runs out/e4-n20000 --out results/e4-n20000 --trunks 24x64 --train_samples 20000
 """
 import argparse

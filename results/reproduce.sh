@@ -13,10 +13,10 @@ for experiment in e1 e2 e3 e4 e5; do
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
 done
-# Experiment 4 again at 3x the steps of every arm, on its shallowest and deepest trunks: does MAE's deficit come
+# Experiment 4 again at 3x the steps of every arm, on all three trunks: does MAE's deficit come
 # from the budget? Then the deepest trunk on 20,000 training images instead of 5,000: does it come from the data?
-BUDGET=3 TRUNKS="6x128 24x64" bash results/e4.sh "$DATA"
-$PY results/e4_analyze.py "$DATA" --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 24x64 --title "Experiment 4 \
+BUDGET=3 bash results/e4.sh "$DATA"
+$PY results/e4_analyze.py "$DATA" --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 12x92 24x64 --title "Experiment 4 \
 at 3x the steps: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" | tee results/e4-x3/e4-x3.txt
 SAMPLES=20000 TRUNKS=24x64 bash results/e4.sh "$DATA"
 $PY results/e4_analyze.py "$DATA" --runs out/e4-n20000 --out results/e4-n20000 --trunks 24x64 --train_samples 20000 \
