@@ -5,10 +5,9 @@
 #                 without it, those two steps are skipped with a note (no download: GPU machines may be offline)
 #   BENCHLIB=DIR  where timm, transformers and vit-pytorch are installed, if they are not importable already;
 #                 without them, the --against tables are skipped with a note
-# It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, a short CIFAR-10 run and
-# a probe of it, and last the default schedule on the deepest presets. Each step has its own time limit, cut to what
-# is left of 580 s, so the whole ends within 10 minutes; a step that fails, times out or finds no time left is
-# recorded in results/gpu/status.txt and the script goes on.
+# It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, and a short CIFAR-10 run and
+# a probe of it. Each step has its own time limit, cut to what is left of 580 s, so the whole ends within 10 minutes;
+# a step that fails, times out or finds no time left is recorded in results/gpu/status.txt and the script goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -31,21 +30,6 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, output to $O
   echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/status.txt"
 }
 
-defaults_at_depth() {  # bamboo-b and base-96x256 at batch 256 in bf16, every schedule flag at its default, for
-  # 200 steps past the peak of their warmup of max(100, 10 x depth) steps; seed 2, whose bamboo-b diverged with
-  # the earlier 5 x depth. The logs are kept, the checkpoints go to a temporary folder.
-  local tmp preset steps
-  tmp=$(mktemp -d)
-  for preset in bamboo-b:680 base-96x256:1160; do
-    steps=${preset#*:} preset=${preset%:*}
-    $PY train.py --preset "$preset" --objective cls --seed 2 --dataset folder --data_dir "$DATA" --train_samples 10000 \
-      --batch_size 256 --max_iters "$steps" --eval_interval "$steps" --eval_samples 2000 --log_interval 40 \
-      --out_dir "$tmp/$preset" || return 1
-    mkdir -p "$OUT/defaults-$preset" && cp "$tmp/$preset/log.jsonl" "$OUT/defaults-$preset/" || return 1
-  done
-  rm -rf "$tmp"
-}
-
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 } > "$OUT/gpu.txt" 2>&1
@@ -53,35 +37,29 @@ cat "$OUT/gpu.txt"
 
 step tests 120 $PY -m pytest -q tests/gpu
 # MAE 48x384, batch 256: eager against CUDA graphs over regionally compiled blocks (target: at most 20 ms).
-step mae-bamboo-b 90 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5
+step mae-bamboo-b 60 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5
 # Bamboo Table 1 at batch 256, both under the default compilation (target: bamboo-b at least 0.7x of 12x768,
 # and 12x768 at least 45% MFU).
-step table1 90 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
+step table1 60 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
 HAVE_DATA=false; if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then HAVE_DATA=true; fi
 if $HAVE_DATA; then
   # A short real run (target: a cifar-small step of 128 images in at most 4 ms), then its probe.
-  step train-cifar-small 60 $PY train.py --preset cifar-small --dataset folder --data_dir "$DATA" \
-    --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
+  step train-cifar-small 90 $PY train.py --preset cifar-small --dataset folder --data_dir "$DATA" \
+    --train_samples 10000 --batch_size 128 --max_iters 600 --eval_interval 300 --out_dir "$OUT/cifar-small" --overwrite
   step probe 40 $PY probe.py "$OUT/cifar-small/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" \
     --plot "$OUT/probe.png"
 else
   echo "real run skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
 fi
 # Cold compile of the deepest models: one Block compiled and reused at every depth (target: at most 30 s).
-TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) step compile-cold 90 $PY bench.py cls:bamboo-b cls:base-96x256 \
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) step compile-cold 60 $PY bench.py cls:bamboo-b cls:base-96x256 \
   --batch_size 64 --compile blocks --rounds 1 --steps 1 --warmup 1
 if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
   # Against what users would pick, both compiled (targets: cls 1.4x timm, next 1.2x and mlm 1.2x Hugging Face).
-  step against-cls 120 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5
-  step against-text 90 $PY bench.py next:wikitext-small mlm:wikitext-small --against \
+  step against-cls 160 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5
+  step against-text 120 $PY bench.py next:wikitext-small mlm:wikitext-small --against \
     --batch_size 64 --compile auto --rounds 3 --steps 5
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
-fi
-# Last, as the longest step and the only one without a target figure: the default rate and warmup on the deepest
-# presets (target: no divergence; a non-finite loss stops train.py).
-if $HAVE_DATA; then
-  export -f defaults_at_depth; export PY DATA OUT
-  step defaults-at-depth 180 bash -c defaults_at_depth
 fi
 echo "outputs in $OUT/"
