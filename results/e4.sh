@@ -7,6 +7,8 @@
 # BUDGET=3 runs every arm for 3x the steps (cls 4500; MAE 3000 then 1500), warmups unchanged, into out/e4-x3 and
 # results/e4-x3: does MAE's deficit, or the loss with depth, come from the short budget? SAMPLES=20000 trains on a
 # fixed subset of 20,000 images instead of 5,000, into out/e4-n20000 (with BUDGET=3: e4-x3-n20000): from the data?
+# IMAGE_SIZE=32 trains on 32x32 images (64 patch tokens, 16 visible to MAE's encoder, instead of 16 and 4), into
+# out/e4-i32: from the token count?
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
 #   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
 #   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
@@ -17,13 +19,17 @@ DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
 SAMPLES=${SAMPLES:-5000}
+IMAGE_SIZE=${IMAGE_SIZE:-16}
 positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
   case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
 }
 positive_whole BUDGET "(the steps' multiplier)"
 positive_whole SAMPLES "of training images"
+positive_whole IMAGE_SIZE "of pixels"
+if [ $((IMAGE_SIZE % 4)) != 0 ]; then echo "IMAGE_SIZE must be a multiple of the patch size 4, got $IMAGE_SIZE" >&2; exit 2; fi
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
-COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
+if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi
+COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
 heads_of() {  # the sweep's trunks and their heads (head dims 64, 46 and 64)

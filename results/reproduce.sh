@@ -26,6 +26,10 @@ BUDGET=3 SAMPLES=20000 TRUNKS=24x64 bash results/e4.sh "$DATA"
 $PY results/e4_analyze.py "$DATA" --runs out/e4-x3-n20000 --out results/e4-x3-n20000 --trunks 24x64 \
   --train_samples 20000 --title "Experiment 4 at 3x the steps on 20,000 images: 24x64, cls from scratch against \
 MAE + fine-tuning, mean ± std over 3 seeds" | tee results/e4-x3-n20000/e4-x3-n20000.txt
+IMAGE_SIZE=32 TRUNKS=24x64 bash results/e4.sh "$DATA"
+$PY results/e4_analyze.py "$DATA" --runs out/e4-i32 --out results/e4-i32 --trunks 24x64 --image_size 32 \
+  --title "Experiment 4 on 32x32 images (64 tokens): 24x64, cls from scratch against MAE + fine-tuning, mean ± std \
+over 3 seeds" | tee results/e4-i32/e4-i32.txt
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"
