@@ -20,16 +20,19 @@ PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
 SAMPLES=${SAMPLES:-5000}
 IMAGE_SIZE=${IMAGE_SIZE:-16}
+PATCH=4
 positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
   case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
 }
 positive_whole BUDGET "(the steps' multiplier)"
 positive_whole SAMPLES "of training images"
 positive_whole IMAGE_SIZE "of pixels"
-if [ $((IMAGE_SIZE % 4)) != 0 ]; then echo "IMAGE_SIZE must be a multiple of the patch size 4, got $IMAGE_SIZE" >&2; exit 2; fi
+if [ $((IMAGE_SIZE % PATCH)) != 0 ]; then
+  echo "IMAGE_SIZE must be a multiple of the patch size $PATCH, got $IMAGE_SIZE" >&2; exit 2
+fi
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
 if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi
-COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
+COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
 heads_of() {  # the sweep's trunks and their heads (head dims 64, 46 and 64)

@@ -13,23 +13,24 @@ for experiment in e1 e2 e3 e4 e5; do
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
 done
-# Experiment 4 again at 3x the steps of every arm, on all three trunks: does MAE's deficit come
-# from the budget? Then the deepest trunk on 20,000 training images instead of 5,000: does it come from the data?
-BUDGET=3 bash results/e4.sh "$DATA"
-$PY results/e4_analyze.py "$DATA" --runs out/e4-x3 --out results/e4-x3 --trunks 6x128 12x92 24x64 --title "Experiment 4 \
-at 3x the steps: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" | tee results/e4-x3/e4-x3.txt
-SAMPLES=20000 TRUNKS=24x64 bash results/e4.sh "$DATA"
-$PY results/e4_analyze.py "$DATA" --runs out/e4-n20000 --out results/e4-n20000 --trunks 24x64 --train_samples 20000 \
-  --title "Experiment 4 on 20,000 training images, 24x64: cls from scratch against MAE + fine-tuning, mean ± std \
-over 3 seeds" | tee results/e4-n20000/e4-n20000.txt
-BUDGET=3 SAMPLES=20000 TRUNKS=24x64 bash results/e4.sh "$DATA"
-$PY results/e4_analyze.py "$DATA" --runs out/e4-x3-n20000 --out results/e4-x3-n20000 --trunks 24x64 \
-  --train_samples 20000 --title "Experiment 4 at 3x the steps on 20,000 images: 24x64, cls from scratch against \
-MAE + fine-tuning, mean ± std over 3 seeds" | tee results/e4-x3-n20000/e4-x3-n20000.txt
-IMAGE_SIZE=32 TRUNKS=24x64 bash results/e4.sh "$DATA"
-$PY results/e4_analyze.py "$DATA" --runs out/e4-i32 --out results/e4-i32 --trunks 24x64 --image_size 32 \
-  --title "Experiment 4 on 32x32 images (64 tokens): 24x64, cls from scratch against MAE + fine-tuning, mean ± std \
-over 3 seeds" | tee results/e4-i32/e4-i32.txt
+# Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
+# budget), the deepest trunk on 20,000 training images (the data), both at once, and on 32x32 images (the tokens).
+e4_variant() {  # e4_variant NAME TITLE: e4.sh with the caller's BUDGET, SAMPLES, IMAGE_SIZE and TRUNKS (it names its
+  # folders NAME), then its analysis given the same subset, image size and trunks
+  bash results/e4.sh "$DATA"
+  # shellcheck disable=SC2086  # TRUNKS is a list of words
+  $PY results/e4_analyze.py "$DATA" --runs "out/$1" --out "results/$1" ${TRUNKS:+--trunks $TRUNKS} \
+    ${SAMPLES:+--train_samples "$SAMPLES"} ${IMAGE_SIZE:+--image_size "$IMAGE_SIZE"} --title "$2" \
+    | tee "results/$1/$1.txt"
+}
+BUDGET=3 e4_variant e4-x3 "Experiment 4 at 3x the steps: cls from scratch against MAE + fine-tuning, mean ± std over \
+3 seeds"
+SAMPLES=20000 TRUNKS=24x64 e4_variant e4-n20000 "Experiment 4 on 20,000 training images, 24x64: cls from scratch \
+against MAE + fine-tuning, mean ± std over 3 seeds"
+BUDGET=3 SAMPLES=20000 TRUNKS=24x64 e4_variant e4-x3-n20000 "Experiment 4 at 3x the steps on 20,000 images: 24x64, \
+cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
+IMAGE_SIZE=32 TRUNKS=24x64 e4_variant e4-i32 "Experiment 4 on 32x32 images (64 tokens): 24x64, cls from scratch \
+against MAE + fine-tuning, mean ± std over 3 seeds"
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"
