@@ -8,11 +8,13 @@
 # results/e4-x3: does MAE's deficit, or the loss with depth, come from the short budget? SAMPLES=20000 trains on a
 # fixed subset of 20,000 images instead of 5,000, into out/e4-n20000 (with BUDGET=3: e4-x3-n20000): from the data?
 # IMAGE_SIZE=32 trains on 32x32 images (64 patch tokens, 16 visible to MAE's encoder, instead of 16 and 4), into
-# out/e4-i32: from the token count?
+# out/e4-i32: from the token count? WIDEN=2 doubles every trunk's width and heads (head dims unchanged, 4x the FLOPs;
+# 24x64 becomes 24x128, in folders named by the widened trunk) into out/e4-w2: from the width?
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
 #   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
 #   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
-#   after SAMPLES=N, so that evaluation normalises with the training subset's statistics)
+#   after SAMPLES=N, so that evaluation normalises with the training subset's statistics, and the widened trunks
+#   after WIDEN)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
@@ -20,6 +22,7 @@ PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
 SAMPLES=${SAMPLES:-5000}
 IMAGE_SIZE=${IMAGE_SIZE:-16}
+WIDEN=${WIDEN:-1}
 PATCH=4
 positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
   case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
@@ -27,11 +30,12 @@ positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless t
 positive_whole BUDGET "(the steps' multiplier)"
 positive_whole SAMPLES "of training images"
 positive_whole IMAGE_SIZE "of pixels"
+positive_whole WIDEN "(the widths' multiplier)"
 if [ $((IMAGE_SIZE % PATCH)) != 0 ]; then
   echo "IMAGE_SIZE must be a multiple of the patch size $PATCH, got $IMAGE_SIZE" >&2; exit 2
 fi
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
-if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi
+if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi; if [ "$WIDEN" != 1 ]; then NAME=$NAME-w$WIDEN; fi
 COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
@@ -44,14 +48,15 @@ done
 mkdir -p results/$NAME/logs
 for seed in ${SEEDS:-0 1 2}; do
   for trunk in $TRUNKS; do
-    out=out/$NAME/s$seed/$trunk
-    flags="--depth ${trunk%x*} --width ${trunk#*x} --heads $(heads_of "$trunk") --seed $seed"
+    depth=${trunk%x*} width=$((${trunk#*x} * WIDEN))
+    out=out/$NAME/s$seed/${depth}x$width
+    flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
     $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
       --overwrite
     $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
       --overwrite
     $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $((500 * BUDGET)) \
       --warmup 50 --layer_decay 0.75 --out_dir $out/ft --overwrite
-    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$trunk-$arm.jsonl; done
+    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-${depth}x$width-$arm.jsonl; done
   done
 done

@@ -14,12 +14,15 @@ for experiment in e1 e2 e3 e4 e5; do
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
 done
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
-# budget), the deepest trunk on 20,000 training images (the data), both at once, and on 32x32 images (the tokens).
-e4_variant() {  # e4_variant NAME TITLE: e4.sh with the caller's BUDGET, SAMPLES, IMAGE_SIZE and TRUNKS (it names its
-  # folders NAME), then its analysis given the same subset, image size and trunks
+# budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
+# twice the width (the model's size).
+e4_variant() {  # e4_variant NAME TITLE [TRUNKS]: e4.sh with the caller's BUDGET, SAMPLES, IMAGE_SIZE, WIDEN and TRUNKS
+  # (it names its folders NAME), then its analysis given the same subset, image size and trunks (the third argument
+  # names the trunks as run, when WIDEN changed them)
   bash results/e4.sh "$DATA"
-  # shellcheck disable=SC2086  # TRUNKS is a list of words
-  $PY results/e4_analyze.py "$DATA" --runs "out/$1" --out "results/$1" ${TRUNKS:+--trunks $TRUNKS} \
+  local trunks=${3:-${TRUNKS:-}}
+  # shellcheck disable=SC2086  # trunks is a list of words
+  $PY results/e4_analyze.py "$DATA" --runs "out/$1" --out "results/$1" ${trunks:+--trunks $trunks} \
     ${SAMPLES:+--train_samples "$SAMPLES"} ${IMAGE_SIZE:+--image_size "$IMAGE_SIZE"} --title "$2" \
     | tee "results/$1/$1.txt"
 }
@@ -31,6 +34,8 @@ BUDGET=3 SAMPLES=20000 TRUNKS=24x64 e4_variant e4-x3-n20000 "Experiment 4 at 3x 
 cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
 IMAGE_SIZE=32 TRUNKS=24x64 e4_variant e4-i32 "Experiment 4 on 32x32 images (64 tokens): 24x64, cls from scratch \
 against MAE + fine-tuning, mean ± std over 3 seeds"
+WIDEN=2 TRUNKS=24x64 e4_variant e4-w2 "Experiment 4 at twice the width, 24x128: cls from scratch against MAE + \
+fine-tuning, mean ± std over 3 seeds" 24x128
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"

@@ -165,11 +165,13 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
                                          ({"SAMPLES": "5k"}, "SAMPLES must be a positive whole number"),
                                          ({"IMAGE_SIZE": "32px"}, "IMAGE_SIZE must be a positive whole number"),
                                          ({"IMAGE_SIZE": "30"}, "IMAGE_SIZE must be a multiple of the patch size 4"),
+                                         ({"WIDEN": "two"}, "WIDEN must be a positive whole number"),
                                          ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8")])
 def test_experiment_4_script_refuses_a_bad_budget_subset_size_or_trunk_before_it_writes_anything(tmp_path, env,
                                                                                                    message):
-    """results/e4.sh with a budget, subset or image size that is not a positive whole number, an image size that
-    the patches do not tile, or a trunk outside the sweep: one line, exit 2, no folder made and no run started."""
+    """results/e4.sh with a budget, subset, image size or width multiplier that is not a positive whole number, an
+    image size that the patches do not tile, or a trunk outside the sweep: one line, exit 2, no folder made and no
+    run started."""
     done = run_results_script(tmp_path, "e4.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert os.listdir(tmp_path / "results") == ["e4.sh"] and not (tmp_path / "out").exists()
