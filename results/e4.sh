@@ -49,7 +49,7 @@ mkdir -p results/$NAME/logs
 for seed in ${SEEDS:-0 1 2}; do
   for trunk in $TRUNKS; do
     depth=${trunk%x*} width=$((${trunk#*x} * WIDEN))
-    out=out/$NAME/s$seed/${depth}x$width
+    shape=${depth}x$width; out=out/$NAME/s$seed/$shape
     flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
     $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
       --overwrite
@@ -57,6 +57,6 @@ for seed in ${SEEDS:-0 1 2}; do
       --overwrite
     $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $((500 * BUDGET)) \
       --warmup 50 --layer_decay 0.75 --out_dir $out/ft --overwrite
-    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-${depth}x$width-$arm.jsonl; done
+    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl; done
   done
 done
