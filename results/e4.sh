@@ -9,7 +9,11 @@
 # fixed subset of 20,000 images instead of 5,000, into out/e4-n20000 (with BUDGET=3: e4-x3-n20000): from the data?
 # IMAGE_SIZE=32 trains on 32x32 images (64 patch tokens, 16 visible to MAE's encoder, instead of 16 and 4), into
 # out/e4-i32: from the token count? WIDEN=2 doubles every trunk's width and heads (head dims unchanged, 4x the FLOPs;
-# 24x64 becomes 24x128, in folders named by the widened trunk) into out/e4-w2: from the width?
+# 24x64 becomes 24x128, in folders named by the widened trunk) into out/e4-w2: from the width? FT_STEPS=1500 fine-tunes
+# for as many steps as cls trains (into out/e4-ft1500): is MAE's encoder a better start than random weights at equal
+# supervised steps? LAYER_DECAY=1 fine-tunes without layer decay (into ...-ld1; 0.75^24 leaves block 1 of 24x64 a
+# thousandth of the rate): does the decay hold the deep trunks back? REUSE=out/e4-ft1500 takes the cls and mae arms
+# of that earlier run (same seeds and trunks) instead of training them again, so fine-tuning variants share them.
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
 #   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
 #   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
@@ -23,6 +27,7 @@ BUDGET=${BUDGET:-1}
 SAMPLES=${SAMPLES:-5000}
 IMAGE_SIZE=${IMAGE_SIZE:-16}
 WIDEN=${WIDEN:-1}
+LAYER_DECAY=${LAYER_DECAY:-0.75}
 PATCH=4
 positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
   case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
@@ -31,11 +36,18 @@ positive_whole BUDGET "(the steps' multiplier)"
 positive_whole SAMPLES "of training images"
 positive_whole IMAGE_SIZE "of pixels"
 positive_whole WIDEN "(the widths' multiplier)"
+FT_STEPS=${FT_STEPS:-$((500 * BUDGET))}
+positive_whole FT_STEPS "of fine-tuning steps"
+if ! [[ $LAYER_DECAY =~ ^(1(\.0*)?|0?\.[0-9]*[1-9][0-9]*)$ ]]; then
+  echo "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '$LAYER_DECAY'" >&2; exit 2
+fi
 if [ $((IMAGE_SIZE % PATCH)) != 0 ]; then
   echo "IMAGE_SIZE must be a multiple of the patch size $PATCH, got $IMAGE_SIZE" >&2; exit 2
 fi
 NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" != 5000 ]; then NAME=$NAME-n$SAMPLES; fi
 if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi; if [ "$WIDEN" != 1 ]; then NAME=$NAME-w$WIDEN; fi
+if [ "$FT_STEPS" != $((500 * BUDGET)) ]; then NAME=$NAME-ft$FT_STEPS; fi
+if [ "$LAYER_DECAY" != 0.75 ]; then NAME=$NAME-ld$LAYER_DECAY; fi
 COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
@@ -45,18 +57,33 @@ heads_of() {  # the sweep's trunks and their heads (head dims 64, 46 and 64)
 for trunk in $TRUNKS; do
   heads_of "$trunk" > /dev/null || { echo "unknown trunk $trunk: choose among 6x128 12x92 24x64" >&2; exit 2; }
 done
+shape_of() { echo "${1%x*}x$((${1#*x} * WIDEN))"; }  # the trunk as run: depth x widened width
+for seed in ${SEEDS:-0 1 2}; do  # a reused arm must be there, and must not replace a run, before anything is written
+  for trunk in ${REUSE:+$TRUNKS}; do
+    for arm in cls mae; do
+      from=$REUSE/s$seed/$(shape_of "$trunk")/$arm to=out/$NAME/s$seed/$(shape_of "$trunk")/$arm
+      [ -f "$from/ckpt.pt" ] || { echo "REUSE: no $from/ckpt.pt; run without REUSE first" >&2; exit 2; }
+      if [ -e "$to" ] && [ ! -L "$to" ]; then echo "REUSE: $to holds a run of its own; move it away" >&2; exit 2; fi
+    done
+  done
+done
 mkdir -p results/$NAME/logs
 for seed in ${SEEDS:-0 1 2}; do
   for trunk in $TRUNKS; do
     depth=${trunk%x*} width=$((${trunk#*x} * WIDEN))
-    shape=${depth}x$width; out=out/$NAME/s$seed/$shape
+    shape=$(shape_of "$trunk"); out=out/$NAME/s$seed/$shape
     flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
-    $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
-      --overwrite
-    $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
-      --overwrite
-    $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $((500 * BUDGET)) \
-      --warmup 50 --layer_decay 0.75 --out_dir $out/ft --overwrite
+    if [ -n "${REUSE:-}" ]; then
+      mkdir -p $out
+      for arm in cls mae; do ln -sfn "$(cd "$REUSE/s$seed/$shape/$arm" && pwd)" $out/$arm; done
+    else
+      $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
+        --overwrite
+      $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
+        --overwrite
+    fi
+    $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
+      --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
     for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl; done
   done
 done

@@ -10,6 +10,7 @@ Run: python results/e4_analyze.py [DATA]     (DATA defaults to ../shared/data)
      python results/e4_analyze.py --runs out/e4-n20000 --out results/e4-n20000 --trunks 24x64 --train_samples 20000
      python results/e4_analyze.py --runs out/e4-i32 --out results/e4-i32 --trunks 24x64 --image_size 32
      python results/e4_analyze.py --runs out/e4-w2 --out results/e4-w2 --trunks 24x128   (after WIDEN=2 TRUNKS=24x64)
+     python results/e4_analyze.py --runs out/e4-ft1500 --out results/e4-ft1500 --trunks 24x64   (after FT_STEPS=1500)
 """
 import argparse
 import json

@@ -166,12 +166,47 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
                                          ({"IMAGE_SIZE": "32px"}, "IMAGE_SIZE must be a positive whole number"),
                                          ({"IMAGE_SIZE": "30"}, "IMAGE_SIZE must be a multiple of the patch size 4"),
                                          ({"WIDEN": "two"}, "WIDEN must be a positive whole number"),
+                                         ({"FT_STEPS": "0"}, "FT_STEPS must be a positive whole number"),
+                                         ({"LAYER_DECAY": "1.5"}, "LAYER_DECAY must be a number in (0, 1]"),
+                                         ({"LAYER_DECAY": "0"}, "LAYER_DECAY must be a number in (0, 1]"),
+                                         ({"REUSE": "out/e4"}, "REUSE: no out/e4/s0/6x128/cls/ckpt.pt"),
                                          ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8")])
 def test_experiment_4_script_refuses_a_bad_budget_subset_size_or_trunk_before_it_writes_anything(tmp_path, env,
                                                                                                    message):
-    """results/e4.sh with a budget, subset, image size or width multiplier that is not a positive whole number, an
-    image size that the patches do not tile, or a trunk outside the sweep: one line, exit 2, no folder made and no
-    run started."""
+    """results/e4.sh with a budget, subset, image size, width multiplier or fine-tuning length that is not a positive
+    whole number, a layer decay outside (0, 1], an image size that the patches do not tile, a trunk outside the sweep
+    or a run to reuse that is not there: one line, exit 2, no folder made and no run started."""
     done = run_results_script(tmp_path, "e4.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert os.listdir(tmp_path / "results") == ["e4.sh"] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("env,name,steps", [({"LAYER_DECAY": "1"}, "e4-ld1", "500"),
+                                            ({"FT_STEPS": "1500", "LAYER_DECAY": "1"}, "e4-ft1500-ld1", "1500")])
+def test_experiment_4_script_reuses_the_pretrained_arms_and_fine_tunes_them_as_asked(tmp_path, env, name, steps):
+    """results/e4.sh with REUSE: the cls and mae arms are links to the earlier run's, the only training is the
+    fine-tuning, with the asked steps and layer decay, into a folder named after them; an arm of the run's own that a
+    link would replace stops it with one line."""
+    reused = tmp_path / "out" / "e4-ft1500" / "s0" / "24x64"
+    for arm in ("cls", "mae"):
+        (reused / arm).mkdir(parents=True)
+        (reused / arm / "ckpt.pt").write_text("")
+        (reused / arm / "log.jsonl").write_text(arm)
+    stand_in = tmp_path / "python"  # records its arguments and writes the log of its --out_dir
+    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
+                        '{ mkdir -p "$2"; echo ft > "$2/log.jsonl"; }; shift; done\n')
+    env = {"PYTHON": f"bash {stand_in}", "REUSE": "out/e4-ft1500", "SEEDS": "0", "TRUNKS": "24x64", **env}
+    done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    (call,) = (tmp_path / "calls.txt").read_text().splitlines()
+    assert f"--init_from out/{name}/s0/24x64/mae/ckpt.pt --max_iters {steps} " in call and "--layer_decay 1 " in call
+    run = tmp_path / "out" / name / "s0" / "24x64"
+    assert all((run / arm).is_symlink() and (run / arm).resolve() == (reused / arm).resolve() for arm in ("cls", "mae"))
+    logs = {arm: (tmp_path / "results" / name / "logs" / f"s0-24x64-{arm}.jsonl").read_text().strip()
+            for arm in ("cls", "mae", "ft")}
+    assert logs == {"cls": "cls", "mae": "mae", "ft": "ft"}
+    (run / "cls").unlink()
+    (run / "cls").mkdir()
+    done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr == f"REUSE: out/{name}/s0/24x64/cls holds a run of its own; move it away\n"
