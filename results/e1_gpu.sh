@@ -4,7 +4,8 @@
 # fine-tuning, the same initial weights per seed. Every arm trains 100 epochs of a fixed 4,000-image subset
 # (1,563 steps of 256) at the default rate (3e-4) and WARMUP steps (480, train.py's default of 10 x depth; the
 # earlier runs in results/e1-gpu used 240, with which seed 2's cls arm diverges); fine-tuning uses the paper's
-# layer-wise lr decay of 0.65 (Table 5, Base).
+# layer-wise lr decay of 0.65 (Table 5, Base), or LAYER_DECAY (1 turns it off: 0.65^48 leaves block 1 a billionth
+# of the rate, and experiment 4 found the decay holds a deep MAE back; give such a run its own RESULTS folder).
 # The seeds given run side by side on the one GPU; each is scored and probed there (results/e1_analyze.py) as
 # soon as its runs end, then one summary covers every seed done so far.
 #   DATA=DIR bash results/e1_gpu.sh 0 1        DIR holds cifar10-jpeg/; checkpoints go to RUNS (/tmp/e1g)
@@ -18,7 +19,10 @@ PY=${PYTHON:-python}
 DATA=${DATA:-../shared/data}
 RUNS=${RUNS:-/tmp/e1g}
 PRESET=${PRESET:-bamboo-b} SAMPLES=${SAMPLES:-4000} STEPS=${STEPS:-1563} DEVICE=${DEVICE:-cuda} WARMUP=${WARMUP:-480}
-RESULTS=${RESULTS:-results/e1-gpu-w480}
+RESULTS=${RESULTS:-results/e1-gpu-w480} LAYER_DECAY=${LAYER_DECAY:-0.65}
+if ! [[ $LAYER_DECAY =~ ^(1(\.0*)?|0?\.[0-9]*[1-9][0-9]*)$ ]]; then
+  echo "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '$LAYER_DECAY'" >&2; exit 2
+fi
 mkdir -p "$RESULTS/logs"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"; fi
 COMMON="--preset $PRESET --dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --batch_size 256
@@ -41,7 +45,7 @@ analysis() {  # analysis FLAGS...: results/e1_analyze.py on this experiment's ru
 seed_runs() {  # one seed's three arms, then its analysis while the checkpoints are there (a GPU session may end)
   arm "$1" cls --objective cls
   arm "$1" mae --objective mae
-  arm "$1" ft --objective cls --init_from "$RUNS/s$1/mae/ckpt.pt" --layer_decay 0.65
+  arm "$1" ft --objective cls --init_from "$RUNS/s$1/mae/ckpt.pt" --layer_decay "$LAYER_DECAY"
   local start=$SECONDS
   analysis --seeds "$1" > "$RESULTS/logs/s$1-analyze.txt" 2>&1
   echo "seed $1 analysis $((SECONDS - start)) s" >> "$RESULTS/time.txt"
@@ -53,7 +57,7 @@ failed=""
 for seed in "$@"; do wait -n || failed="yes"; done
 echo "seeds $* side by side: $((SECONDS - start)) s" >> "$RESULTS/time.txt"
 if [ -n "$failed" ]; then echo "a seed failed: see $RESULTS/logs; the summary below leaves it out" >&2; fi
-done_seeds=$(for seed in ${ALL_SEEDS:-$*}; do [ -f "$RESULTS/seed$seed.json" ] && echo "$seed"; done)
+done_seeds=$(for seed in ${ALL_SEEDS:-$*}; do if [ -f "$RESULTS/seed$seed.json" ]; then echo "$seed"; fi; done)
 # Each seed was measured above: the summary reads their numbers back instead of measuring them again.
 if [ -n "$done_seeds" ]; then analysis --read_back --seeds $done_seeds > "$RESULTS/analyze.txt" 2>&1; fi
 [ -z "$failed" ]

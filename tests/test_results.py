@@ -77,12 +77,12 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, image_r
     assert err.startswith(f"error: data directory {tmp_path / 'nowhere'}")
 
 
-def run_results_script(tmp_path, name, env, timeout=60):
+def run_results_script(tmp_path, name, env, timeout=60, args=()):
     """Run a copy of results/<name> from tmp_path/results (so nothing it writes lands in the repository)."""
     (tmp_path / "results").mkdir(exist_ok=True)
     shutil.copy(os.path.join(REPO, "results", name), tmp_path / "results" / name)
-    return subprocess.run(["bash", str(tmp_path / "results" / name)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env})
+    return subprocess.run(["bash", str(tmp_path / "results" / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
 
 
 def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
@@ -210,3 +210,30 @@ def test_experiment_4_script_reuses_the_pretrained_arms_and_fine_tunes_them_as_a
     done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
     assert done.returncode == 2
     assert done.stderr == f"REUSE: out/{name}/s0/24x64/cls holds a run of its own; move it away\n"
+
+
+@pytest.mark.parametrize("env,decay", [({}, "0.65"), ({"LAYER_DECAY": "1"}, "1")])
+def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_the_asked_decay(tmp_path, env, decay):
+    """results/e1_gpu.sh with a stand-in interpreter: per seed cls, mae, then the fine-tuning from that seed's MAE
+    checkpoint with the paper's layer decay (0.65) or LAYER_DECAY, then the seed's analysis, then a summary of the
+    seeds of ALL_SEEDS that have a record (here only seed 1's, from an earlier session); a decay outside (0, 1] is
+    one line, exit 2, before anything runs."""
+    stand_in = tmp_path / "python"  # records its arguments and writes the log of its --out_dir
+    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
+                        '{ mkdir -p "$2"; echo {} > "$2/log.jsonl"; }; shift; done\n')
+    (tmp_path / "results" / "e1-gpu-w480").mkdir(parents=True)
+    (tmp_path / "results" / "e1-gpu-w480" / "seed1.json").write_text("{}")
+    env = {"PYTHON": f"bash {stand_in}", "DEVICE": "cpu", "RUNS": str(tmp_path / "runs"), "ALL_SEEDS": "1 0", **env}
+    done = run_results_script(tmp_path, "e1_gpu.sh", env, timeout=30, args=["0"])
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert [call.split(" --out_dir ")[1].split()[0] for call in calls[:3]] == [
+        str(tmp_path / "runs" / "s0" / arm) for arm in ("cls", "mae", "ft")]
+    assert f"--init_from {tmp_path / 'runs' / 's0' / 'mae' / 'ckpt.pt'} --layer_decay {decay}" in calls[2]
+    assert calls[3].startswith("results/e1_analyze.py") and "--seeds 0" in calls[3] and len(calls) == 5
+    assert calls[4].startswith("results/e1_analyze.py") and "--read_back --seeds 1" in calls[4]
+    (tmp_path / "calls.txt").unlink()
+    done = run_results_script(tmp_path, "e1_gpu.sh", {**env, "LAYER_DECAY": "0.65x"}, timeout=30, args=["0"])
+    assert done.returncode == 2
+    assert done.stderr == "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '0.65x'\n"
+    assert not (tmp_path / "calls.txt").exists()
