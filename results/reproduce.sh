@@ -15,7 +15,8 @@ for experiment in e1 e2 e3 e4 e5; do
 done
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
-# twice the width (the model's size); then the fine-tuning (as many steps as cls trains, without layer decay, both).
+# twice the width (the model's size); then the fine-tuning on 24x64 (as many steps as cls trains, without layer
+# decay, both), and the recipe without decay on all three trunks.
 e4_variant() {  # e4_variant NAME TITLE [TRUNKS]: e4.sh with the caller's BUDGET, SAMPLES, IMAGE_SIZE, WIDEN, FT_STEPS,
   # LAYER_DECAY, REUSE and TRUNKS
   # (it names its folders NAME), then its analysis given the same subset, image size and trunks (the third argument
@@ -39,8 +40,10 @@ WIDEN=2 TRUNKS=24x64 e4_variant e4-w2 "Experiment 4 at twice the width, 24x128: 
 fine-tuning, mean ± std over 3 seeds" 24x128
 FT_STEPS=1500 TRUNKS=24x64 e4_variant e4-ft1500 "Experiment 4, 24x64, MAE fine-tuned for 1,500 steps (as many as cls \
 trains): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
-REUSE=out/e4-ft1500 FT_STEPS=1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ft1500-ld1 "Experiment 4, 24x64, MAE \
-fine-tuned for 1,500 steps without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
+FT_STEPS=1500 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # the other two depths of that recipe
+REUSE=out/e4-ft1500 FT_STEPS=1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ft1500-ld1 "Experiment 4, MAE fine-tuned \
+for 1,500 steps without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" \
+  "6x128 12x92 24x64"
 REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, 24x64, MAE fine-tuned for 500 steps \
 without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
 
