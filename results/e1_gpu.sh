@@ -15,14 +15,13 @@
 # WARMUP=240 RESULTS=results/e1-gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source results/checks.sh
 PY=${PYTHON:-python}
 DATA=${DATA:-../shared/data}
 RUNS=${RUNS:-/tmp/e1g}
 PRESET=${PRESET:-bamboo-b} SAMPLES=${SAMPLES:-4000} STEPS=${STEPS:-1563} DEVICE=${DEVICE:-cuda} WARMUP=${WARMUP:-480}
 RESULTS=${RESULTS:-results/e1-gpu-w480} LAYER_DECAY=${LAYER_DECAY:-0.65}
-if ! [[ $LAYER_DECAY =~ ^(1(\.0*)?|0?\.[0-9]*[1-9][0-9]*)$ ]]; then
-  echo "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '$LAYER_DECAY'" >&2; exit 2
-fi
+layer_decay_in_range
 mkdir -p "$RESULTS/logs"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"; fi
 COMMON="--preset $PRESET --dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --batch_size 256

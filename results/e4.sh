@@ -21,6 +21,7 @@
 #   after WIDEN)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source results/checks.sh
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
 BUDGET=${BUDGET:-1}
@@ -29,18 +30,13 @@ IMAGE_SIZE=${IMAGE_SIZE:-16}
 WIDEN=${WIDEN:-1}
 LAYER_DECAY=${LAYER_DECAY:-0.75}
 PATCH=4
-positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
-  case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
-}
 positive_whole BUDGET "(the steps' multiplier)"
 positive_whole SAMPLES "of training images"
 positive_whole IMAGE_SIZE "of pixels"
 positive_whole WIDEN "(the widths' multiplier)"
 FT_STEPS=${FT_STEPS:-$((500 * BUDGET))}
 positive_whole FT_STEPS "of fine-tuning steps"
-if ! [[ $LAYER_DECAY =~ ^(1(\.0*)?|0?\.[0-9]*[1-9][0-9]*)$ ]]; then
-  echo "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '$LAYER_DECAY'" >&2; exit 2
-fi
+layer_decay_in_range
 if [ $((IMAGE_SIZE % PATCH)) != 0 ]; then
   echo "IMAGE_SIZE must be a multiple of the patch size $PATCH, got $IMAGE_SIZE" >&2; exit 2
 fi

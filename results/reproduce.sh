@@ -13,6 +13,11 @@ for experiment in e1 e2 e3 e4 e5; do
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
 done
+# Experiment 1 again with the fine-tuning that experiment 4 found better: as many steps as cls trains, no layer decay.
+FT_STEPS=2000 LAYER_DECAY=1 bash results/e1.sh "$DATA"
+$PY results/e1_analyze.py "$DATA" --runs out/e1-ft2000-ld1 --out results/e1-ft2000-ld1 --title "Experiment 1, MAE \
+fine-tuned for 2,000 steps without layer decay: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std" \
+  | tee results/e1-ft2000-ld1/e1-ft2000-ld1.txt
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
 # twice the width (the model's size); then the fine-tuning on 24x64 (as many steps as cls trains, without layer

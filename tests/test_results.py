@@ -78,11 +78,52 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, image_r
 
 
 def run_results_script(tmp_path, name, env, timeout=60, args=()):
-    """Run a copy of results/<name> from tmp_path/results (so nothing it writes lands in the repository)."""
+    """Run a copy of results/<name>, and of the checks it sources, from tmp_path/results (so nothing it writes lands
+    in the repository)."""
     (tmp_path / "results").mkdir(exist_ok=True)
-    shutil.copy(os.path.join(REPO, "results", name), tmp_path / "results" / name)
+    for script in (name, "checks.sh"):
+        shutil.copy(os.path.join(REPO, "results", script), tmp_path / "results" / script)
     return subprocess.run(["bash", str(tmp_path / "results" / name), *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **env})
+
+
+def recording_interpreter(tmp_path):
+    """A stand-in for PYTHON that appends its arguments to calls.txt and writes a log.jsonl holding the name of its
+    --out_dir, so a results/ script runs end to end in a second."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
+                        '{ mkdir -p "$2"; basename "$2" > "$2/log.jsonl"; }; shift; done\n')
+    return f"bash {stand_in}"
+
+
+@pytest.mark.parametrize("env,name,steps,decay", [({}, "e1", "1000", "0.75"),
+                                                  ({"FT_STEPS": "2000", "LAYER_DECAY": "1"}, "e1-ft2000-ld1", "2000",
+                                                   "1")])
+def test_experiment_1_script_fine_tunes_each_seeds_mae_as_asked_into_a_folder_named_after_it(tmp_path, env, name,
+                                                                                             steps, decay):
+    """results/e1.sh with a stand-in interpreter: per seed cls, mae, then the fine-tuning of that seed's MAE with the
+    asked steps and layer decay (1,000 and 0.75 unless told), every run and log in folders named after them."""
+    done = run_results_script(tmp_path, "e1.sh", {"PYTHON": recording_interpreter(tmp_path), "SEEDS": "0 1", **env},
+                              timeout=30)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert [call.split(" --out_dir ")[1].split()[0] for call in calls] == [
+        f"out/{name}/s{seed}/{arm}" for seed in (0, 1) for arm in ("cls", "mae", "ft")]
+    assert f"--init_from out/{name}/s1/mae/ckpt.pt --max_iters {steps} " in calls[5]
+    assert f"--layer_decay {decay} " in calls[5] and "--max_iters 2000 " in calls[3]
+    logs = tmp_path / "results" / name / "logs"
+    assert {f.name: f.read_text().strip() for f in logs.iterdir()} == {
+        f"s{seed}-{arm}.jsonl": arm for seed in (0, 1) for arm in ("cls", "mae", "ft")}
+
+
+@pytest.mark.parametrize("env,message", [({"FT_STEPS": "1e3"}, "FT_STEPS must be a positive whole number"),
+                                         ({"LAYER_DECAY": "0.0"}, "LAYER_DECAY must be a number in (0, 1]")])
+def test_experiment_1_script_refuses_a_bad_fine_tuning_before_it_writes_anything(tmp_path, env, message):
+    """results/e1.sh with fine-tuning steps that are not a positive whole number or a decay outside (0, 1]: one line,
+    exit 2, no folder made and no run started."""
+    done = run_results_script(tmp_path, "e1.sh", {"PYTHON": "false", **env}, timeout=30)
+    assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
+    assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e1.sh"] and not (tmp_path / "out").exists()
 
 
 def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
@@ -178,7 +219,7 @@ def test_experiment_4_script_refuses_a_bad_budget_subset_size_or_trunk_before_it
     or a run to reuse that is not there: one line, exit 2, no folder made and no run started."""
     done = run_results_script(tmp_path, "e4.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
-    assert os.listdir(tmp_path / "results") == ["e4.sh"] and not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e4.sh"] and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("env,name,steps", [({"LAYER_DECAY": "1"}, "e4-ld1", "500"),
@@ -192,10 +233,7 @@ def test_experiment_4_script_reuses_the_pretrained_arms_and_fine_tunes_them_as_a
         (reused / arm).mkdir(parents=True)
         (reused / arm / "ckpt.pt").write_text("")
         (reused / arm / "log.jsonl").write_text(arm)
-    stand_in = tmp_path / "python"  # records its arguments and writes the log of its --out_dir
-    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
-                        '{ mkdir -p "$2"; echo ft > "$2/log.jsonl"; }; shift; done\n')
-    env = {"PYTHON": f"bash {stand_in}", "REUSE": "out/e4-ft1500", "SEEDS": "0", "TRUNKS": "24x64", **env}
+    env = {"PYTHON": recording_interpreter(tmp_path), "REUSE": "out/e4-ft1500", "SEEDS": "0", "TRUNKS": "24x64", **env}
     done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
     assert done.returncode == 0, done.stderr
     (call,) = (tmp_path / "calls.txt").read_text().splitlines()
@@ -218,12 +256,10 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
     checkpoint with the paper's layer decay (0.65) or LAYER_DECAY, then the seed's analysis, then a summary of the
     seeds of ALL_SEEDS that have a record (here only seed 1's, from an earlier session); a decay outside (0, 1] is
     one line, exit 2, before anything runs."""
-    stand_in = tmp_path / "python"  # records its arguments and writes the log of its --out_dir
-    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
-                        '{ mkdir -p "$2"; echo {} > "$2/log.jsonl"; }; shift; done\n')
     (tmp_path / "results" / "e1-gpu-w480").mkdir(parents=True)
     (tmp_path / "results" / "e1-gpu-w480" / "seed1.json").write_text("{}")
-    env = {"PYTHON": f"bash {stand_in}", "DEVICE": "cpu", "RUNS": str(tmp_path / "runs"), "ALL_SEEDS": "1 0", **env}
+    env = {"PYTHON": recording_interpreter(tmp_path), "DEVICE": "cpu", "RUNS": str(tmp_path / "runs"),
+           "ALL_SEEDS": "1 0", **env}
     done = run_results_script(tmp_path, "e1_gpu.sh", env, timeout=30, args=["0"])
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls.txt").read_text().splitlines()
