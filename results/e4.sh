@@ -57,9 +57,7 @@ shape_of() { echo "${1%x*}x$((${1#*x} * WIDEN))"; }  # the trunk as run: depth x
 for seed in ${SEEDS:-0 1 2}; do  # a reused arm must be there, and must not replace a run, before anything is written
   for trunk in ${REUSE:+$TRUNKS}; do
     for arm in cls mae; do
-      from=$REUSE/s$seed/$(shape_of "$trunk")/$arm to=out/$NAME/s$seed/$(shape_of "$trunk")/$arm
-      [ -f "$from/ckpt.pt" ] || { echo "REUSE: no $from/ckpt.pt; run without REUSE first" >&2; exit 2; }
-      if [ -e "$to" ] && [ ! -L "$to" ]; then echo "REUSE: $to holds a run of its own; move it away" >&2; exit 2; fi
+      reusable "$REUSE/s$seed/$(shape_of "$trunk")/$arm" "out/$NAME/s$seed/$(shape_of "$trunk")/$arm"
     done
   done
 done

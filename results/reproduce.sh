@@ -18,6 +18,11 @@ FT_STEPS=2000 LAYER_DECAY=1 bash results/e1.sh "$DATA"
 $PY results/e1_analyze.py "$DATA" --runs out/e1-ft2000-ld1 --out results/e1-ft2000-ld1 --title "Experiment 1, MAE \
 fine-tuned for 2,000 steps without layer decay: cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std" \
   | tee results/e1-ft2000-ld1/e1-ft2000-ld1.txt
+# and cls trained 4,000 steps against that run's MAE and fine-tuning (2,000 + 2,000 steps): equal total steps.
+CLS_STEPS=4000 FT_STEPS=2000 LAYER_DECAY=1 REUSE=1 bash results/e1.sh "$DATA"
+$PY results/e1_analyze.py "$DATA" --runs out/e1-cls4000-ft2000-ld1 --out results/e1-cls4000-ft2000-ld1 --title \
+"Experiment 1 at equal total steps: cls from scratch 4,000 steps against MAE 2,000 + fine-tuning 2,000 without layer \
+decay, 24x64, 16x16 CIFAR-10, mean ± std" | tee results/e1-cls4000-ft2000-ld1/e1-cls4000-ft2000-ld1.txt
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
 # twice the width (the model's size); then the fine-tuning on 24x64 (as many steps as cls trains, without layer

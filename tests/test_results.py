@@ -116,11 +116,44 @@ def test_experiment_1_script_fine_tunes_each_seeds_mae_as_asked_into_a_folder_na
         f"s{seed}-{arm}.jsonl": arm for seed in (0, 1) for arm in ("cls", "mae", "ft")}
 
 
+def test_experiment_1_script_trains_cls_longer_against_the_reused_mae_and_fine_tuning(tmp_path):
+    """results/e1.sh with CLS_STEPS and REUSE=1: the only training is cls for the asked steps, into a folder named
+    after it; the mae and ft arms are links to the run with the same fine-tuning, and their logs are recorded beside
+    the new cls log; a fine-tuning of the run's own that a link would replace stops it with one line."""
+    reused = tmp_path / "out" / "e1-ft2000-ld1" / "s0"
+    for arm in ("mae", "ft"):
+        (reused / arm).mkdir(parents=True)
+        (reused / arm / "ckpt.pt").write_text("")
+        (reused / arm / "log.jsonl").write_text(arm)
+    env = {"PYTHON": recording_interpreter(tmp_path), "SEEDS": "0", "CLS_STEPS": "4000", "FT_STEPS": "2000",
+           "LAYER_DECAY": "1", "REUSE": "1"}
+    done = run_results_script(tmp_path, "e1.sh", env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    (call,) = (tmp_path / "calls.txt").read_text().splitlines()
+    assert "--objective cls --max_iters 4000 " in call and "--out_dir out/e1-cls4000-ft2000-ld1/s0/cls " in call
+    run = tmp_path / "out" / "e1-cls4000-ft2000-ld1" / "s0"
+    assert all((run / arm).is_symlink() and (run / arm).resolve() == (reused / arm).resolve() for arm in ("mae", "ft"))
+    logs = tmp_path / "results" / "e1-cls4000-ft2000-ld1" / "logs"
+    assert {f.name: f.read_text().strip() for f in logs.iterdir()} == {
+        "s0-cls.jsonl": "cls", "s0-mae.jsonl": "mae", "s0-ft.jsonl": "ft"}
+    (run / "ft").unlink()
+    (run / "ft").mkdir()
+    done = run_results_script(tmp_path, "e1.sh", env, timeout=30)
+    assert done.returncode == 2 and done.stderr == "REUSE: out/e1-cls4000-ft2000-ld1/s0/ft holds a run of its own; " \
+        "move it away\n"
+
+
 @pytest.mark.parametrize("env,message", [({"FT_STEPS": "1e3"}, "FT_STEPS must be a positive whole number"),
-                                         ({"LAYER_DECAY": "0.0"}, "LAYER_DECAY must be a number in (0, 1]")])
-def test_experiment_1_script_refuses_a_bad_fine_tuning_before_it_writes_anything(tmp_path, env, message):
-    """results/e1.sh with fine-tuning steps that are not a positive whole number or a decay outside (0, 1]: one line,
-    exit 2, no folder made and no run started."""
+                                         ({"LAYER_DECAY": "0.0"}, "LAYER_DECAY must be a number in (0, 1]"),
+                                         ({"CLS_STEPS": "-4000"}, "CLS_STEPS must be a positive whole number"),
+                                         ({"REUSE": "out/e1"}, "REUSE must be 1 (take the mae and ft arms of out/e1)"),
+                                         ({"REUSE": "1"}, "REUSE=1 takes the mae and ft arms of out/e1 for a cls"),
+                                         ({"REUSE": "1", "CLS_STEPS": "4000", "LAYER_DECAY": "1"},
+                                          "REUSE: no out/e1-ld1/s0/mae/ckpt.pt; run without REUSE first")])
+def test_experiment_1_script_refuses_a_bad_setting_before_it_writes_anything(tmp_path, env, message):
+    """results/e1.sh with steps that are not a positive whole number, a decay outside (0, 1], a REUSE other than 1,
+    REUSE=1 for a cls arm of the length it would reuse, or nothing to reuse: one line, exit 2, no folder made and no
+    run started."""
     done = run_results_script(tmp_path, "e1.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e1.sh"] and not (tmp_path / "out").exists()
