@@ -26,7 +26,7 @@ decay, 24x64, 16x16 CIFAR-10, mean ± std" | tee results/e1-cls4000-ft2000-ld1/e
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
 # twice the width (the model's size); then the fine-tuning on 24x64 (as many steps as cls trains, without layer
-# decay, both), and the recipe without decay on all three trunks.
+# decay, both), and the recipe without decay on all three trunks, at equal supervised and at equal total steps.
 e4_variant() {  # e4_variant NAME TITLE [TRUNKS]: e4.sh with the caller's BUDGET, SAMPLES, IMAGE_SIZE, WIDEN, FT_STEPS,
   # LAYER_DECAY, REUSE and TRUNKS
   # (it names its folders NAME), then its analysis given the same subset, image size and trunks (the third argument
@@ -54,8 +54,9 @@ FT_STEPS=1500 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # t
 REUSE=out/e4-ft1500 FT_STEPS=1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ft1500-ld1 "Experiment 4, MAE fine-tuned \
 for 1,500 steps without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" \
   "6x128 12x92 24x64"
-REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, 24x64, MAE fine-tuned for 500 steps \
-without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
+REUSE=out/e4-ft1500-ld1 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # equal total steps, no decay
+REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without \
+layer decay (equal total steps): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"
