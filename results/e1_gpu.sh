@@ -13,6 +13,8 @@
 # Outputs: RESULTS (results/e1-gpu-w480/): logs, per-seed JSON, wall times, the GPU. PRESET, SAMPLES, STEPS, WARMUP
 # override the scale (a CPU smoke test: PRESET=cifar-tiny SAMPLES=256 STEPS=4 DEVICE=cpu); the earlier runs:
 # WARMUP=240 RESULTS=results/e1-gpu.
+# Experiment 4 on a GPU takes the same recipe to Bamboo's wide trunk of equal FLOPs per token (12 x 768^2 = 48 x 384^2):
+#   PRESET=base-12x768 RUNS=/tmp/e4g RESULTS=results/e4-gpu-base-12x768 DATA=DIR bash results/e1_gpu.sh 0 1 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source results/checks.sh
