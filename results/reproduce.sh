@@ -57,6 +57,11 @@ for 1,500 steps without layer decay: cls from scratch against MAE + fine-tuning,
 REUSE=out/e4-ft1500-ld1 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # equal total steps, no decay
 REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without \
 layer decay (equal total steps): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
+LAYER_DECAY=1 SEEDS="3 4" bash results/e4.sh "$DATA"  # two more seeds of that, every arm
+mkdir -p results/e4-ld1/five-seeds
+$PY results/e4_analyze.py "$DATA" --runs out/e4-ld1 --out results/e4-ld1/five-seeds --seeds 0 1 2 3 4 --title \
+"Experiment 4, MAE fine-tuned for 500 steps without layer decay (equal total steps): cls from scratch against MAE + \
+fine-tuning, mean ± std over 5 seeds" | tee results/e4-ld1/five-seeds/five-seeds.txt
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"
