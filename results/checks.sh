@@ -2,6 +2,7 @@
 # The checks that results/*.sh make of the settings they take from the environment, in one place: each prints one
 # line that says what is wrong and exits 2, so a script calls them before it writes anything.
 #   source results/checks.sh; positive_whole STEPS "of steps"; layer_decay_in_range; reusable FROM TO
+# and, once checked, reuse_arm FROM TO: the link that takes a reused arm's place.
 positive_whole() {  # positive_whole VARIABLE WHAT: one line and exit 2 unless the variable is a positive whole number
   case ${!1} in ''|*[!0-9]*|0*) echo "$1 must be a positive whole number $2, got '${!1}'" >&2; exit 2 ;; esac
 }
@@ -13,4 +14,8 @@ layer_decay_in_range() {  # one line and exit 2 unless LAYER_DECAY is a number i
 reusable() {  # reusable FROM TO: one line and exit 2 unless the arm FROM has a checkpoint and TO is not a run of its own
   [ -f "$1/ckpt.pt" ] || { echo "REUSE: no $1/ckpt.pt; run without REUSE first" >&2; exit 2; }
   if [ -e "$2" ] && [ ! -L "$2" ]; then echo "REUSE: $2 holds a run of its own; move it away" >&2; exit 2; fi
+}
+reuse_arm() {  # reuse_arm FROM TO: TO becomes a link to the arm FROM (absolute, so it holds from any folder)
+  mkdir -p "$(dirname "$2")"
+  ln -sfn "$(cd "$1" && pwd)" "$2"
 }

@@ -34,19 +34,19 @@ case $REUSE in
      fi ;;
   *) echo "REUSE must be 1 (take the mae and ft arms of out/e1$FINE_TUNING) or unset, got '$REUSE'" >&2; exit 2 ;;
 esac
-for seed in ${SEEDS:-0 1 2}; do  # a reused arm must be there, and must not replace a run, before anything is written
+SEEDS=${SEEDS:-0 1 2}
+for seed in $SEEDS; do  # a reused arm must be there, and must not replace a run, before anything is written
   for arm in ${REUSE:+mae ft}; do reusable "out/e1$FINE_TUNING/s$seed/$arm" "out/$NAME/s$seed/$arm"; done
 done
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples 5000 --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50"
 mkdir -p results/$NAME/logs
-for seed in ${SEEDS:-0 1 2}; do
+for seed in $SEEDS; do
   out=out/$NAME/s$seed
   $PY train.py $COMMON --seed $seed --objective cls --max_iters $CLS_STEPS --warmup 100 --lr 2e-3 --out_dir $out/cls \
     --overwrite
   if [ -n "$REUSE" ]; then
-    mkdir -p $out
-    for arm in mae ft; do ln -sfn "$(cd "out/e1$FINE_TUNING/s$seed/$arm" && pwd)" $out/$arm; done
+    for arm in mae ft; do reuse_arm "out/e1$FINE_TUNING/s$seed/$arm" $out/$arm; done
   else
     $PY train.py $COMMON --seed $seed --objective mae --max_iters 2000 --warmup 100 --lr 2e-3 --out_dir $out/mae \
       --overwrite

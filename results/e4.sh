@@ -54,7 +54,8 @@ for trunk in $TRUNKS; do
   heads_of "$trunk" > /dev/null || { echo "unknown trunk $trunk: choose among 6x128 12x92 24x64" >&2; exit 2; }
 done
 shape_of() { echo "${1%x*}x$((${1#*x} * WIDEN))"; }  # the trunk as run: depth x widened width
-for seed in ${SEEDS:-0 1 2}; do  # a reused arm must be there, and must not replace a run, before anything is written
+SEEDS=${SEEDS:-0 1 2}
+for seed in $SEEDS; do  # a reused arm must be there, and must not replace a run, before anything is written
   for trunk in ${REUSE:+$TRUNKS}; do
     for arm in cls mae; do
       reusable "$REUSE/s$seed/$(shape_of "$trunk")/$arm" "out/$NAME/s$seed/$(shape_of "$trunk")/$arm"
@@ -62,14 +63,13 @@ for seed in ${SEEDS:-0 1 2}; do  # a reused arm must be there, and must not repl
   done
 done
 mkdir -p results/$NAME/logs
-for seed in ${SEEDS:-0 1 2}; do
+for seed in $SEEDS; do
   for trunk in $TRUNKS; do
     depth=${trunk%x*} width=$((${trunk#*x} * WIDEN))
     shape=$(shape_of "$trunk"); out=out/$NAME/s$seed/$shape
     flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
     if [ -n "${REUSE:-}" ]; then
-      mkdir -p $out
-      for arm in cls mae; do ln -sfn "$(cd "$REUSE/s$seed/$shape/$arm" && pwd)" $out/$arm; done
+      for arm in cls mae; do reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; done
     else
       $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
         --overwrite
