@@ -4,9 +4,10 @@ Per seed: checks that the cls and mae arms started from bit-identical trunks; sc
 with cls and with the fine-tuned MAE (accuracy, and McNemar's exact test on the paired per-image
 outcomes); probes cls, fine-tuned MAE and the pre-trained encoder (all patches, and with --mask its
 visible ones) on the first 256 test images; beta of the MAE checkpoints against cls. Then mean and std
-over seeds, written to results/e1/e1.json, and a figure with one band per arm. Each seed's numbers are
-also kept in <out>/seed<N>.json, so seeds trained in separate sessions (the GPU runs) join one summary:
-a seed whose checkpoints are gone is read back from there, and --read_back reads every seed from there.
+over seeds, and of the same-seed differences (accuracy, late centred cosine, last-layer std), written to
+results/e1/e1.json, and a figure with one band per arm. Each seed's numbers are also kept in
+<out>/seed<N>.json, so seeds trained in separate sessions (the GPU runs) join one summary: a seed whose
+checkpoints are gone is read back from there, and --read_back reads every seed from there.
 
 Run: python results/e1_analyze.py [DATA]     (DATA defaults to ../shared/data)
      python results/e1_analyze.py DATA --runs /tmp/e1g --out results/e1-gpu --image_size 32 --train_samples 4000 \
@@ -53,10 +54,33 @@ def analyze_seed(seed, runs, data_dir, test_data):
     return result
 
 
+def late_cos_gap(seed_result):
+    """Centred (absolute) cosine, cls minus fine-tuned MAE, averaged over the second half of the blocks."""
+    cls, ft = (seed_result["probe"][arm]["abs_cos_centered"] for arm in ("cls", "ft"))
+    late = range(len(cls) // 2 + 1, len(cls))  # entry 0 is the stem: blocks 13 to 24 of 24
+    return sum(cls[i] - ft[i] for i in late) / len(late)
+
+
+PAIRED = {  # the same-seed differences that results/README.md's paired comparisons cite
+    "top1_ft_minus_cls": lambda s: s["top1"]["ft"] - s["top1"]["cls"],
+    "abs_cos_centered_late_cls_minus_ft": late_cos_gap,
+    "abs_cos_centered_rise_cls": lambda s: s["probe"]["cls"]["abs_cos_centered"][-1] -
+                                           s["probe"]["cls"]["abs_cos_centered"][0],
+    "std_last_ft_minus_cls": lambda s: s["probe"]["ft"]["std"][-1] - s["probe"]["cls"]["std"][-1],
+}
+
+
+def paired(per_seed):
+    """Each PAIRED difference per seed, then its mean and std over the seeds."""
+    rows = {name: [difference(s) for s in per_seed.values()] for name, difference in PAIRED.items()}
+    return {name: {"per_seed": row, "mean_std": mean_std(row)} for name, row in rows.items()}
+
+
 def summarize(per_seed):
     summary = {"same_init": all(s["same_init"] for s in per_seed.values()),
                "top1": {arm: mean_std([s["top1"][arm] for s in per_seed.values()]) for arm in ("cls", "ft")},
-               "mcnemar_p": {seed: s["mcnemar_p"] for seed, s in per_seed.items()}, "probe": {}, "beta": {}}
+               "mcnemar_p": {seed: s["mcnemar_p"] for seed, s in per_seed.items()}, "paired": paired(per_seed),
+               "probe": {}, "beta": {}}
     for arm in ARMS:
         summary["probe"][arm] = seed_bands([s["probe"][arm] for s in per_seed.values()], METRICS)
     for arm in ("mae", "ft"):
@@ -113,6 +137,9 @@ def main(argv=None):
     print(json.dumps({k: summary[k] for k in ("same_init", "top1", "mcnemar_p", "beta")}, indent=1))
     for arm in ARMS:
         print(arm, last_layer(summary["probe"][arm]))
+    for name, d in summary["paired"].items():
+        print(f"{name}: {' '.join(f'{v:+.3f}' for v in d['per_seed'])} -> {d['mean_std'][0]:+.3f} ± "
+              f"{d['mean_std'][1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,26 @@ def test_experiment_1_analysis_keeps_each_seed_and_reads_it_back(capsys, image_r
     assert err.startswith(f"error: data directory {tmp_path / 'nowhere'}")
 
 
+def test_experiment_1_paired_differences_are_taken_within_each_seed():
+    """Two seeds of a 4-block trunk whose numbers are known: the accuracy gap, the centred-cosine gap over the second
+    half of the blocks (blocks 3 and 4; entry 0 is the stem), cls's rise and the last std gap, per seed and over
+    seeds."""
+    def seed(cls_top1, ft_top1, cls_cos, ft_cos, cls_std, ft_std):
+        return {"top1": {"cls": cls_top1, "ft": ft_top1},
+                "probe": {"cls": {"abs_cos_centered": cls_cos, "std": cls_std},
+                          "ft": {"abs_cos_centered": ft_cos, "std": ft_std}}}
+
+    flat = [1, 1, 1, 1]
+    per_seed = {0: seed(40.0, 43.0, [0.1, 0.9, 0.9, 0.5, 0.7], [0.1, 0.1, 0.1, 0.2, 0.2], flat + [2], flat + [3]),
+                1: seed(50.0, 49.0, [0.2, 0.9, 0.9, 0.4, 0.4], [0.1, 0.1, 0.1, 0.4, 0.4], flat + [4], flat + [2])}
+    got = results_module("e1_analyze").paired(per_seed)
+    assert got["top1_ft_minus_cls"]["per_seed"] == [3.0, -1.0]
+    assert got["top1_ft_minus_cls"]["mean_std"] == pytest.approx((1.0, 8 ** 0.5))
+    assert got["abs_cos_centered_late_cls_minus_ft"]["per_seed"] == pytest.approx([0.4, 0.0])
+    assert got["abs_cos_centered_rise_cls"]["per_seed"] == pytest.approx([0.6, 0.2])
+    assert got["std_last_ft_minus_cls"]["per_seed"] == [1, -2]
+
+
 def run_results_script(tmp_path, name, env, timeout=60, args=()):
     """Run a copy of results/<name>, and of the checks it sources, from tmp_path/results (so nothing it writes lands
     in the repository)."""
