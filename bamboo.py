@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from config import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Config, training_flops  # noqa: F401 (the model's API)
 from neutreno import Attention
 
+
 class MLP(nn.Module):
     def __init__(self, width, hidden, dropout):
         super().__init__()

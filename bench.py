@@ -132,7 +132,6 @@ class Runner:
         return loss
 
 
-
 def fastest_ms(calls, rounds, reps, sync=lambda: None):
     """Round-robin over named callables, so drift in machine speed hits each alike; per name, the
     fastest round's ms per call (as timeit: on a shared machine, noise only ever adds time)."""

@@ -16,29 +16,29 @@ IMAGE_OBJECTIVES = ("mae", "cls")
 
 @dataclass
 class Config:
-    objective: str = "cls"      # training objective: mae | cls | mlm | next
-    depth: int = 6              # number of transformer blocks in the trunk
-    width: int = 192            # hidden size of every token
-    heads: int = 0              # attention heads; 0 means width // 64 (head dim 64), at least 1
-    mlp_ratio: float = 4.0      # MLP hidden size = mlp_ratio * width
-    dropout: float = 0.0        # dropout on embeddings, attention probabilities and residual branches
-    drop_path: float = 0.0      # stochastic depth rate of the last block (linear from 0 at the first)
-    image_size: int = 32        # images are image_size x image_size (mae, cls)
-    patch_size: int = 4         # square patches; (image_size / patch_size)^2 tokens
-    channels: int = 3           # image channels
-    num_classes: int = 10       # classes of the cls head
-    pool: str = "mean"          # cls pooling: mean of patch tokens, or a learned CLS token
-    vocab_size: int = 50257     # text vocabulary (GPT-2 BPE); [MASK] gets id vocab_size
-    seq_len: int = 256          # longest text window (learned positions)
-    mask_ratio: float = 0.75    # MAE: fraction of patches hidden from the encoder
-    decoder_depth: int = 4      # MAE decoder blocks
-    decoder_width: int = 192    # MAE decoder hidden size
-    decoder_heads: int = 3      # MAE decoder heads
-    norm_pix_loss: bool = False # MAE: regress per-patch normalised pixels
-    mlm_prob: float = 0.15      # MLM: fraction of positions chosen for the loss (exactly, per window, as BERT)
-    neutreno: float = 0.0       # NeuTRENO lambda; 0 is plain attention (papers: 0.6 vision, 0.4 language)
-    vo_param: str = "free"      # per-head W_V W_O: free, or smooth / sharpen by construction (Dovonon et al.)
-    checkpointing: bool = False # recompute each block's activations in backward: less memory, more time
+    objective: str = "cls"       # training objective: mae | cls | mlm | next
+    depth: int = 6               # number of transformer blocks in the trunk
+    width: int = 192             # hidden size of every token
+    heads: int = 0               # attention heads; 0 means width // 64 (head dim 64), at least 1
+    mlp_ratio: float = 4.0       # MLP hidden size = mlp_ratio * width
+    dropout: float = 0.0         # dropout on embeddings, attention probabilities and residual branches
+    drop_path: float = 0.0       # stochastic depth rate of the last block (linear from 0 at the first)
+    image_size: int = 32         # images are image_size x image_size (mae, cls)
+    patch_size: int = 4          # square patches; (image_size / patch_size)^2 tokens
+    channels: int = 3            # image channels
+    num_classes: int = 10        # classes of the cls head
+    pool: str = "mean"           # cls pooling: mean of patch tokens, or a learned CLS token
+    vocab_size: int = 50257      # text vocabulary (GPT-2 BPE); [MASK] gets id vocab_size
+    seq_len: int = 256           # longest text window (learned positions)
+    mask_ratio: float = 0.75     # MAE: fraction of patches hidden from the encoder
+    decoder_depth: int = 4       # MAE decoder blocks
+    decoder_width: int = 192     # MAE decoder hidden size
+    decoder_heads: int = 3       # MAE decoder heads
+    norm_pix_loss: bool = False  # MAE: regress per-patch normalised pixels
+    mlm_prob: float = 0.15       # MLM: fraction of positions chosen for the loss (exactly, per window, as BERT)
+    neutreno: float = 0.0        # NeuTRENO lambda; 0 is plain attention (papers: 0.6 vision, 0.4 language)
+    vo_param: str = "free"       # per-head W_V W_O: free, or smooth / sharpen by construction (Dovonon et al.)
+    checkpointing: bool = False  # recompute each block's activations in backward: less memory, more time
 
     def __post_init__(self):
         if self.heads == 0:

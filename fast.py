@@ -201,5 +201,3 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_loss / count
         return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None
-
-

@@ -45,37 +45,37 @@ def gpu_peak_tflops(device):
 
 @dataclass
 class TrainConfig:
-    preset: str = ""                # start from a named model preset (bamboo.PRESETS); model flags override it
-    dataset: str = "cifar10"        # cifar10 | cifar100 | folder | wikitext2 | wikitext103 | text
-    data_dir: str = "./data"        # where the dataset lives, or is downloaded to
-    tokenizer: str = "gpt2"         # text: a tiktoken encoding name, or bytes (256 ids, no download)
-    train_file: str = "train.txt"   # --dataset text: training file inside data_dir
-    val_file: str = "val.txt"       # --dataset text: evaluation file inside data_dir
-    cache_dir: str = "./data/cache" # text: where tokenized .bin files are cached
-    batch_size: int = 128           # samples per optimizer step, summed over processes and grad_accum
-    grad_accum: int = 1             # micro-batches per optimizer step
-    max_iters: int = 2000           # optimizer steps
-    lr: float = -1.0                # peak learning rate (times the layer-decay scale); -1: base_lr x batch_size / 256
-    base_lr: float = 3e-4           # with --lr -1: the peak rate per 256 samples (the linear scaling rule of DeiT, MAE)
-    min_lr: float = 1e-5            # learning rate at the end of the cosine (with --lr -1: at most that rate)
-    warmup: int = -1                # linear warmup steps; -1: max(100, 10 x depth), longer for deeper trunks
-    weight_decay: float = 0.05      # AdamW decay on matrices (not on biases, norms, positions)
-    beta2: float = 0.95             # AdamW beta2
-    grad_clip: float = 1.0          # clip the global gradient norm; 0 turns it off
-    layer_decay: float = 1.0        # fine-tuning: lr of block i scaled by layer_decay^(depth + 1 - i)
-    eval_interval: int = 200        # evaluate and checkpoint every this many steps
-    eval_samples: int = 10000       # held-out images or text windows per evaluation; 0 means all
-    train_samples: int = 0          # images: train on a fixed random subset of this many (0: all)
-    log_interval: int = 10          # write the training loss to log.jsonl every this many steps
-    out_dir: str = "out"            # checkpoint and log.jsonl go here
-    overwrite: bool = False         # start afresh in an out_dir that holds another run (its files are replaced)
-    seed: int = 1337                # one seed for the init, the data order and the masks
-    device: str = "auto"            # auto picks cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
-    dtype: str = "auto"             # auto | float32 | bfloat16 | float16 (autocast; auto = bf16 where native)
-    compile: str = "auto"           # auto | off | model | blocks | graphs (see fast.py; auto = graphs on CUDA)
-    resume: bool = False            # continue from out_dir/ckpt.pt with its settings (see RESUMABLE)
-    init_from: str = ""             # fine-tune: load a pretrained trunk (e.g. MAE) from this checkpoint
-    time_limit: float = 0.0         # stop with a checkpoint after this many seconds (0: no limit)
+    preset: str = ""                 # start from a named model preset (bamboo.PRESETS); model flags override it
+    dataset: str = "cifar10"         # cifar10 | cifar100 | folder | wikitext2 | wikitext103 | text
+    data_dir: str = "./data"         # where the dataset lives, or is downloaded to
+    tokenizer: str = "gpt2"          # text: a tiktoken encoding name, or bytes (256 ids, no download)
+    train_file: str = "train.txt"    # --dataset text: training file inside data_dir
+    val_file: str = "val.txt"        # --dataset text: evaluation file inside data_dir
+    cache_dir: str = "./data/cache"  # text: where tokenized .bin files are cached
+    batch_size: int = 128            # samples per optimizer step, summed over processes and grad_accum
+    grad_accum: int = 1              # micro-batches per optimizer step
+    max_iters: int = 2000            # optimizer steps
+    lr: float = -1.0                 # peak learning rate (times the layer-decay scale); -1: base_lr x batch_size / 256
+    base_lr: float = 3e-4            # with --lr -1: the peak rate per 256 samples (linear scaling, as DeiT and MAE)
+    min_lr: float = 1e-5             # learning rate at the end of the cosine (with --lr -1: at most that rate)
+    warmup: int = -1                 # linear warmup steps; -1: max(100, 10 x depth), longer for deeper trunks
+    weight_decay: float = 0.05       # AdamW decay on matrices (not on biases, norms, positions)
+    beta2: float = 0.95              # AdamW beta2
+    grad_clip: float = 1.0           # clip the global gradient norm; 0 turns it off
+    layer_decay: float = 1.0         # fine-tuning: lr of block i scaled by layer_decay^(depth + 1 - i)
+    eval_interval: int = 200         # evaluate and checkpoint every this many steps
+    eval_samples: int = 10000        # held-out images or text windows per evaluation; 0 means all
+    train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
+    log_interval: int = 10           # write the training loss to log.jsonl every this many steps
+    out_dir: str = "out"             # checkpoint and log.jsonl go here
+    overwrite: bool = False          # start afresh in an out_dir that holds another run (its files are replaced)
+    seed: int = 1337                 # one seed for the init, the data order and the masks
+    device: str = "auto"             # auto picks cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
+    dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (autocast; auto = bf16 where native)
+    compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py; auto = graphs on CUDA)
+    resume: bool = False             # continue from out_dir/ckpt.pt with its settings (see RESUMABLE)
+    init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this checkpoint
+    time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
 
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "pool": ("mean", "cls"),
