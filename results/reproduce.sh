@@ -23,6 +23,15 @@ CLS_STEPS=4000 FT_STEPS=2000 LAYER_DECAY=1 REUSE=1 bash results/e1.sh "$DATA"
 $PY results/e1_analyze.py "$DATA" --runs out/e1-cls4000-ft2000-ld1 --out results/e1-cls4000-ft2000-ld1 --title \
 "Experiment 1 at equal total steps: cls from scratch 4,000 steps against MAE 2,000 + fine-tuning 2,000 without layer \
 decay, 24x64, 16x16 CIFAR-10, mean ± std" | tee results/e1-cls4000-ft2000-ld1/e1-cls4000-ft2000-ld1.txt
+# Both designs with two more seeds (every arm trained), analysed over five.
+FT_STEPS=2000 LAYER_DECAY=1 SEEDS="3 4" bash results/e1.sh "$DATA"
+CLS_STEPS=4000 FT_STEPS=2000 LAYER_DECAY=1 REUSE=1 SEEDS="3 4" bash results/e1.sh "$DATA"
+for name in e1-ft2000-ld1 e1-cls4000-ft2000-ld1; do
+  mkdir -p "results/$name/five-seeds"
+  $PY results/e1_analyze.py "$DATA" --runs "out/$name" --out "results/$name/five-seeds" --seeds 0 1 2 3 4 --title \
+    "Experiment 1 ($name): cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 5 seeds" \
+    | tee "results/$name/five-seeds/five-seeds.txt"
+done
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
 # twice the width (the model's size); then the fine-tuning on 24x64 (as many steps as cls trains, without layer
