@@ -54,18 +54,22 @@ def analyze_seed(seed, runs, data_dir, test_data):
     return result
 
 
+def centred_cos(seed_result, arm):
+    """One seed's abs_cos_centered of arm per layer (entry 0 is the stem)."""
+    return seed_result["probe"][arm]["abs_cos_centered"]
+
+
 def late_cos_gap(seed_result):
     """Centred (absolute) cosine, cls minus fine-tuned MAE, averaged over the second half of the blocks."""
-    cls, ft = (seed_result["probe"][arm]["abs_cos_centered"] for arm in ("cls", "ft"))
-    late = range(len(cls) // 2 + 1, len(cls))  # entry 0 is the stem: blocks 13 to 24 of 24
+    cls, ft = centred_cos(seed_result, "cls"), centred_cos(seed_result, "ft")
+    late = range(len(cls) // 2 + 1, len(cls))  # blocks depth/2 + 1 to depth: 13 to 24 of 24
     return sum(cls[i] - ft[i] for i in late) / len(late)
 
 
 PAIRED = {  # the same-seed differences that results/README.md's paired comparisons cite
     "top1_ft_minus_cls": lambda s: s["top1"]["ft"] - s["top1"]["cls"],
     "abs_cos_centered_late_cls_minus_ft": late_cos_gap,
-    "abs_cos_centered_rise_cls": lambda s: s["probe"]["cls"]["abs_cos_centered"][-1] -
-                                           s["probe"]["cls"]["abs_cos_centered"][0],
+    "abs_cos_centered_rise_cls": lambda s: centred_cos(s, "cls")[-1] - centred_cos(s, "cls")[0],
     "std_last_ft_minus_cls": lambda s: s["probe"]["ft"]["std"][-1] - s["probe"]["cls"]["std"][-1],
 }
 
