@@ -5,6 +5,8 @@
 #                 without it, those two steps are skipped with a note (no download: GPU machines may be offline)
 #   BENCHLIB=DIR  where timm, transformers and vit-pytorch are installed, if they are not importable already;
 #                 without them, the --against tables are skipped with a note
+#   ARCHIVE=FILE  also pack results/gpu/ (checkpoints left out) into this .tgz at the end: one file for a remote
+#                 runner that returns only a few files
 # It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, and a short CIFAR-10 run and
 # a probe of it. Each step has its own time limit, cut to what is left of 580 s, so the whole ends within 10 minutes;
 # a step that fails, times out or finds no time left is recorded in results/gpu/status.txt and the script goes on.
@@ -61,5 +63,8 @@ if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
     --batch_size 64 --compile auto --rounds 3 --steps 5
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
+fi
+if [ -n "${ARCHIVE:-}" ]; then
+  tar czf "$ARCHIVE" --exclude='*.pt' "$OUT" && echo "archived $OUT/ in $ARCHIVE"
 fi
 echo "outputs in $OUT/"

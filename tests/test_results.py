@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -191,15 +192,19 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
 
 def test_the_gpu_check_runs_every_step_in_order(tmp_path):
     """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step is
-    recorded in status.txt in order, each with its exit status."""
+    recorded in status.txt in order, each with its exit status, and ARCHIVE packs the outputs into one file."""
     (tmp_path / "data" / "train").mkdir(parents=True)
-    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true", "DATA": str(tmp_path / "data"), "BENCHLIB": ""})
+    archive = tmp_path / "gpu.tgz"
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true", "DATA": str(tmp_path / "data"), "BENCHLIB": "",
+                                                   "ARCHIVE": str(archive)})
     assert done.returncode == 0, done.stdout + done.stderr
     status = (tmp_path / "results" / "gpu" / "status.txt").read_text().splitlines()
     steps = ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
              "against-text"]
     assert [line.split(" rc=")[0] for line in status] == steps
     assert all(" rc=0 " in line for line in status)
+    with tarfile.open(archive) as packed:
+        assert "results/gpu/status.txt" in packed.getnames()
 
 
 def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others(capsys, tiny_data, tmp_path):
