@@ -35,6 +35,7 @@ case $REUSE in
   *) echo "REUSE must be 1 (take the mae and ft arms of out/e1$FINE_TUNING) or unset, got '$REUSE'" >&2; exit 2 ;;
 esac
 SEEDS=${SEEDS:-0 1 2}
+seed_list SEEDS
 for seed in $SEEDS; do  # a reused arm must be there, and must not replace a run, before anything is written
   for arm in ${REUSE:+mae ft}; do reusable "out/e1$FINE_TUNING/s$seed/$arm" "out/$NAME/s$seed/$arm"; done
 done

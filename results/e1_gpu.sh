@@ -24,6 +24,9 @@ RUNS=${RUNS:-/tmp/e1g}
 PRESET=${PRESET:-bamboo-b} SAMPLES=${SAMPLES:-4000} STEPS=${STEPS:-1563} DEVICE=${DEVICE:-cuda} WARMUP=${WARMUP:-480}
 RESULTS=${RESULTS:-results/e1-gpu-w480} LAYER_DECAY=${LAYER_DECAY:-0.65}
 layer_decay_in_range
+SEEDS="$*" ALL_SEEDS=${ALL_SEEDS:-$*}
+seed_list SEEDS
+seed_list ALL_SEEDS
 mkdir -p "$RESULTS/logs"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/gpu.txt"; fi
 COMMON="--preset $PRESET --dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --batch_size 256
@@ -58,7 +61,7 @@ failed=""
 for seed in "$@"; do wait -n || failed="yes"; done
 echo "seeds $* side by side: $((SECONDS - start)) s" >> "$RESULTS/time.txt"
 if [ -n "$failed" ]; then echo "a seed failed: see $RESULTS/logs; the summary below leaves it out" >&2; fi
-done_seeds=$(for seed in ${ALL_SEEDS:-$*}; do if [ -f "$RESULTS/seed$seed.json" ]; then echo "$seed"; fi; done)
+done_seeds=$(for seed in $ALL_SEEDS; do if [ -f "$RESULTS/seed$seed.json" ]; then echo "$seed"; fi; done)
 # Each seed was measured above: the summary reads their numbers back instead of measuring them again.
 if [ -n "$done_seeds" ]; then analysis --read_back --seeds $done_seeds > "$RESULTS/analyze.txt" 2>&1; fi
 [ -z "$failed" ]

@@ -11,8 +11,11 @@
 #   (SEEDS="0 1" RUNS="mlm mlm-d6" bash results/e3.sh runs a part, to share the runs among cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source results/checks.sh
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
+SEEDS=${SEEDS:-0 1 2}
+seed_list SEEDS
 export TIKTOKEN_CACHE_DIR=$DATA/tiktoken
 TEXT="--preset wikitext-deep --dataset text --data_dir $DATA/wikitext-2 --train_file valid.txt --val_file test.txt
       --tokenizer r50k_base --batch_size 16 --max_iters 1200 --warmup 40 --eval_samples 256 --log_interval 50
@@ -23,7 +26,7 @@ run() {  # run SEED NAME FLAGS...: one MLM run, its log kept
   $PY train.py $TEXT --seed "$seed" --out_dir "out/e3/s$seed/$name" --overwrite "$@"
   cp "out/e3/s$seed/$name/log.jsonl" "results/e3/logs/s$seed-$name.jsonl"
 }
-for seed in ${SEEDS:-0 1 2}; do
+for seed in $SEEDS; do
   for name in ${RUNS:-mlm mlm-d6 mlm-lr5e-4 mlm-d6-lr5e-4 mlm-d6-lr5e-4-long}; do
     case $name in
       mlm) run "$seed" $name --depth 24 --lr 2e-3 --eval_interval 400 ;;

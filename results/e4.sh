@@ -55,6 +55,7 @@ for trunk in $TRUNKS; do
 done
 shape_of() { echo "${1%x*}x$((${1#*x} * WIDEN))"; }  # the trunk as run: depth x widened width
 SEEDS=${SEEDS:-0 1 2}
+seed_list SEEDS
 for seed in $SEEDS; do  # a reused arm must be there, and must not replace a run, before anything is written
   for trunk in ${REUSE:+$TRUNKS}; do
     for arm in cls mae; do

@@ -167,17 +167,27 @@ def test_experiment_1_script_trains_cls_longer_against_the_reused_mae_and_fine_t
 @pytest.mark.parametrize("env,message", [({"FT_STEPS": "1e3"}, "FT_STEPS must be a positive whole number"),
                                          ({"LAYER_DECAY": "0.0"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"CLS_STEPS": "-4000"}, "CLS_STEPS must be a positive whole number"),
+                                         ({"SEEDS": "0 x"}, "SEEDS must be seeds (whole numbers) separated by spaces"),
                                          ({"REUSE": "out/e1"}, "REUSE must be 1 (take the mae and ft arms of out/e1)"),
                                          ({"REUSE": "1"}, "REUSE=1 takes the mae and ft arms of out/e1 for a cls"),
                                          ({"REUSE": "1", "CLS_STEPS": "4000", "LAYER_DECAY": "1"},
                                           "REUSE: no out/e1-ld1/s0/mae/ckpt.pt; run without REUSE first")])
 def test_experiment_1_script_refuses_a_bad_setting_before_it_writes_anything(tmp_path, env, message):
-    """results/e1.sh with steps that are not a positive whole number, a decay outside (0, 1], a REUSE other than 1,
+    """results/e1.sh with steps that are not a positive whole number, seeds that are not whole numbers, a decay
+    outside (0, 1], a REUSE other than 1,
     REUSE=1 for a cls arm of the length it would reuse, or nothing to reuse: one line, exit 2, no folder made and no
     run started."""
     done = run_results_script(tmp_path, "e1.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e1.sh"] and not (tmp_path / "out").exists()
+
+
+def test_experiment_3_script_refuses_seeds_that_are_not_whole_numbers_before_it_writes_anything(tmp_path):
+    """results/e3.sh with SEEDS="0 1.5": one line, exit 2, no folder made and no run started."""
+    done = run_results_script(tmp_path, "e3.sh", {"PYTHON": "false", "SEEDS": "0 1.5"}, timeout=30)
+    assert done.returncode == 2 and done.stderr == ("SEEDS must be seeds (whole numbers) separated by spaces, "
+                                                    "as in \"0 1 2\", got '0 1.5'\n")
+    assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e3.sh"] and not (tmp_path / "out").exists()
 
 
 def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_outputs(tmp_path):
@@ -269,12 +279,14 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
                                          ({"LAYER_DECAY": "1.5"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"LAYER_DECAY": "0"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"REUSE": "out/e4"}, "REUSE: no out/e4/s0/6x128/cls/ckpt.pt"),
-                                         ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8")])
+                                         ({"TRUNKS": "24x64 8x8"}, "unknown trunk 8x8"),
+                                         ({"SEEDS": "0,1"}, "SEEDS must be seeds (whole numbers) separated by spaces")])
 def test_experiment_4_script_refuses_a_bad_budget_subset_size_or_trunk_before_it_writes_anything(tmp_path, env,
                                                                                                    message):
     """results/e4.sh with a budget, subset, image size, width multiplier or fine-tuning length that is not a positive
-    whole number, a layer decay outside (0, 1], an image size that the patches do not tile, a trunk outside the sweep
-    or a run to reuse that is not there: one line, exit 2, no folder made and no run started."""
+    whole number, a layer decay outside (0, 1], an image size that the patches do not tile, a trunk outside the sweep,
+    seeds that are not whole numbers or a run to reuse that is not there: one line, exit 2, no folder made and no run
+    started."""
     done = run_results_script(tmp_path, "e4.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e4.sh"] and not (tmp_path / "out").exists()
@@ -312,8 +324,8 @@ def test_experiment_4_script_reuses_the_pretrained_arms_and_fine_tunes_them_as_a
 def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_the_asked_decay(tmp_path, env, decay):
     """results/e1_gpu.sh with a stand-in interpreter: per seed cls, mae, then the fine-tuning from that seed's MAE
     checkpoint with the paper's layer decay (0.65) or LAYER_DECAY, then the seed's analysis, then a summary of the
-    seeds of ALL_SEEDS that have a record (here only seed 1's, from an earlier session); a decay outside (0, 1] is
-    one line, exit 2, before anything runs."""
+    seeds of ALL_SEEDS that have a record (here only seed 1's, from an earlier session); a decay outside (0, 1] or a
+    seed that is not a whole number is one line, exit 2, before anything runs."""
     (tmp_path / "results" / "e1-gpu-w480").mkdir(parents=True)
     (tmp_path / "results" / "e1-gpu-w480" / "seed1.json").write_text("{}")
     env = {"PYTHON": recording_interpreter(tmp_path), "DEVICE": "cpu", "RUNS": str(tmp_path / "runs"),
@@ -330,4 +342,7 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
     done = run_results_script(tmp_path, "e1_gpu.sh", {**env, "LAYER_DECAY": "0.65x"}, timeout=30, args=["0"])
     assert done.returncode == 2
     assert done.stderr == "LAYER_DECAY must be a number in (0, 1] (1 turns it off), got '0.65x'\n"
+    done = run_results_script(tmp_path, "e1_gpu.sh", env, timeout=30, args=["0", "seed1"])
+    assert done.returncode == 2 and done.stderr.startswith("SEEDS must be seeds (whole numbers)")
+    assert "'0 seed1'" in done.stderr
     assert not (tmp_path / "calls.txt").exists()
