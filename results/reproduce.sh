@@ -9,6 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 PY=${PYTHON:-python}
+five_seeds() {  # five_seeds EXPERIMENT NAME TITLE: EXPERIMENT's analysis of out/NAME, seeds 0 to 4, into five-seeds/
+  mkdir -p "results/$2/five-seeds"
+  $PY "results/${1}_analyze.py" "$DATA" --runs "out/$2" --out "results/$2/five-seeds" --seeds 0 1 2 3 4 --title "$3" \
+    | tee "results/$2/five-seeds/five-seeds.txt"
+}
 for experiment in e1 e2 e3 e4 e5; do
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
@@ -27,10 +32,8 @@ decay, 24x64, 16x16 CIFAR-10, mean ± std" | tee results/e1-cls4000-ft2000-ld1/e
 FT_STEPS=2000 LAYER_DECAY=1 SEEDS="3 4" bash results/e1.sh "$DATA"
 CLS_STEPS=4000 FT_STEPS=2000 LAYER_DECAY=1 REUSE=1 SEEDS="3 4" bash results/e1.sh "$DATA"
 for name in e1-ft2000-ld1 e1-cls4000-ft2000-ld1; do
-  mkdir -p "results/$name/five-seeds"
-  $PY results/e1_analyze.py "$DATA" --runs "out/$name" --out "results/$name/five-seeds" --seeds 0 1 2 3 4 --title \
-    "Experiment 1 ($name): cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over 5 seeds" \
-    | tee "results/$name/five-seeds/five-seeds.txt"
+  five_seeds e1 $name "Experiment 1 ($name): cls from scratch against MAE, 24x64, 16x16 CIFAR-10, mean ± std over \
+5 seeds"
 done
 # Experiment 4 again, one suspect at a time for MAE's deficit: 3x the steps of every arm on all three trunks (the
 # budget), the deepest trunk on 20,000 training images (the data), both at once, on 32x32 images (the tokens) and at
@@ -67,10 +70,8 @@ REUSE=out/e4-ft1500-ld1 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$
 REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without \
 layer decay (equal total steps): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
 LAYER_DECAY=1 SEEDS="3 4" bash results/e4.sh "$DATA"  # two more seeds of that, every arm
-mkdir -p results/e4-ld1/five-seeds
-$PY results/e4_analyze.py "$DATA" --runs out/e4-ld1 --out results/e4-ld1/five-seeds --seeds 0 1 2 3 4 --title \
-"Experiment 4, MAE fine-tuned for 500 steps without layer decay (equal total steps): cls from scratch against MAE + \
-fine-tuning, mean ± std over 5 seeds" | tee results/e4-ld1/five-seeds/five-seeds.txt
+five_seeds e4 e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without layer decay (equal total steps): cls from \
+scratch against MAE + fine-tuning, mean ± std over 5 seeds"
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"

@@ -174,9 +174,8 @@ def test_experiment_1_script_trains_cls_longer_against_the_reused_mae_and_fine_t
                                           "REUSE: no out/e1-ld1/s0/mae/ckpt.pt; run without REUSE first")])
 def test_experiment_1_script_refuses_a_bad_setting_before_it_writes_anything(tmp_path, env, message):
     """results/e1.sh with steps that are not a positive whole number, seeds that are not whole numbers, a decay
-    outside (0, 1], a REUSE other than 1,
-    REUSE=1 for a cls arm of the length it would reuse, or nothing to reuse: one line, exit 2, no folder made and no
-    run started."""
+    outside (0, 1], a REUSE other than 1, REUSE=1 for a cls arm of the length it would reuse, or nothing to reuse: one
+    line, exit 2, no folder made and no run started."""
     done = run_results_script(tmp_path, "e1.sh", {"PYTHON": "false", **env}, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1
     assert sorted(os.listdir(tmp_path / "results")) == ["checks.sh", "e1.sh"] and not (tmp_path / "out").exists()
