@@ -18,19 +18,27 @@ changes the model's API: out, loss = model(x, y) still returns logits for every 
                            as one CUDA graph and replayed every step (CUDAGraphed), for deep-and-
                            narrow models whose steps are bound by kernel launches.
                            auto: graphs on CUDA where they are safe, else blocks; off on CPU.
+  aligned next-token       blocks and graphs, next-token: logits whose rows are padded to a
+  logits                   multiple of 64 columns (aligned_token_logits), for tensor-core GEMMs;
+                           the one entry not yet measured on a GPU
 
-The measurements, their machine and their commands are in results/bench/README.md.
+The measurements, their machine and their commands are in results/bench/README.md (CPU) and
+results/gpu/README.md (GPU).
 
 Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(objective='next')),
      torch.device('cpu'), torch.bfloat16))"
 """
+import functools
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from bamboo import Block
 from neutreno import Attention
 
 EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond this the (T, T) matrices cost more memory than the kernel saves
+LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-byte boundary (nanoGPT pads so)
 
 
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
@@ -87,12 +95,29 @@ def compile_blocks(model, **compile_kwargs):
     """Regional compilation: compile each Block in place. Identical Blocks share one compiled graph
     (their parameters are graph inputs), so compile time stays that of one block at any depth.
     Next-token's logits and loss are one more region: compiled, the (B, T, vocab) log-softmax is
-    fused into one pass instead of fp32 copies of the largest tensors of the step."""
+    fused into one pass instead of fp32 copies of the largest tensors of the step; its logits
+    come from aligned_token_logits."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(**compile_kwargs)
     if model.config.objective == "next":
+        model.token_logits = functools.partial(aligned_token_logits, model)
         model.next_token_loss = torch.compile(model.next_token_loss, **compile_kwargs)
+
+
+def aligned_token_logits(model, h):
+    """model.token_logits(h) (B, T, vocab) as a view of logits padded to a multiple of 64 columns.
+
+    With GPT-2's 50,257 ids every row of the logits starts off the 16-byte alignment that tensor-core
+    GEMMs load and store fastest, and the step's three largest GEMMs (the logits, dL/dh, dL/dW) all
+    use them. torch.compile keeps the strides of a tensor it returns, so it does not pad these
+    itself. Zero rows appended to the output embedding make the padded columns; the view leaves them
+    out, so the logits, the loss and the gradients are the model's own.
+    """
+    weight = model.output_embedding()  # (vocab, D)
+    vocab = weight.shape[0]
+    padded = F.pad(weight, (0, 0, 0, -vocab % LOGITS_ROW_MULTIPLE))  # (vocab rounded up, D)
+    return (h @ padded.T)[..., :vocab]  # (B, T, vocab), row stride a multiple of 64
 
 
 class CUDAGraphed(nn.Module):

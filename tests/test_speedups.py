@@ -252,6 +252,26 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     assert graphs[3] == graphs[8] <= 2 + (objective != "cls")  # the decoder's blocks, or next's loss: one more
 
 
+def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_models_loss_and_gradients():
+    """Regional compilation gives next-token logits whose rows start every 64 columns (100 ids: 128), as a view
+    that leaves the padding out: logits, loss and every gradient equal the plain model's."""
+    import fast
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next", vocab_size=100))
+    x, _ = batch(model.config)
+    plain_out, plain_loss = model(x)
+    plain_grads = torch.autograd.grad(plain_loss, list(model.parameters()))
+    torch._dynamo.reset()
+    fast.compile_blocks(model, backend="eager")
+    out, loss = model(x)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch._dynamo.reset()
+    assert plain_out.stride(1) == 100 and out.stride(1) == 128 and out.shape == plain_out.shape
+    assert torch.allclose(out, plain_out, atol=1e-6) and torch.allclose(loss, plain_loss, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
+
+
 def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_data):
     """evaluate() must not compile (or, under graphs, capture) graphs for its own, smaller last batch."""
     from torch._dynamo.utils import counters
