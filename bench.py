@@ -12,7 +12,9 @@ torch.compile's compilation.
 --against adds, for each spec, the implementation a user would otherwise pick, at the same
 depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
 Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (mae). They are
-not dependencies of bamboo: install them in a scratch venv to compare.
+not dependencies of bamboo: install them in a scratch venv to compare. --compile, --dtype and
+--attention (fast.py's choice, the fused kernel or explicit matmul-softmax-matmul) take comma lists
+of what to compare in the same run.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
+from neutreno import Attention
 from train import (TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype,
                    schedule_defaults)
 
@@ -97,7 +100,7 @@ def reference_model(config):
 class Runner:
     """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
 
-    def __init__(self, config, args, device, dtype, compile_mode, reference=False):
+    def __init__(self, config, args, device, dtype, compile_mode, reference=False, attention="auto"):
         torch.manual_seed(0)
         if reference:
             self.name, model, self.loss_fn = reference_model(config)
@@ -112,8 +115,12 @@ class Runner:
             self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
             kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
             self.forward = torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
+            self.attention = "library"
         else:  # exactly as train.py does
-            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode)
+            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode,
+                                                               attention=attention)
+            explicit = any(m.explicit for m in model.modules() if isinstance(m, Attention))
+            self.attention = "explicit" if explicit else "sdpa"
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs") \
             if dtype != torch.float32 else nullcontext()
@@ -161,10 +168,11 @@ def peak_rss_mib():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
 
 
-def cpu_peak_rss(spec, args, dtype, compile_mode, reference, queue):
-    """Child process: a few steps of one config, then report this process's peak RSS in MiB."""
+def cpu_peak_rss(args, entry, queue):
+    """Child process: a few steps of one entry (spec, dtype, compile mode, reference, attention), then report this
+    process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    runner = Runner(parse_spec(spec), args, torch.device("cpu"), dtype, compile_mode, reference)
+    runner = Runner(parse_spec(entry[0]), args, torch.device("cpu"), *entry[1:])
     for _ in range(2):
         runner.step()
     queue.put(peak_rss_mib())
@@ -203,12 +211,14 @@ def peak_tflops(device, dtype):
 # ----------------------------------------------------------------------------- the table
 
 def build_runners(args, device):
-    """One Runner per spec x dtype x compile mode (x bamboo / reference), warmed up; the first step timed apart."""
+    """One Runner per spec x dtype x compile mode x attention (x bamboo / reference: once, attention being the
+    library's own), warmed up; the first step timed apart."""
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
-    entries = [(spec, dtype, mode, reference) for spec in args.specs for dtype in dtypes
-               for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))]
-    runners = [Runner(parse_spec(spec), args, device, dtype, mode, reference)
-               for spec, dtype, mode, reference in entries]
+    attentions = args.attention.split(",")
+    entries = [(spec, dtype, mode, reference, attention) for spec in args.specs for dtype in dtypes
+               for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))
+               for attention in (attentions[:1] if reference else attentions)]
+    runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
         t0 = time.perf_counter()
         runner.step()
@@ -221,7 +231,7 @@ def build_runners(args, device):
 def peak_memory(args, device, entries, runners):
     """Per runner, peak MiB: CUDA's max allocated, or on CPU the max RSS of a child running the same steps."""
     memory = []
-    for (spec, dtype, mode, reference), runner in zip(entries, runners):
+    for entry, runner in zip(entries, runners):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             runner.step()
@@ -229,7 +239,7 @@ def peak_memory(args, device, entries, runners):
         elif args.memory:
             ctx = multiprocessing.get_context("spawn")
             queue = ctx.Queue()
-            child = ctx.Process(target=cpu_peak_rss, args=(spec, args, dtype, mode, reference, queue))
+            child = ctx.Process(target=cpu_peak_rss, args=(args, entry, queue))
             child.start()
             memory.append(queue.get())
             child.join()
@@ -243,12 +253,13 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
           f"{torch.get_num_threads()} threads")
-    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'params':>8} {'step ms':>9} {'samples/s':>10} "
-              f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
+    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8} {'step ms':>9} "
+              f"{'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} "
+              f"{'vs first':>8}")
     print(header)
     print("-" * len(header))
     rows = []
-    for i, ((spec, dtype, mode, reference), runner, mem) in enumerate(zip(entries, runners, memory)):
+    for i, ((spec, dtype, *_), runner, mem) in enumerate(zip(entries, runners, memory)):
         c = runner.config
         step = step_ms[i] / 1000
         tokens = c.num_patches() if c.is_image else c.seq_len
@@ -256,12 +267,12 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         peak = peaks[dtype][0]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
         rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
-                     "compiled": runner.compiled, "step_ms": step * 1000, "samples_s": args.batch_size / step,
-                     "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
+                     "compiled": runner.compiled, "attention": runner.attention, "step_ms": step * 1000,
+                     "samples_s": args.batch_size / step, "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
                      "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params,
                      "first_step_s": runner.first_step_s})
         r = rows[-1]
-        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {params:>7.2f}M "
+        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {r['attention']:<8} {params:>7.2f}M "
               f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
               f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
               f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
@@ -278,7 +289,7 @@ def run(args):
     step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps, sync)
     rows = print_table(args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks)
     if args.profile:
-        for (spec, dtype, mode, reference), runner in zip(entries, runners):
+        for (spec, dtype, *_), runner in zip(entries, runners):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
     return rows
 
@@ -309,6 +320,8 @@ def build_parser():
                    help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
     p.add_argument("--compile", default="auto",
                    help="auto, off, model, blocks or graphs (see fast.py), or a comma list to compare")
+    p.add_argument("--attention", default="auto",
+                   help="auto (fast.py's choice), sdpa or explicit (matmul-softmax-matmul), or a comma list to compare")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
@@ -327,6 +340,9 @@ def main(argv=None):
         for name in args.compile.split(","):
             if name not in fast.COMPILE_MODES:
                 raise ValueError(f"unknown --compile {name!r}; use {', '.join(fast.COMPILE_MODES)}")
+        for name in args.attention.split(","):
+            if name not in fast.ATTENTION_CHOICES:
+                raise ValueError(f"unknown --attention {name!r}; use {', '.join(fast.ATTENTION_CHOICES)}")
         run(args)
     except ImportError as e:
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",

@@ -6,7 +6,7 @@ train.py and bench.py apply it with one call, for_training(model, device, dtype)
 changes the model's API: out, loss = model(x, y) still returns logits for every objective.
 
   explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
-                           fused CPU kernel there
+                           fused CPU kernel there (bench.py --attention compares the two anywhere)
   chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
                            (B*T, vocab) logits: faster and smaller there. On CUDA the plain loss
                            under torch.compile is the fast one, so it stays off.
@@ -42,19 +42,20 @@ LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-b
 
 
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
+ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
 
 
-def for_training(model, device, dtype, compile="off", ddp=False):
+def for_training(model, device, dtype, compile="off", ddp=False, attention="auto"):
     """(module to train, compile mode, note): model itself, or model inside the speedups that pay
     on this device. The note says which compilation was chosen and why, for train.py to print.
     Under mode "graphs" run the module under autocast with cache_enabled=False (the autocast
-    cache would hold tensors from outside the graph) and feed it batches of one shape."""
+    cache would hold tensors from outside the graph) and feed it batches of one shape.
+    attention: auto (explicit where measured to pay), or sdpa or explicit everywhere, for bench.py."""
     c = model.config
-    tokens = c.num_patches() if c.is_image else c.seq_len
-    if device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS:
-        for module in model.modules():
-            if isinstance(module, Attention):
-                module.explicit = True
+    explicit = explicit_attention_plan(attention, device, dtype, c.num_patches() if c.is_image else c.seq_len)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.explicit = explicit
     module = ChunkedNextToken(model) if device.type == "cpu" and c.objective == "next" else model
     mode, why = compile_plan(compile, device, c, ddp)
     if mode == "model":
@@ -64,6 +65,16 @@ def for_training(model, device, dtype, compile="off", ddp=False):
     if mode == "graphs":
         module = CUDAGraphed(module)
     return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
+
+
+def explicit_attention_plan(asked, device, dtype, tokens):
+    """Whether attention runs as explicit matmul-softmax-matmul for --attention `asked`: under auto, on
+    CPU in bf16/fp16 for short sequences only, where it was measured to beat the fused kernel."""
+    if asked not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention {asked!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+    if asked != "auto":
+        return asked == "explicit"
+    return device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
 
 
 def compile_plan(asked, device, config, ddp):

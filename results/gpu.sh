@@ -7,8 +7,8 @@
 #                 without them, the --against tables are skipped with a note
 #   ARCHIVE=FILE  also pack results/gpu/ (checkpoints left out) into this .tgz at the end: one file for a remote
 #                 runner that returns only a few files
-# It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, and a short CIFAR-10 run and
-# a probe of it. Each step has its own time limit, cut to what is left of 580 s, so the whole ends within 10 minutes;
+# It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, a short CIFAR-10 run and
+# a probe of it, and, not targets, attention kernels compared for short sequences. Each step has its own time limit, cut to what is left of 580 s, so the whole ends within 10 minutes;
 # a step that fails, times out or finds no time left is recorded in results/gpu/status.txt and the script goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +64,13 @@ if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
 fi
+# Not targets: which attention kernel is fastest for 64 tokens. PyTorch's pick among the fused SDPA kernels
+# against explicit matmul-softmax-matmul, then the fused pick with cuDNN's kernel turned off (FlashAttention or
+# memory-efficient). Last, so that they take only the time the targets left.
+step attention 80 $PY bench.py cls:bamboo-b cls:base-12x768 --attention sdpa,explicit --batch_size 256 \
+  --compile graphs --rounds 3 --steps 5
+step attention-no-cudnn 40 $PY -c "import sys, torch, bench; torch.backends.cuda.enable_cudnn_sdp(False); \
+sys.exit(bench.main(sys.argv[1:]))" cls:bamboo-b --attention sdpa --batch_size 256 --compile graphs --rounds 3 --steps 5
 if [ -n "${ARCHIVE:-}" ]; then
   tar czf "$ARCHIVE" --exclude='*.pt' "$OUT" && echo "archived $OUT/ in $ARCHIVE"
 fi

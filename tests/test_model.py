@@ -89,6 +89,20 @@ def test_fast_turns_on_explicit_attention_only_for_cpu_half_precision_short_sequ
     assert explicit(tiny("cls"), "meta", torch.bfloat16) == {False}  # not a CPU
 
 
+def test_bench_can_ask_for_either_attention_whatever_auto_would_choose():
+    import fast
+
+    def explicit(asked, device, dtype):
+        model = Bamboo(tiny("cls"))
+        fast.for_training(model, torch.device(device), dtype, attention=asked)
+        return {m.explicit for m in model.modules() if isinstance(m, Attention)}
+
+    assert explicit("sdpa", "cpu", torch.bfloat16) == {False}  # where auto would pick explicit
+    assert explicit("explicit", "meta", torch.float32) == {True}  # where auto would pick the fused kernel
+    with pytest.raises(ValueError, match="--attention 'fused'"):
+        explicit("fused", "cpu", torch.float32)
+
+
 def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypatch):
     import neutreno
 

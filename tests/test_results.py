@@ -209,7 +209,7 @@ def test_the_gpu_check_runs_every_step_in_order(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     status = (tmp_path / "results" / "gpu" / "status.txt").read_text().splitlines()
     steps = ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
-             "against-text"]
+             "against-text", "attention", "attention-no-cudnn"]
     assert [line.split(" rc=")[0] for line in status] == steps
     assert all(" rc=0 " in line for line in status)
     with tarfile.open(archive) as packed:

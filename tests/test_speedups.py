@@ -123,6 +123,16 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
 
 
+def test_bench_compares_attention_kernels_in_one_run(capsys):
+    import bench
+
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32", "--no-memory",
+                                            "--attention", "sdpa,explicit"])
+    rows = bench.run(args)
+    assert [r["attention"] for r in rows] == ["sdpa", "explicit"] and " explicit " in capsys.readouterr().out
+
+
 def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
     import bench
 
@@ -158,6 +168,7 @@ def test_bench_rejects_bad_arguments(capsys):
     assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--warmup", "0"]) == 2 and "--warmup" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--attention", "fused"]) == 2 and "--attention" in capsys.readouterr().err
 
 
 def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
