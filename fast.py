@@ -141,7 +141,10 @@ class CUDAGraphed(nn.Module):
     CUDA generator, whose offset advances at every replay: new masks every step. The optimizer,
     gradient clipping and the data pipeline stay outside the graph. A replay reuses the captured
     shapes, so every call must have the first call's shapes; a replay overwrites the previous
-    outputs, so consume them (the loss) before the next call.
+    outputs, so consume them (the loss) before the next call. Only the loss is differentiated:
+    out comes back without gradient, because a graphed output that requires grad gets a gradient at
+    every step, zeros when unused, and for next-token's logits that is (B, T, vocab) zeros made,
+    copied and added in every backward.
     """
 
     def __init__(self, module):
@@ -153,26 +156,30 @@ class CUDAGraphed(nn.Module):
         shapes = [tuple(a.shape) for a in inputs]
         if self.graphed is None:
             rng = torch.cuda.get_rng_state(inputs[0].device)  # warm-up draws must not shift a resumed run's masks
-            self.graphed = torch.cuda.make_graphed_callables(Positional(self.module, args), inputs,
-                                                             allow_unused_input=True)
+            self.loss_only = LossOnly(self.module, args)
+            self.graphed = torch.cuda.make_graphed_callables(self.loss_only, inputs, allow_unused_input=True)
             torch.cuda.set_rng_state(rng, inputs[0].device)  # replays read the generator's state as it is now
             self.shapes = shapes
         if shapes != self.shapes:
             raise ValueError(f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
                              "keep the batch size fixed or pass --compile blocks")
-        return self.graphed(*inputs)
+        loss = self.graphed(*inputs)
+        return self.loss_only.out, loss  # out: the captured run's tensor, which every replay refills
 
 
-class Positional(nn.Module):
-    """module called with the non-None arguments of a template call (make_graphed_callables takes tensors only)."""
+class LossOnly(nn.Module):
+    """module called with the non-None arguments of a template call (make_graphed_callables takes tensors only),
+    returning the loss; out is kept, detached, in self.out."""
 
     def __init__(self, module, template):
         super().__init__()
-        self.module, self.present = module, [a is not None for a in template]
+        self.module, self.present, self.out = module, [a is not None for a in template], None
 
     def forward(self, *tensors):
         it = iter(tensors)
-        return self.module(*(next(it) if present else None for present in self.present))
+        out, loss = self.module(*(next(it) if present else None for present in self.present))
+        self.out = out.detach()
+        return loss
 
 
 class ChunkedNextToken(nn.Module):

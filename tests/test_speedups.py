@@ -302,12 +302,18 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     torch._dynamo.reset()
 
 
-def test_the_cuda_graph_wrapper_passes_missing_arguments_through_as_none():
-    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model as None."""
+def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
+    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model as None. The
+    graphed callable returns the loss alone; the logits are kept beside it without gradient (a graphed output that
+    requires grad would get a (B, T, vocab) zero gradient at every step)."""
     import fast
 
     model = Bamboo(tiny("next"))
     x, _ = batch(model.config)
-    wrapped = fast.Positional(model, (x, None))
+    wrapped = fast.LossOnly(model, (x, None))
     torch.manual_seed(0)
-    assert torch.equal(wrapped(x)[1], model(x)[1])
+    loss = wrapped(x)
+    torch.manual_seed(0)
+    out, expected = model(x)
+    assert torch.equal(loss, expected) and loss.requires_grad
+    assert torch.equal(wrapped.out, out) and not wrapped.out.requires_grad

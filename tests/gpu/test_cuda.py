@@ -23,15 +23,16 @@ def test_every_compile_mode_gives_the_eager_loss_and_gradients(mode, objective):
     torch.manual_seed(0)
     model = Bamboo(tiny(objective, depth=4, width=64, vocab_size=100)).to(CUDA)  # next: logits padded to 128
     x, y = cuda_batch(model.config)
-    eager = model(x, y)[1]
+    eager_out, eager = model(x, y)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    eager = eager.detach()  # frees the eager autograd graph: a capture must not meet its nodes
+    eager_out, eager = eager_out.detach(), eager.detach()  # frees the eager autograd graph: a capture must not meet it
     module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
     assert chosen == mode
     for _ in range(3):  # the first call warms up and captures; then replays
-        loss = module(x, y)[1]
+        out, loss = module(x, y)
         grads = torch.autograd.grad(loss, list(model.parameters()))
     assert torch.allclose(loss, eager, rtol=1e-3)
+    assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)  # logits too
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 
