@@ -55,7 +55,8 @@ class DropPath(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)). Returns (x, v, attention probs)."""
+    """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)). Returns (x, v, attention probs), v the values
+    of a NeuTRENO model's layer 0 (called without v0), else None."""
 
     def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False, neutreno=0.0,
                  vo_param="free"):

@@ -3,7 +3,8 @@
 bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention,
 F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and
 train.py and bench.py apply it with one call, for_training(model, device, dtype). It never
-changes the model's API: out, loss = model(x, y) still returns logits for every objective.
+changes the model's API: out, loss = model(x, y) still returns logits for every objective
+(under --compile blocks or graphs without gradient where noted: the loss carries it).
 
   explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
                            fused CPU kernel there (bench.py --attention compares the two anywhere)
@@ -107,13 +108,21 @@ def compile_blocks(model, **compile_kwargs):
     (their parameters are graph inputs), so compile time stays that of one block at any depth.
     Next-token's logits and loss are one more region: compiled, the (B, T, vocab) log-softmax is
     fused into one pass instead of fp32 copies of the largest tensors of the step; its logits
-    come from aligned_token_logits."""
+    come from aligned_token_logits and without gradient (loss_carries_the_gradient)."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(**compile_kwargs)
     if model.config.objective == "next":
         model.token_logits = functools.partial(aligned_token_logits, model)
-        model.next_token_loss = torch.compile(model.next_token_loss, **compile_kwargs)
+        model.next_token_loss = torch.compile(functools.partial(loss_carries_the_gradient, model.next_token_loss),
+                                              **compile_kwargs)
+
+
+def loss_carries_the_gradient(loss_fn, *args):
+    """(out, loss) of loss_fn with out detached. A compiled region's backward takes a gradient for every output
+    that requires grad, zeros when unused: for next-token's logits, (B, T, vocab) zeros made and added every step."""
+    out, loss = loss_fn(*args)
+    return out.detach(), loss
 
 
 def aligned_token_logits(model, h):

@@ -83,7 +83,9 @@ class Attention(nn.Module):
 
     forward(x, v0=None, need_weights=False) -> (y, v, probs)
       y:     (B, T, C) the block's attention output, after W_O
-      v:     (B, nh, T, hs) this layer's values; layer 0's become V0 for the rest
+      v:     (B, nh, T, hs) this layer's values if it is layer 0 (v0 None) of a NeuTRENO model:
+             they become V0 for the rest; else None, as nothing reads them (returned, a compiled
+             block would take a zero gradient for them in every backward)
       probs: (B, nh, T, T) attention probabilities if need_weights, else None
     """
 
@@ -125,7 +127,7 @@ class Attention(nn.Module):
         else:  # W_O,h = diag(l_h) Q_h^T, summed over heads
             scaled = y * self.vo.eigenvalues().to(y.dtype)[None, :, None, :]
             out = torch.einsum("bhtk,hdk->btd", scaled, basis) + self.vo.bias
-        return self.proj_drop(out), v, probs
+        return self.proj_drop(out), v if v0 is None and self.neutreno else None, probs
 
     def weights(self):
         """W_Q, W_K (D, D) and per head W_V (nh, D, hs), W_O (nh, hs, D), all acting as x @ W."""

@@ -185,8 +185,11 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     h = model.embed(x)[0]
     h, v0, _ = model.blocks[0](h)
     for block in model.blocks[1:]:
-        h, _, _ = block(h, v0.detach())
+        h, v, _ = block(h, v0.detach())
+        assert v is None  # only layer 0 hands its values on
     h.pow(2).sum().backward()
+    c = model.config
+    assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)  # layer 0's values, (B, nh, T, hs)
     assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 

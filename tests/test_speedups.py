@@ -265,7 +265,8 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
 
 def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_models_loss_and_gradients():
     """Regional compilation gives next-token logits whose rows start every 64 columns (100 ids: 128), as a view
-    that leaves the padding out: logits, loss and every gradient equal the plain model's."""
+    that leaves the padding out: logits, loss and every gradient equal the plain model's. The logits come without
+    gradient (a compiled region would take a zero gradient for them at every step)."""
     import fast
 
     torch.manual_seed(0)
@@ -279,6 +280,7 @@ def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_model
     grads = torch.autograd.grad(loss, list(model.parameters()))
     torch._dynamo.reset()
     assert plain_out.stride(1) == 100 and out.stride(1) == 128 and out.shape == plain_out.shape
+    assert plain_out.requires_grad and not out.requires_grad
     assert torch.allclose(out, plain_out, atol=1e-6) and torch.allclose(loss, plain_loss, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
 
