@@ -20,8 +20,11 @@ changes the model's API: out, loss = model(x, y) still returns logits for every 
                            narrow models whose steps are bound by kernel launches.
                            auto: graphs on CUDA where they are safe, else blocks; off on CPU.
   aligned next-token       blocks and graphs, next-token: logits whose rows are padded to a
-  logits                   multiple of 64 columns (aligned_token_logits), for tensor-core GEMMs;
-                           the one entry not yet measured on a GPU
+  logits                   multiple of 64 columns (aligned_token_logits), for tensor-core GEMMs
+  the loss alone is        next-token's logits under blocks, every out under graphs come back
+  differentiated           without gradient, so that no backward takes a zero gradient for them
+                           (loss_carries_the_gradient, LossOnly). This entry and the one above
+                           are not yet measured on a GPU.
 
 The measurements, their machine and their commands are in results/bench/README.md (CPU) and
 results/gpu/README.md (GPU).
