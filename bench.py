@@ -21,7 +21,9 @@ Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
 """
 import argparse
 import functools
+import json
 import multiprocessing
+import platform
 import sys
 import time
 from contextlib import nullcontext
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
+from data import atomic_write, check_output_path
 from neutreno import Attention
 from train import (TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype,
                    schedule_defaults)
@@ -291,6 +294,10 @@ def run(args):
     if args.profile:
         for (spec, dtype, *_), runner in zip(entries, runners):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
+    if args.json:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type
+        report = {"device": name, "torch": torch.__version__, "batch_size": args.batch_size, "rows": rows}
+        atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     return rows
 
 
@@ -326,6 +333,7 @@ def build_parser():
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
     p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N slowest operators of one step")
+    p.add_argument("--json", default="", help="also write the table's rows here, with the device's name")
     return p
 
 
@@ -343,6 +351,8 @@ def main(argv=None):
         for name in args.attention.split(","):
             if name not in fast.ATTENTION_CHOICES:
                 raise ValueError(f"unknown --attention {name!r}; use {', '.join(fast.ATTENTION_CHOICES)}")
+        if args.json:
+            check_output_path("--json", args.json)
         run(args)
     except ImportError as e:
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",
@@ -350,6 +360,9 @@ def main(argv=None):
         return 2
     except (ValueError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk or a folder that vanished while writing --json
+        print(f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere", file=sys.stderr)
         return 2
     return 0
 

@@ -205,6 +205,15 @@ def _fetch(url, timeout=30):
         return response.read()
 
 
+def check_output_path(flag, path):
+    """Raise ValueError where path, given with flag, cannot be written as a file: run before any computation."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+
+
 def atomic_write(path, write):
     """Call write(f) on a binary temp file unique to this process beside path, then rename it to path: a crash,
     a full disk or a second process writing the same path never leaves it half-written. On failure the temp

@@ -33,13 +33,12 @@ Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sh
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 
 from bamboo import Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, atomic_write
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, atomic_write, check_output_path
 from train import CheckpointError, TrainingError, model_from_checkpoint, pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
@@ -345,11 +344,8 @@ def main(argv=None):
         if args.samples < 2 or args.batch_size < 1:
             raise ValueError("--samples must be at least 2 and --batch_size at least 1")
         for flag, path in (("--json", args.json), ("--plot", args.plot)):
-            folder = os.path.dirname(path) or "."
-            if path and not os.path.isdir(folder):  # checked before any computation
-                raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
-            if path and os.path.isdir(path):
-                raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+            if path:
+                check_output_path(flag, path)
         run(args)
     except (CheckpointError, DataError, TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@
 # It runs the CUDA tests (tests/gpu), the bench tables of the GPU issue's targets, a short CIFAR-10 run and
 # a probe of it, and, not targets, attention kernels compared for short sequences. Each step has its own time limit, cut to what is left of 580 s, so the whole ends within 10 minutes;
 # a step that fails, times out or finds no time left is recorded in results/gpu/status.txt and the script goes on.
+# Last, results/gpu_targets.py fills the targets table from the steps that passed: results/gpu/targets.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -39,10 +40,12 @@ cat "$OUT/gpu.txt"
 
 step tests 120 $PY -m pytest -q tests/gpu
 # MAE 48x384, batch 256: eager against CUDA graphs over regionally compiled blocks (target: at most 20 ms).
-step mae-bamboo-b 60 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5
+step mae-bamboo-b 60 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5 \
+  --json "$OUT/mae-bamboo-b.json"
 # Bamboo Table 1 at batch 256, both under the default compilation (target: bamboo-b at least 0.7x of 12x768,
 # and 12x768 at least 45% MFU).
-step table1 60 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5
+step table1 60 $PY bench.py cls:base-12x768 cls:bamboo-b --batch_size 256 --compile auto --rounds 3 --steps 5 \
+  --json "$OUT/table1.json"
 HAVE_DATA=false; if [ -n "${DATA:-}" ] && [ -d "$DATA/train" ]; then HAVE_DATA=true; fi
 if $HAVE_DATA; then
   # A short real run (target: a cifar-small step of 128 images in at most 4 ms), then its probe.
@@ -55,12 +58,13 @@ else
 fi
 # Cold compile of the deepest models: one Block compiled and reused at every depth (target: at most 30 s).
 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) step compile-cold 60 $PY bench.py cls:bamboo-b cls:base-96x256 \
-  --batch_size 64 --compile blocks --rounds 1 --steps 1 --warmup 1
+  --batch_size 64 --compile blocks --rounds 1 --steps 1 --warmup 1 --json "$OUT/compile-cold.json"
 if $PY -c "import timm, transformers, vit_pytorch" 2> /dev/null; then
   # Against what users would pick, both compiled (targets: cls 1.4x timm, next 1.2x and mlm 1.2x Hugging Face).
-  step against-cls 160 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5
+  step against-cls 160 $PY bench.py cls:bamboo-b --against --batch_size 256 --compile graphs --rounds 3 --steps 5 \
+    --json "$OUT/against-cls.json"
   step against-text 120 $PY bench.py next:wikitext-small mlm:wikitext-small --against \
-    --batch_size 64 --compile auto --rounds 3 --steps 5
+    --batch_size 64 --compile auto --rounds 3 --steps 5 --json "$OUT/against-text.json"
 else
   echo "against skipped: timm, transformers or vit-pytorch is not importable (set BENCHLIB)" | tee -a "$OUT/status.txt"
 fi
@@ -68,9 +72,11 @@ fi
 # PyTorch's pick among the fused SDPA kernels against explicit matmul-softmax-matmul, then the fused pick with
 # cuDNN's kernel turned off (FlashAttention or memory-efficient). Last, so that they take only the time left.
 step attention 90 $PY bench.py cls:bamboo-b mae:bamboo-b --attention sdpa,explicit --batch_size 256 \
-  --compile graphs --rounds 3 --steps 5
+  --compile graphs --rounds 3 --steps 5 --json "$OUT/attention.json"
 step attention-no-cudnn 40 $PY -c "import sys, torch, bench; torch.backends.cuda.enable_cudnn_sdp(False); \
-sys.exit(bench.main(sys.argv[1:]))" cls:bamboo-b --attention sdpa --batch_size 256 --compile graphs --rounds 3 --steps 5
+sys.exit(bench.main(sys.argv[1:]))" cls:bamboo-b --attention sdpa --batch_size 256 --compile graphs --rounds 3 --steps 5 \
+  --json "$OUT/attention-no-cudnn.json"
+$PY results/gpu_targets.py "$OUT" > "$OUT/targets.md" && cat "$OUT/targets.md"
 if [ -n "${ARCHIVE:-}" ]; then
   tar czf "$ARCHIVE" --exclude='*.pt' "$OUT" && echo "archived $OUT/ in $ARCHIVE"
 fi

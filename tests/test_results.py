@@ -216,6 +216,47 @@ def test_the_gpu_check_runs_every_step_in_order(tmp_path):
         assert "results/gpu/status.txt" in packed.getnames()
 
 
+def test_the_gpu_targets_table_reads_the_steps_that_passed_and_nothing_older(capsys, tmp_path):
+    """results/gpu_targets.py on bench --json outputs: each target's value and verdict; a step that timed out
+    (against-cls) or is not in status.txt (compile-cold) reads 'not measured' even where an older JSON is there."""
+    gpu_targets = results_module("gpu_targets")
+
+    def row(spec, samples_s, impl="bamboo", compiled="graphs", **extra):
+        return {"spec": spec, "impl": impl, "compiled": compiled, "attention": "sdpa", "samples_s": samples_s,
+                "step_ms": 256 / samples_s * 1000, "mfu": 30.0, "first_step_s": 9.0, **extra}
+
+    outputs = {"mae-bamboo-b": [row("mae:bamboo-b", 2500, compiled="off"), row("mae:bamboo-b", 12800)],
+               "table1": [row("cls:base-12x768", 10000, mfu=46.0), row("cls:bamboo-b", 7000)],
+               "against-cls": [row("cls:bamboo-b", 9000), row("cls:bamboo-b", 5000, impl="timm VisionTransformer")],
+               "compile-cold": [row("cls:bamboo-b", 900, compiled="blocks")],
+               "against-text": [row("next:wikitext-small", 11000), row("next:wikitext-small", 10000,
+                                                                        impl="HF GPT2LMHeadModel"),
+                                row("mlm:wikitext-small", 13000), row("mlm:wikitext-small", 10000,
+                                                                       impl="HF BertForMaskedLM")],
+               "attention": [row("cls:bamboo-b", 6000), row("cls:bamboo-b", 8000, attention="explicit")]}
+    for name, table in outputs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"device": "GPU X", "torch": "2.0", "rows": table}))
+    (tmp_path / "train-cifar-small.txt").write_text("step 600 top1 31.2\ndone: top1 31.2 (best 31.2), 3.9 ms/step\n")
+    (tmp_path / "status.txt").write_text("tests rc=0 70s\nmae-bamboo-b rc=0 40s\ntable1 rc=0 40s\n"
+                                         "train-cifar-small rc=0 50s\nagainst-cls rc=124 160s\n"
+                                         "against-text rc=0 80s\nattention rc=0 60s\n")
+    assert gpu_targets.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("on GPU X (torch 2.0)")
+    verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines if line.startswith("| `")
+                or line.startswith("| cold")}
+    assert verdicts["`mae:bamboo-b` step, batch 256 (graphs)"] == ["20.0 ms", "at most 20.0 ms", "yes |"]
+    assert verdicts["`cls:bamboo-b` / `cls:base-12x768` throughput"] == ["0.70x", "at least 0.70x", "yes |"]
+    assert verdicts["`cls:base-12x768` MFU, batch 256"][0] == "46.0 %"
+    assert verdicts["`next` against HF GPT-2, 6x256, batch 64 x 128"] == ["1.10x", "at least 1.20x", "no |"]
+    assert verdicts["`mlm` against HF BERT, same shape"][0] == "1.30x"
+    assert verdicts["`cls:bamboo-b` against timm, both graphed"][0] == "not measured"  # timed out
+    assert verdicts["cold compile, `bamboo-b` (first step)"][0] == "not measured"  # an older run's file
+    assert verdicts["`train.py --preset cifar-small` step, batch 128"] == ["3.9 ms", "at most 4.0 ms", "yes |"]
+    assert "| attention | cls:bamboo-b | explicit | 32.0 |" in lines
+    assert gpu_targets.main([str(tmp_path / "nope")]) == 2 and "not a folder" in capsys.readouterr().err
+
+
 def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others(capsys, tiny_data, tmp_path):
     """Experiment 3's analysis on 2-step next and mlm runs of one seed (mlm's checkpoint stands in for the other
     MLM runs): same init, scores and probes; with only one MLM run's checkpoint left (the others made in an

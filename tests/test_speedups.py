@@ -2,6 +2,7 @@
 
 Run: python -m pytest -q tests/test_speedups.py
 """
+import json
 import os
 import sys
 from contextlib import nullcontext
@@ -123,14 +124,16 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
 
 
-def test_bench_compares_attention_kernels_in_one_run(capsys):
+def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
     import bench
 
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1",
                                             "--rounds", "1", "--warmup", "1", "--dtype", "float32", "--no-memory",
-                                            "--attention", "sdpa,explicit"])
+                                            "--attention", "sdpa,explicit", "--json", str(tmp_path / "b.json")])
     rows = bench.run(args)
     assert [r["attention"] for r in rows] == ["sdpa", "explicit"] and " explicit " in capsys.readouterr().out
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
 
 
 def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
@@ -169,6 +172,8 @@ def test_bench_rejects_bad_arguments(capsys):
     assert bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2 and "--dtype" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--warmup", "0"]) == 2 and "--warmup" in capsys.readouterr().err
     assert bench.main(["cls:cifar-tiny", "--attention", "fused"]) == 2 and "--attention" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--json", "no/such/folder/b.json"]) == 2  # before any step is timed
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
