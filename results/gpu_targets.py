@@ -2,9 +2,10 @@
 
 Reads the bench steps' rows (results/gpu/NAME.json, written by bench.py --json) and the short run's last
 line (train-cifar-small.txt), and prints a markdown table: each target, what was measured, and whether it is
-met. Only steps that status.txt records as passed (rc=0) in this run count, so that an output left from an
-earlier run is never read as new; the others read "not measured". Below it, the attention comparison's rows
-(not targets). gpu.sh runs it last and writes results/gpu/targets.md.
+met. Only steps that status.txt records as passed (rc=0) in their run count, so that an output left from an
+earlier run is never read as new; the others read "not measured". Below it, every row of the comparisons that
+`gpu.sh explore` made (results/gpu/explore/), which are not targets. gpu.sh runs it last and writes
+results/gpu/targets.md.
 
 Run: python results/gpu_targets.py results/gpu
 """
@@ -16,7 +17,8 @@ import sys
 OURS = "bamboo"
 
 
-STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text", "attention", "attention-no-cudnn")
+STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text")
+EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile")
 
 
 def passed(folder, name):
@@ -96,7 +98,8 @@ def shown(value, unit):
 
 def report(folder):
     """The targets table, then the attention comparison, as markdown lines."""
-    outputs = [bench_output(folder, name) for name in STEPS]
+    explore = os.path.join(folder, "explore")
+    outputs = [bench_output(folder, name) for name in STEPS] + [bench_output(explore, name) for name in EXPLORE]
     device = next((f"{o['device']} (torch {o['torch']})" for o in outputs if o), "no bench output")
     lines = [f"Targets of the GPU issue, measured by results/gpu.sh on {device}", "",
              "| measure | measured | target | met |", "|---|---|---|---|"]
@@ -104,11 +107,13 @@ def report(folder):
         met = "" if value is None else "yes" if (value <= target if bound == "at most" else value >= target) else "no"
         lines.append(f"| {name} | {'not measured' if value is None else shown(value, unit)} | "
                      f"{bound} {shown(target, unit)} | {met} |")
-    attention = [(name, r) for name in ("attention", "attention-no-cudnn") for r in rows(folder, name)]
-    if attention:
-        lines += ["", "Attention kernels (not targets): bench step ms, batch 256, CUDA graphs", "",
-                  "| step | config | attention | step ms |", "|---|---|---|---|"]
-        lines += [f"| {name} | {r['spec']} | {r['attention']} | {r['step_ms']:.1f} |" for name, r in attention]
+    compared = [(name, r) for name in EXPLORE for r in rows(explore, name)]
+    if compared:
+        lines += ["", "Comparisons, not targets (`gpu.sh explore`, explore/NAME.txt): bench, batch 256", "",
+                  "| step | config | compile | attention | step ms | MFU % |", "|---|---|---|---|---|---|"]
+        for name, r in compared:
+            mfu = "" if r["mfu"] is None else f"{r['mfu']:.1f}"
+            lines.append(f"| {name} | {r['spec']} | {r['compiled']} | {r['attention']} | {r['step_ms']:.1f} | {mfu} |")
     return lines
 
 

@@ -199,21 +199,29 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
     assert {p: p.read_bytes() for p in recorded.rglob("*") if p.is_file()} == before
 
 
-def test_the_gpu_check_runs_every_step_in_order(tmp_path):
-    """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step is
-    recorded in status.txt in order, each with its exit status, and ARCHIVE packs the outputs into one file."""
+@pytest.mark.parametrize("part,folder,steps", [
+    ((), "gpu", ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
+                 "against-text"]),
+    (("explore",), "gpu/explore", ["attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile"])])
+def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, folder, steps):
+    """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step of the
+    part is recorded in its status.txt in order, each with its exit status, and ARCHIVE packs results/gpu/."""
     (tmp_path / "data" / "train").mkdir(parents=True)
     archive = tmp_path / "gpu.tgz"
     done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true", "DATA": str(tmp_path / "data"), "BENCHLIB": "",
-                                                   "ARCHIVE": str(archive)})
+                                                   "ARCHIVE": str(archive)}, args=part)
     assert done.returncode == 0, done.stdout + done.stderr
-    status = (tmp_path / "results" / "gpu" / "status.txt").read_text().splitlines()
-    steps = ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
-             "against-text", "attention", "attention-no-cudnn"]
+    status = (tmp_path / "results" / folder / "status.txt").read_text().splitlines()
     assert [line.split(" rc=")[0] for line in status] == steps
     assert all(" rc=0 " in line for line in status)
     with tarfile.open(archive) as packed:
-        assert "results/gpu/status.txt" in packed.getnames()
+        assert f"results/{folder}/status.txt" in packed.getnames() and "results/gpu/targets.md" in packed.getnames()
+
+
+def test_the_gpu_check_names_its_parts_when_given_another(tmp_path):
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true"}, args=["all"])
+    assert done.returncode == 2 and done.stderr.strip() == "unknown part 'all': bash results/gpu.sh [targets|explore]"
+    assert not (tmp_path / "results" / "gpu").exists()
 
 
 def test_the_gpu_targets_table_reads_the_steps_that_passed_and_nothing_older(capsys, tmp_path):
@@ -233,13 +241,15 @@ def test_the_gpu_targets_table_reads_the_steps_that_passed_and_nothing_older(cap
                                                                         impl="HF GPT2LMHeadModel"),
                                 row("mlm:wikitext-small", 13000), row("mlm:wikitext-small", 10000,
                                                                        impl="HF BertForMaskedLM")],
-               "attention": [row("cls:bamboo-b", 6000), row("cls:bamboo-b", 8000, attention="explicit")]}
+               "explore/attention": [row("cls:bamboo-b", 6000), row("cls:bamboo-b", 8000, attention="explicit")]}
+    (tmp_path / "explore").mkdir()
     for name, table in outputs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({"device": "GPU X", "torch": "2.0", "rows": table}))
+    (tmp_path / "explore" / "status.txt").write_text("attention rc=0 100s\nautotune rc=124 220s\n")
     (tmp_path / "train-cifar-small.txt").write_text("step 600 top1 31.2\ndone: top1 31.2 (best 31.2), 3.9 ms/step\n")
     (tmp_path / "status.txt").write_text("tests rc=0 70s\nmae-bamboo-b rc=0 40s\ntable1 rc=0 40s\n"
                                          "train-cifar-small rc=0 50s\nagainst-cls rc=124 160s\n"
-                                         "against-text rc=0 80s\nattention rc=0 60s\n")
+                                         "against-text rc=0 80s\n")
     assert gpu_targets.main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("on GPU X (torch 2.0)")
@@ -253,7 +263,7 @@ def test_the_gpu_targets_table_reads_the_steps_that_passed_and_nothing_older(cap
     assert verdicts["`cls:bamboo-b` against timm, both graphed"][0] == "not measured"  # timed out
     assert verdicts["cold compile, `bamboo-b` (first step)"][0] == "not measured"  # an older run's file
     assert verdicts["`train.py --preset cifar-small` step, batch 128"] == ["3.9 ms", "at most 4.0 ms", "yes |"]
-    assert "| attention | cls:bamboo-b | explicit | 32.0 |" in lines
+    assert "| attention | cls:bamboo-b | graphs | explicit | 32.0 | 30.0 |" in lines  # explore's rows, as they are
     assert gpu_targets.main([str(tmp_path / "nope")]) == 2 and "not a folder" in capsys.readouterr().err
 
 
