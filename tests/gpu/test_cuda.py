@@ -8,6 +8,7 @@ import torch
 
 import fast
 from bamboo import Bamboo
+from neutreno import Attention
 from helpers import batch, image_flags, run_train, tiny, train_losses
 
 CUDA = torch.device("cuda")
@@ -34,6 +35,18 @@ def test_every_compile_mode_gives_the_eager_loss_and_gradients(mode, objective):
     assert torch.allclose(loss, eager, rtol=1e-3)
     assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)  # logits too
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
+
+
+def test_explicit_attention_under_cuda_graphs_gives_the_fused_kernels_loss():
+    """bench.py --attention explicit on the GPU: matmul-softmax-matmul captured in the graph, the same loss."""
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", depth=4, width=64)).to(CUDA)
+    x, y = cuda_batch(model.config)
+    fused = model(x, y)[1].item()
+    module, chosen, _ = fast.for_training(model, CUDA, torch.float32, "graphs", attention="explicit")
+    losses = [module(x, y)[1].item() for _ in range(3)]  # warm-up and capture, then replays
+    assert chosen == "graphs" and all(m.explicit for m in model.modules() if isinstance(m, Attention))
+    assert losses == pytest.approx([fused] * 3, rel=1e-4)
 
 
 @pytest.mark.parametrize("objective", ["mae", "mlm"])
