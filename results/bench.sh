@@ -173,6 +173,56 @@ print(f"cls:bamboo-b bf16 training step, batch 16: lambda 0 {best['lambda 0']:.1
 EOF
 }
 changes
+# A compiled region's backward takes a gradient for every output that requires grad, zeros when one is unused:
+# what returning such an output detached (fast.loss_carries_the_gradient) saves, fp32, warm inductor cache.
+unused_outputs() {
+$PY - <<'EOF' | tee results/bench/unused-outputs.txt
+import functools
+
+import torch
+
+import bench
+import fast
+from bamboo import Bamboo, Config
+
+
+def fastest(calls, rounds=7, reps=3):
+    for call in calls.values():  # compiles
+        call()
+    return bench.fastest_ms(calls, rounds, reps)
+
+
+def backward_of(region, *inputs):
+    return lambda: region(*inputs)[1].backward()
+
+
+def report(title, best):
+    (a, ta), (b, tb) = best.items()
+    print(f"{title}: {a} {ta:.1f} ms, {b} {tb:.1f} ms, {ta / tb:.2f}x")
+
+
+# 1. The mechanism alone: y = 2x (4096 x 8192, 128 MB) returned beside a loss that uses it.
+def doubled(x):
+    y = x * 2
+    return y, (y * y).mean()
+
+
+x = torch.randn(4096, 8192, requires_grad=True)
+regions = {"y with gradient": torch.compile(doubled),
+           "y detached": torch.compile(functools.partial(fast.loss_carries_the_gradient, doubled))}
+report("compiled y = 2x and loss, forward + backward", fastest({k: backward_of(r, x) for k, r in regions.items()}))
+
+# 2. next-token's logits-and-loss region, GPT-2's vocabulary, 4 x 127 positions of width 256 (fp32 logits 102 MB).
+model = Bamboo(Config.from_preset("wikitext-small", objective="next"))
+h = torch.randn(4, 127, model.config.width, requires_grad=True)
+targets = torch.randint(0, model.config.vocab_size, (4, 127))
+regions = {"logits with gradient": torch.compile(model.next_token_loss),
+           "logits detached": torch.compile(functools.partial(fast.loss_carries_the_gradient, model.next_token_loss))}
+report("compiled next-token logits and loss, forward + backward",
+       fastest({k: backward_of(r, h, targets) for k, r in regions.items()}, rounds=7, reps=1))
+EOF
+}
+unused_outputs
 # Against the implementations users would otherwise pick, same depth/width/heads/patch/sequence (6x256, 4 heads).
 if [ -n "${BENCHLIB:-}" ]; then
   export PYTHONPATH=$BENCHLIB
