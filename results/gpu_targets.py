@@ -15,10 +15,8 @@ import re
 import sys
 
 OURS = "bamboo"
-
-
-STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text")
-EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile")
+STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text")  # gpu.sh's bench steps
+EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile")  # gpu.sh explore's
 
 
 def passed(folder, name):
@@ -97,7 +95,7 @@ def shown(value, unit):
 
 
 def report(folder):
-    """The targets table, then the attention comparison, as markdown lines."""
+    """The targets table, then the rows of `gpu.sh explore`, as markdown lines."""
     explore = os.path.join(folder, "explore")
     outputs = [bench_output(folder, name) for name in STEPS] + [bench_output(explore, name) for name in EXPLORE]
     device = next((f"{o['device']} (torch {o['torch']})" for o in outputs if o), "no bench output")
