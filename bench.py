@@ -337,22 +337,26 @@ def build_parser():
     return p
 
 
+def check_args(args):
+    """Raise ValueError for the first bad argument, before any model is built or timed."""
+    if min(args.batch_size, args.steps, args.rounds, args.warmup) < 1:
+        raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
+    for spec in args.specs:
+        parse_spec(spec)
+    for flag, names, known in (("--dtype", args.dtype, ("auto", "float32", "bfloat16", "float16")),
+                               ("--compile", args.compile, fast.COMPILE_MODES),
+                               ("--attention", args.attention, fast.ATTENTION_CHOICES)):
+        for name in names.split(","):
+            if name not in known:
+                raise ValueError(f"unknown {flag} {name!r}; use {', '.join(known)}")
+    if args.json:
+        check_output_path("--json", args.json)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        if min(args.batch_size, args.steps, args.rounds, args.warmup) < 1:
-            raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
-        for name in args.dtype.split(","):
-            if name not in ("auto", "float32", "bfloat16", "float16"):
-                raise ValueError(f"unknown --dtype {name!r}; use auto, float32, bfloat16 or float16")
-        for name in args.compile.split(","):
-            if name not in fast.COMPILE_MODES:
-                raise ValueError(f"unknown --compile {name!r}; use {', '.join(fast.COMPILE_MODES)}")
-        for name in args.attention.split(","):
-            if name not in fast.ATTENTION_CHOICES:
-                raise ValueError(f"unknown --attention {name!r}; use {', '.join(fast.ATTENTION_CHOICES)}")
-        if args.json:
-            check_output_path("--json", args.json)
+        check_args(args)
         run(args)
     except ImportError as e:
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",

@@ -5,6 +5,7 @@ Run: python -m pytest -q tests/test_results.py
 import importlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,38 @@ def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, fol
     assert all(" rc=0 " in line for line in status)
     with tarfile.open(archive) as packed:
         assert f"results/{folder}/status.txt" in packed.getnames() and "results/gpu/targets.md" in packed.getnames()
+
+
+@pytest.mark.parametrize("part,programs", [((), {"bench.py": 5, "train.py": 1, "probe.py": 1}),
+                                           (("explore",), {"bench.py": 4, "-c": 1})])
+def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, monkeypatch, part, programs):
+    """gpu.sh's commands run only on a GPU, where a misspelt flag would cost a GPU session: with a stand-in
+    interpreter that records its arguments, every bench.py (and bench.main through -c), train.py and probe.py
+    command line it gives passes its program's own argument checks."""
+    import bench
+    import probe
+    import train
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text('printf "%q " "$@" >> calls.txt; echo >> calls.txt\n')
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": f"bash {stand_in}", "DATA": str(tmp_path / "data"),
+                                                   "BENCHLIB": ""}, args=part)
+    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.chdir(tmp_path)  # the commands' paths are relative to where gpu.sh runs them
+    seen = {}
+    for argv in map(shlex.split, (tmp_path / "calls.txt").read_text().splitlines()):
+        if argv[0] == "bench.py":
+            bench.check_args(bench.build_parser().parse_args(argv[1:]))
+        elif argv[0] == "-c" and "bench.main" in argv[1]:
+            compile(argv[1], "gpu.sh", "exec")
+            bench.check_args(bench.build_parser().parse_args(argv[2:]))
+        elif argv[0] in ("train.py", "probe.py"):
+            (train if argv[0] == "train.py" else probe).build_parser().parse_args(argv[1:])
+        else:
+            continue
+        seen[argv[0]] = seen.get(argv[0], 0) + 1
+    assert seen == programs
 
 
 def test_the_gpu_check_names_its_parts_when_given_another(tmp_path):
