@@ -409,6 +409,8 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
     checkpoint with the paper's layer decay (0.65) or LAYER_DECAY, then the seed's analysis, then a summary of the
     seeds of ALL_SEEDS that have a record (here only seed 1's, from an earlier session); a decay outside (0, 1] or a
     seed that is not a whole number is one line, exit 2, before anything runs."""
+    import train
+
     (tmp_path / "results" / "e1-gpu-w480").mkdir(parents=True)
     (tmp_path / "results" / "e1-gpu-w480" / "seed1.json").write_text("{}")
     env = {"PYTHON": recording_interpreter(tmp_path), "DEVICE": "cpu", "RUNS": str(tmp_path / "runs"),
@@ -421,6 +423,8 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
     assert f"--init_from {tmp_path / 'runs' / 's0' / 'mae' / 'ckpt.pt'} --layer_decay {decay}" in calls[2]
     assert calls[3].startswith("results/e1_analyze.py") and "--seeds 0" in calls[3] and len(calls) == 5
     assert calls[4].startswith("results/e1_analyze.py") and "--read_back --seeds 1" in calls[4]
+    for call in calls[:3]:  # each GPU run's flags are train.py's own (a misspelt one would end a GPU session)
+        assert call.startswith("train.py ") and train.build_parser().parse_args(call.split()[1:])
     (tmp_path / "calls.txt").unlink()
     done = run_results_script(tmp_path, "e1_gpu.sh", {**env, "LAYER_DECAY": "0.65x"}, timeout=30, args=["0"])
     assert done.returncode == 2
