@@ -680,7 +680,6 @@ def train(args):
             while run.step < cfg.max_iters:
                 t0 = time.time()
                 total, lr = optimizer_step(run)
-                run.step_times.append(time.time() - t0)
                 run.bar.update(1)
                 if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
                     run.stop = run.stop or "time limit reached"
@@ -689,6 +688,9 @@ def train(args):
                 if run.step % cfg.log_interval == 0 or evaluating:
                     train_loss = read_loss(run, total)
                     run.bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                # A GPU only queues the steps between two reads of the loss, and the read waits for them to run:
+                # timed up to here, the steps' times add up to the wall clock, evaluations left out.
+                run.step_times.append(time.time() - t0)
                 if run.master and run.step % cfg.log_interval == 0:
                     jsonl.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
                 if evaluating:

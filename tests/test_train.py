@@ -4,6 +4,7 @@ Run: python -m pytest -q tests/test_train.py
 """
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -46,6 +47,23 @@ def test_resume_continues_exactly(tiny_data, tmp_path):
     assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 8
     final = [r for r in parts if r.get("eval")][-1]
     assert final["val_loss"] == [r for r in whole if r.get("eval")][-1]["val_loss"]
+
+
+def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data, tmp_path, monkeypatch):
+    """A GPU only queues the steps between two reads of the loss, and the read waits for them: the speed in the last
+    line must count that wait (a 50 ms sleep in every read stands in for it here; run_train reads every step)."""
+    import train
+
+    read_loss = train.read_loss
+
+    def waiting_read(run, total):
+        time.sleep(0.05)
+        return read_loss(run, total)
+
+    monkeypatch.setattr(train, "read_loss", waiting_read)
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "3"),
+                             out_dir=tmp_path)
+    assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
