@@ -96,9 +96,12 @@ sys.exit(bench.main(sys.argv[1:]))" $models --attention sdpa --compile graphs $c
     $common --json "$OUT/autotune.json"
   TORCHINDUCTOR_MAX_AUTOTUNE=1 step autotune-mae 90 $PY bench.py mae:bamboo-b --compile graphs $common \
     --json "$OUT/autotune-mae.json"
-  # Where a step's GPU time goes now (blocks: the same kernels as under graphs, each one visible to the profiler).
+  # Where a step's GPU time goes now (blocks: the same kernels as under graphs, each one visible to the profiler),
+  # for the cls targets and for next-token's.
   step profile 60 $PY bench.py cls:bamboo-b --compile blocks --batch_size 256 --rounds 1 --steps 2 --profile 40 \
     --json "$OUT/profile.json"
+  step profile-next 30 $PY bench.py next:wikitext-small --compile blocks --batch_size 64 --rounds 1 --steps 2 \
+    --profile 30 --json "$OUT/profile-next.json"
 }
 
 "$PART"

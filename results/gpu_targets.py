@@ -16,7 +16,7 @@ import sys
 
 OURS = "bamboo"
 STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text")  # gpu.sh's bench steps
-EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile")  # gpu.sh explore's
+EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile", "profile-next")  # gpu.sh explore's
 
 
 def passed(folder, name):

@@ -203,7 +203,8 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
 @pytest.mark.parametrize("part,folder,steps", [
     ((), "gpu", ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
                  "against-text"]),
-    (("explore",), "gpu/explore", ["attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile"])])
+    (("explore",), "gpu/explore", ["attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile",
+                                   "profile-next"])])
 def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, folder, steps):
     """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step of the
     part is recorded in its status.txt in order, each with its exit status, and ARCHIVE packs results/gpu/."""
@@ -220,7 +221,7 @@ def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, fol
 
 
 @pytest.mark.parametrize("part,programs", [((), {"bench.py": 5, "train.py": 1, "probe.py": 1}),
-                                           (("explore",), {"bench.py": 4, "-c": 1})])
+                                           (("explore",), {"bench.py": 5, "-c": 1})])
 def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, monkeypatch, part, programs):
     """gpu.sh's commands run only on a GPU, where a misspelt flag would cost a GPU session: with a stand-in
     interpreter that records its arguments, every bench.py (and bench.main through -c), train.py and probe.py
