@@ -190,6 +190,8 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     h.pow(2).sum().backward()
     c = model.config
     assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)  # layer 0's values, (B, nh, T, hs)
+    plain = Bamboo(tiny("cls", depth=3))
+    assert plain.blocks[0](plain.embed(x)[0])[1] is None  # without NeuTRENO no layer hands its values on
     assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 
