@@ -213,6 +213,11 @@ def peak_tflops(device, dtype):
 
 # ----------------------------------------------------------------------------- the table
 
+def device_sync(device):
+    """A call that waits for the device's queued work (CUDA runs asynchronously), or does nothing on CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def build_runners(args, device):
     """One Runner per spec x dtype x compile mode x attention (x bamboo / reference: once, attention being the
     library's own), warmed up; the first step timed apart."""
@@ -222,9 +227,11 @@ def build_runners(args, device):
                for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))
                for attention in (attentions[:1] if reference else attentions)]
     runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
+    sync = device_sync(device)
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
         t0 = time.perf_counter()
         runner.step()
+        sync()  # the first step's kernels too, not only their compilation and launch
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
         for _ in range(args.warmup - 1):
             runner.step()
@@ -288,8 +295,8 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     entries, runners, peaks = build_runners(args, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps, sync)
+    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps,
+                         device_sync(device))
     rows = print_table(args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks)
     if args.profile:
         for (spec, dtype, *_), runner in zip(entries, runners):
@@ -308,8 +315,7 @@ def profile_step(runner, title, rows):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         runner.step()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        device_sync(runner.device)()
     sort = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
     print(f"\nprofile of one step: {title}")
     print(prof.key_averages().table(sort_by=sort, row_limit=rows))
