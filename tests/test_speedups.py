@@ -136,6 +136,20 @@ def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json
     assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
 
 
+def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
+    """On CUDA a step is queued and run later: the first step's time (where compilation shows) waits for the device,
+    as the timed rounds do (a 50 ms wait stands in for the device's)."""
+    import time
+
+    import bench
+
+    monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32", "--no-memory"])
+    row, = bench.run(args)
+    assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
+
+
 def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
     import bench
 
