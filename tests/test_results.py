@@ -110,11 +110,12 @@ def run_results_script(tmp_path, name, env, timeout=60, args=()):
 
 
 def recording_interpreter(tmp_path):
-    """A stand-in for PYTHON that appends its arguments to calls.txt and writes a log.jsonl holding the name of its
-    --out_dir, so a results/ script runs end to end in a second."""
+    """A stand-in for PYTHON that appends its arguments to calls.txt, one line per call, quoted as shlex.split reads
+    them, and writes a log.jsonl holding the name of its --out_dir, so a results/ script runs end to end in a
+    second."""
     stand_in = tmp_path / "python"
-    stand_in.write_text('echo "$@" >> calls.txt\nwhile [ $# -gt 0 ]; do [ "$1" != --out_dir ] || '
-                        '{ mkdir -p "$2"; basename "$2" > "$2/log.jsonl"; }; shift; done\n')
+    stand_in.write_text('printf "%q " "$@" >> calls.txt; echo >> calls.txt\nwhile [ $# -gt 0 ]; do '
+                        '[ "$1" != --out_dir ] || { mkdir -p "$2"; basename "$2" > "$2/log.jsonl"; }; shift; done\n')
     return f"bash {stand_in}"
 
 
@@ -230,11 +231,9 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
     import probe
     import train
 
-    stand_in = tmp_path / "python"
-    stand_in.write_text('printf "%q " "$@" >> calls.txt; echo >> calls.txt\n')
     (tmp_path / "data" / "train").mkdir(parents=True)
-    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": f"bash {stand_in}", "DATA": str(tmp_path / "data"),
-                                                   "BENCHLIB": ""}, args=part)
+    done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": recording_interpreter(tmp_path),
+                                                   "DATA": str(tmp_path / "data"), "BENCHLIB": ""}, args=part)
     assert done.returncode == 0, done.stdout + done.stderr
     monkeypatch.chdir(tmp_path)  # the commands' paths are relative to where gpu.sh runs them
     seen = {}
