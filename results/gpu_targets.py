@@ -19,29 +19,32 @@ STEPS = ("mae-bamboo-b", "table1", "compile-cold", "against-cls", "against-text"
 EXPLORE = ("attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile", "profile-next")  # gpu.sh explore's
 
 
-def passed(folder, name):
-    """Whether status.txt records step `name` as passed in the run that wrote it."""
+def passed_steps(folder):
+    """The steps that the folder's status.txt records as passed (rc=0) in the run that wrote it."""
     try:
         with open(os.path.join(folder, "status.txt")) as f:
-            return any(line.split()[:2] == [name, "rc=0"] for line in f)
+            return {fields[0] for fields in map(str.split, f) if fields[1:2] == ["rc=0"]}
     except OSError:
-        return False
+        return set()
 
 
-def bench_output(folder, name):
-    """What bench step `name` wrote (device, torch, rows), or {} where it did not pass or its JSON is unreadable."""
-    if not passed(folder, name):
-        return {}
-    try:
-        with open(os.path.join(folder, name + ".json")) as f:
-            output = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return output if isinstance(output, dict) and isinstance(output.get("rows"), list) else {}
+def bench_outputs(folder, names, passed):
+    """{name: what bench step `name` wrote (device, torch, rows)} for those of `names` that passed and whose JSON
+    reads."""
+    outputs = {}
+    for name in sorted(passed & set(names), key=names.index):
+        try:
+            with open(os.path.join(folder, name + ".json")) as f:
+                output = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(output, dict) and isinstance(output.get("rows"), list):
+            outputs[name] = output
+    return outputs
 
 
-def rows(folder, name):
-    return bench_output(folder, name).get("rows", [])
+def rows(outputs, name):
+    return outputs.get(name, {}).get("rows", [])
 
 
 def find(table, spec, impl=OURS, compiled=None):
@@ -56,9 +59,9 @@ def speed_ratio(table, spec, other_spec=None, other_impl=OURS):
     return ours["samples_s"] / other["samples_s"] if ours and other else None
 
 
-def cifar_small_step_ms(folder):
+def cifar_small_step_ms(folder, passed):
     """train.py's 'ms/step' from its last line ('done: ... 4.1 ms/step, ...'), or None."""
-    if not passed(folder, "train-cifar-small"):
+    if "train-cifar-small" not in passed:
         return None
     try:
         with open(os.path.join(folder, "train-cifar-small.txt")) as f:
@@ -68,10 +71,11 @@ def cifar_small_step_ms(folder):
     return float(found[-1]) if found else None
 
 
-def measured(folder):
-    """(measure, value or None, unit, at least or at most, target) per target of the GPU issue."""
-    mae, table1, cold = rows(folder, "mae-bamboo-b"), rows(folder, "table1"), rows(folder, "compile-cold")
-    cls, text = rows(folder, "against-cls"), rows(folder, "against-text")
+def measured(folder, outputs, passed):
+    """(measure, value or None, unit, at least or at most, target) per target of the GPU issue, from the bench
+    steps' outputs and the short run's log in folder."""
+    mae, table1, cold = rows(outputs, "mae-bamboo-b"), rows(outputs, "table1"), rows(outputs, "compile-cold")
+    cls, text = rows(outputs, "against-cls"), rows(outputs, "against-text")
     mae_graphs, base = find(mae, "mae:bamboo-b", compiled="graphs"), find(table1, "cls:base-12x768")
     bamboo_cold = find(cold, "cls:bamboo-b")
     return [
@@ -86,7 +90,7 @@ def measured(folder):
         ("`mlm` against HF BERT, same shape", speed_ratio(text, "mlm:wikitext-small", other_impl="HF BertForMaskedLM"),
          "x", "at least", 1.2),
         ("cold compile, `bamboo-b` (first step)", bamboo_cold and bamboo_cold["first_step_s"], "s", "at most", 30),
-        ("`train.py --preset cifar-small` step, batch 128", cifar_small_step_ms(folder), "ms", "at most", 4),
+        ("`train.py --preset cifar-small` step, batch 128", cifar_small_step_ms(folder, passed), "ms", "at most", 4),
     ]
 
 
@@ -96,22 +100,24 @@ def shown(value, unit):
 
 def report(folder):
     """The targets table, then the rows of `gpu.sh explore`, as markdown lines."""
-    explore = os.path.join(folder, "explore")
-    outputs = [bench_output(folder, name) for name in STEPS] + [bench_output(explore, name) for name in EXPLORE]
-    device = next((f"{o['device']} (torch {o['torch']})" for o in outputs if o), "no bench output")
+    passed, explore = passed_steps(folder), os.path.join(folder, "explore")
+    outputs, compared = bench_outputs(folder, STEPS, passed), bench_outputs(explore, EXPLORE, passed_steps(explore))
+    device = next((f"{o['device']} (torch {o['torch']})" for o in [*outputs.values(), *compared.values()]),
+                  "no bench output")
     lines = [f"Targets of the GPU issue, measured by results/gpu.sh on {device}", "",
              "| measure | measured | target | met |", "|---|---|---|---|"]
-    for name, value, unit, bound, target in measured(folder):
+    for name, value, unit, bound, target in measured(folder, outputs, passed):
         met = "" if value is None else "yes" if (value <= target if bound == "at most" else value >= target) else "no"
         lines.append(f"| {name} | {'not measured' if value is None else shown(value, unit)} | "
                      f"{bound} {shown(target, unit)} | {met} |")
-    compared = [(name, r) for name in EXPLORE for r in rows(explore, name)]
     if compared:
         lines += ["", "Comparisons, not targets (`gpu.sh explore`, explore/NAME.txt): bench, batch 256", "",
                   "| step | config | compile | attention | step ms | MFU % |", "|---|---|---|---|---|---|"]
-        for name, r in compared:
-            mfu = "" if r["mfu"] is None else f"{r['mfu']:.1f}"
-            lines.append(f"| {name} | {r['spec']} | {r['compiled']} | {r['attention']} | {r['step_ms']:.1f} | {mfu} |")
+        for name, output in compared.items():
+            for r in output["rows"]:
+                mfu = "" if r["mfu"] is None else f"{r['mfu']:.1f}"
+                lines.append(f"| {name} | {r['spec']} | {r['compiled']} | {r['attention']} | {r['step_ms']:.1f} | "
+                             f"{mfu} |")
     return lines
 
 
