@@ -29,6 +29,7 @@ import torch
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
+IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
 USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"  # the WikiText mirror answers 403 to urllib's default
 
 
@@ -68,27 +69,42 @@ def _decode(path, size):
         raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file") from None
 
 
-def _folder(data_dir, split, image_size, limit=0):
-    from torchvision.datasets import ImageFolder
+def _image_files(root):
+    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in torch._dynamo,
+    seconds at every start): (path, class index) for each image under root/<class>/, classes and files sorted
+    by name, so subsets match ImageFolder's; and the class names. Hidden folders (.ipynb_checkpoints) are
+    not classes."""
+    try:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError as e:
+        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point --data_dir elsewhere")
+    if not classes:
+        raise DataError(f"{root} has no class folders; an image folder dataset needs {root}/<class>/<image>")
+    samples = []
+    for label, name in enumerate(classes):
+        for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            samples += [(os.path.join(folder, f), label) for f in sorted(files) if f.lower().endswith(IMAGE_FILES)]
+        if not samples or samples[-1][1] != label:
+            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
+                            "add images to it or remove it")
+    return samples, classes
 
+
+def _folder(data_dir, split, image_size, limit=0):
     names = ("train",) if split == "train" else ("test", "val")
     roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
     if not roots:
         raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an image folder dataset "
                         f"needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg "
                         "(point --data_dir at such a tree)")
-    try:
-        tree = ImageFolder(roots[0])
-    except (FileNotFoundError, RuntimeError) as e:
-        raise DataError(f"{roots[0]} is not an image folder tree ({e}); expected <class>/<image> inside") from None
-    samples = tree.samples
+    samples, classes = _image_files(roots[0])
     if limit:  # a fixed random subset (the same for every run), decoded alone
         keep = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:limit].sort().values
         samples = [samples[i] for i in keep.tolist()]
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
     images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
-    return images, torch.tensor([label for _, label in samples]), tree.classes
+    return images, torch.tensor([label for _, label in samples]), classes
 
 
 def _load_split(name, data_dir, split, image_size, limit=0):

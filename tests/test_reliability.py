@@ -256,6 +256,27 @@ def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(
     assert code == 0, out
 
 
+def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_are_not_classes(capsys, tiny_data,
+                                                                                               tmp_path):
+    flags = image_flags(tiny_data, "cls")
+    no_classes = write_folder(tmp_path / "no_classes", {"test": ["a", "b"]})
+    (no_classes / "train").mkdir()
+    err = cli_error(capsys, *flags, "--data_dir", str(no_classes), "--out_dir", str(tmp_path / "a"))
+    assert f"{no_classes / 'train'} has no class folders" in err
+    no_images = write_folder(tmp_path / "no_images", {"train": ["a", "b"], "test": ["a", "b"]})
+    (no_images / "test" / "c").mkdir()
+    (no_images / "test" / "c" / "notes.txt").write_text("not an image")
+    err = cli_error(capsys, *flags, "--data_dir", str(no_images), "--out_dir", str(tmp_path / "b"))
+    assert f"{no_images / 'test' / 'c'} holds no image" in err and "remove it" in err
+    from data import ImageData
+
+    (no_images / "test" / "c" / "notes.txt").rename(no_images / "test" / ".ipynb_checkpoints")
+    (no_images / "test" / "c").rmdir()
+    (no_images / "train" / ".ipynb_checkpoints").mkdir()
+    data = ImageData("folder", str(no_images), torch.device("cpu"), image_size=16)
+    assert data.num_classes == 2 and data.train_y.tolist() == [0] * 4 + [1] * 4
+
+
 def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
     (tmp_path / "train.txt").write_text("")
     (tmp_path / "val.txt").write_text("some held-out words " * 50)
