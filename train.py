@@ -631,8 +631,9 @@ def evaluate_and_save(run, train_loss, jsonl):
 
 
 def request_stop(run):
-    """Ctrl-C and SIGTERM (what schedulers send) finish the step, save and exit; a second Ctrl-C stops at once.
-    Returns the handlers it replaced, for train() to put back."""
+    """Ctrl-C and SIGTERM (what schedulers send) finish the step (under DDP, the steps up to the next one that logs
+    the loss), save and exit; a second Ctrl-C stops at once. Returns the handlers it replaced, for train() to put
+    back."""
     def handler(signum, frame):
         if run.stop == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -683,7 +684,10 @@ def train(args):
                 run.bar.update(1)
                 if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
                     run.stop = run.stop or "time limit reached"
-                stopping = agree(run, run.stop is not None)
+                # Every rank must stop at the same step, and agreeing on it is a host sync under DDP: the ranks agree
+                # only at the steps that read the loss anyway, so that the CPU queues a step while the GPU runs one.
+                stopping = run.stop is not None if not run.ddp else (
+                    run.step % cfg.log_interval == 0 and agree(run, run.stop is not None))
                 evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
                 if run.step % cfg.log_interval == 0 or evaluating:
                     train_loss = read_loss(run, total)

@@ -90,10 +90,11 @@ def trained_checkpoint(tiny_data, objective, out_dir, steps=1, *extra):
 
 
 def run_torchrun(*flags, out_dir):
-    """train.py under a 2-process gloo DDP group; returns (exit code, output, log records)."""
+    """train.py under a 2-process gloo DDP group, logging every step unless flags say otherwise; returns (exit code,
+    output, log records)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "train.py", *flags, "--out_dir", str(out_dir), "--log_interval", "1"],
+                           "train.py", "--log_interval", "1", *flags, "--out_dir", str(out_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     log = out_dir / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

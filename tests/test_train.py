@@ -187,18 +187,19 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
 
 
 def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
-    """MAE draws its masks from each rank's own RNG; an interrupted, resumed run must repeat them exactly.
-    A constant learning rate (min_lr = lr, no warmup) lets the first part stop early with --max_iters."""
-    flags = image_flags(tiny_data, "mae", "--eval_interval", "2", "--batch_size", "8", "--dtype", "float32",
-                        "--grad_accum", "2", "--warmup", "0", "--min_lr", "1e-2")
-    code, out, whole = run_torchrun(*flags, "--max_iters", "4", out_dir=tmp_path / "whole")
+    """MAE draws its masks from each rank's own RNG; an interrupted, resumed run must repeat them exactly. The ranks
+    agree to stop only at steps that log the loss (a host sync each): a time limit met at step 1 stops at step 2."""
+    flags = image_flags(tiny_data, "mae", "--eval_interval", "4", "--batch_size", "8", "--dtype", "float32",
+                        "--grad_accum", "2", "--max_iters", "4")
+    code, out, whole = run_torchrun(*flags, out_dir=tmp_path / "whole")
     assert code == 0, out
-    code, out, _ = run_torchrun(*flags, "--max_iters", "2", out_dir=tmp_path / "parts")
-    assert code == 0, out
+    code, out, _ = run_torchrun(*flags, "--time_limit", "1e-9", "--log_interval", "2", out_dir=tmp_path / "parts")
+    assert code == 0 and "time limit reached at step 2" in out, out
     assert len(torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["rng"]["ranks"]) == 2
-    code, out, parts = run_torchrun("--resume", "--max_iters", "4", out_dir=tmp_path / "parts")
+    code, out, parts = run_torchrun("--resume", out_dir=tmp_path / "parts")
     assert code == 0 and "resumed" in out, out
-    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
+    assert train_losses(parts) == {k: v for k, v in train_losses(whole).items() if k != 1}
+    assert len(train_losses(whole)) == 4
 
 
 # ---------------------------------------------------------------- one-line errors
