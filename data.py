@@ -82,9 +82,10 @@ def _image_files(root):
         raise DataError(f"{root} has no class folders; an image folder dataset needs {root}/<class>/<image>")
     samples = []
     for label, name in enumerate(classes):
+        before = len(samples)
         for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
             samples += [(os.path.join(folder, f), label) for f in sorted(files) if f.lower().endswith(IMAGE_FILES)]
-        if not samples or samples[-1][1] != label:
+        if len(samples) == before:
             raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
                             "add images to it or remove it")
     return samples, classes
