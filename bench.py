@@ -35,8 +35,8 @@ import fast
 from bamboo import Bamboo, Config, training_flops
 from data import atomic_write, check_output_path
 from neutreno import Attention
-from train import (TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device, pick_dtype,
-                   schedule_defaults)
+from train import (CHOICES, TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device,
+                   pick_dtype, schedule_defaults)
 
 
 def parse_spec(spec):
@@ -349,8 +349,8 @@ def check_args(args):
         raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
     for spec in args.specs:
         parse_spec(spec)
-    for flag, names, known in (("--dtype", args.dtype, ("auto", "float32", "bfloat16", "float16")),
-                               ("--compile", args.compile, fast.COMPILE_MODES),
+    for flag, names, known in (("--dtype", args.dtype, CHOICES["dtype"]),
+                               ("--compile", args.compile, CHOICES["compile"]),
                                ("--attention", args.attention, fast.ATTENTION_CHOICES)):
         for name in names.split(","):
             if name not in known:
