@@ -492,6 +492,9 @@ def start_processes(cfg):
 
 def setup(args):
     """Settings, checks (before any data is decoded), processes, data, model, optimizer; resumed if asked."""
+    if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it: else the first evaluation would fail
+        raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release this code runs on; "
+                            "pip install -r requirements.txt")
     resumed = None
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
         raise TrainingError("--resume continues the run in --out_dir and --overwrite replaces it; choose one")
@@ -573,12 +576,12 @@ def optimizer_step(run):
             with run.autocast:
                 _, loss = run.model(x, y)
             run.scaler.scale(loss / cfg.grad_accum).backward()
-        total += loss.detach() / cfg.grad_accum
+        total += loss.detach() / (cfg.grad_accum * run.world)  # this rank's share of the mean over all ranks
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
         torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
     if run.ddp:
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        dist.all_reduce(total)  # the sum of the shares: gloo in torch 2.6 has no ReduceOp.AVG
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)

@@ -184,6 +184,13 @@ def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
     assert "--out_dir '' must name a folder" in cli_error(capsys, *missing_data, "--out_dir", "")
 
 
+def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.delattr(torch.compiler, "set_stance")  # as in torch 2.5 and older
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "out"))
+    assert "is older than 2.6" in err and "requirements.txt" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--log_interval", "0"], "--log_interval 0 must be at least 1"),
     (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
