@@ -521,6 +521,7 @@ def setup(args):
         run.log(f"init_from {cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
                 f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
     run.optimizer = make_optimizer(run.raw, cfg, device)
+    run.params = list(run.raw.parameters())  # clipped every step: a list, not a walk of every module each time
     run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)  # bf16 needs no scaling
     run.generator = torch.Generator().manual_seed(cfg.seed)  # data order and augmentation, the same on every rank
     torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
@@ -579,7 +580,7 @@ def optimizer_step(run):
         total += loss.detach() / (cfg.grad_accum * run.world)  # this rank's share of the mean over all ranks
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip)
     if run.ddp:
         dist.all_reduce(total)  # the sum of the shares: gloo in torch 2.6 has no ReduceOp.AVG
     run.scaler.step(run.optimizer)

@@ -150,6 +150,26 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
     assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
 
 
+def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path, monkeypatch):
+    import train
+
+    runs, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
+    setup = train.setup
+    monkeypatch.setattr(train, "setup", lambda args: runs.append(setup(args)) or runs[-1])
+
+    def clip_then_measure(params, max_norm, *args, **kwargs):
+        before = clip(params, max_norm, *args, **kwargs)
+        after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in runs[0].raw.parameters()]))
+        norms.append((before.item(), after.item()))
+        return before
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip", "0.01",
+                                          "--dtype", "float32"), out_dir=tmp_path)
+    assert code == 0, out
+    assert len(norms) == 3 and all(before > 0.01 and after < 0.01 * 1.001 for before, after in norms), norms
+
+
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
     """bamboo-b's 48 blocks at width 16, on 32x32 RGB images in 8x8 patches, through the CLI with the defaults'
     rate and warmup for a batch of 256 (the flagship's), on batches of 8 (far noisier than 256), 80 steps past the
