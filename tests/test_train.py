@@ -153,9 +153,11 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
 def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path, monkeypatch):
     import train
 
-    runs, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
-    setup = train.setup
-    monkeypatch.setattr(train, "setup", lambda args: runs.append(setup(args)) or runs[-1])
+    runs, norms, setup, clip = [], [], train.setup, torch.nn.utils.clip_grad_norm_
+
+    def setup_and_keep(args):
+        runs.append(setup(args))
+        return runs[-1]
 
     def clip_then_measure(params, max_norm, *args, **kwargs):
         before = clip(params, max_norm, *args, **kwargs)
@@ -163,6 +165,7 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
         norms.append((before.item(), after.item()))
         return before
 
+    monkeypatch.setattr(train, "setup", setup_and_keep)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip", "0.01",
                                           "--dtype", "float32"), out_dir=tmp_path)
