@@ -688,10 +688,11 @@ def train(args):
                 run.bar.update(1)
                 if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
                     run.stop = run.stop or "time limit reached"
-                # Every rank must stop at the same step, and agreeing on it is a host sync under DDP: the ranks agree
-                # only at the steps that read the loss anyway, so that the CPU queues a step while the GPU runs one.
-                stopping = run.stop is not None if not run.ddp else (
-                    run.step % cfg.log_interval == 0 and agree(run, run.stop is not None))
+                stopping = run.stop is not None
+                if run.ddp:
+                    # Every rank must stop at the same step, and agreeing on it is a host sync: the ranks agree only
+                    # at the steps that read the loss anyway, so that the CPU queues a step while the GPU runs one.
+                    stopping = run.step % cfg.log_interval == 0 and agree(run, stopping)
                 evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
                 if run.step % cfg.log_interval == 0 or evaluating:
                     train_loss = read_loss(run, total)
