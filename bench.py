@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
-from data import atomic_write, check_output_path
-from neutreno import Attention
-from train import (CHOICES, TrainConfig, TrainingError, fused_adamw, gpu_peak_tflops, make_optimizer, pick_device,
-                   pick_dtype, schedule_defaults)
+from checkpoint import atomic_write, check_output_path
+from fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
+
+LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 
 
 def parse_spec(spec):
@@ -108,21 +108,21 @@ class Runner:
         if reference:
             self.name, model, self.loss_fn = reference_model(config)
         else:
-            self.name, model, self.loss_fn = "bamboo", Bamboo(config), lambda m, x, y: m(x, y)[1]
+            explicit = fast.use_explicit_attention(attention, device, dtype, config)
+            model = Bamboo(config, explicit_attention=explicit)
+            self.name, self.loss_fn = "bamboo", lambda m, x, y: m(x, y)[1]
         self.config = config
         self.model = model.to(device).train()
-        opt_cfg = schedule_defaults(TrainConfig(batch_size=args.batch_size), config.depth)  # train.py's defaults
-        self.optimizer = (make_optimizer(self.model, opt_cfg, device) if not reference else
-                          torch.optim.AdamW(self.model.parameters(), lr=opt_cfg.lr, fused=fused_adamw(device)))
         if reference:  # the library model compiled whole, as its users would
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=fused_adamw(device))
             self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
             kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
             self.forward = torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
             self.attention = "library"
         else:  # exactly as train.py does
-            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode,
-                                                               attention=attention)
-            explicit = any(m.explicit for m in model.modules() if isinstance(m, Attention))
+            self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05, beta2=0.95,
+                                                            fused=fused_adamw(device))
+            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode)
             self.attention = "explicit" if explicit else "sdpa"
         self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
         self.autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs") \
@@ -349,8 +349,8 @@ def check_args(args):
         raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
     for spec in args.specs:
         parse_spec(spec)
-    for flag, names, known in (("--dtype", args.dtype, CHOICES["dtype"]),
-                               ("--compile", args.compile, CHOICES["compile"]),
+    for flag, names, known in (("--dtype", args.dtype, fast.DTYPES),
+                               ("--compile", args.compile, fast.COMPILE_MODES),
                                ("--attention", args.attention, fast.ATTENTION_CHOICES)):
         for name in names.split(","):
             if name not in known:
@@ -368,7 +368,7 @@ def main(argv=None):
         print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",
               file=sys.stderr)
         return 2
-    except (ValueError, TrainingError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing --json

@@ -19,13 +19,14 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
 import hashlib
 import io
 import os
-import tempfile
 import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from checkpoint import atomic_write
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
@@ -176,10 +177,10 @@ class ImageData:
                 "offset": torch.randint(0, 9, (n, 2), generator=generator),
                 "flip": torch.rand(n, generator=generator) < 0.5}
 
-    def train_batch(self, recipe):
+    def train_batch(self, draws):
         """Augmented, normalised images and their labels for (a shard of) a sampled batch."""
         device = self.train_x.device
-        index, offsets, flips = (to_device(recipe[k], device) for k in ("index", "offset", "flip"))
+        index, offsets, flips = (to_device(draws[k], device) for k in ("index", "offset", "flip"))
         x = random_crop_flip(self.train_x[index], offsets, flips)
         return self.normalize(x), self.train_y[index]
 
@@ -220,32 +221,6 @@ def _fetch(url, timeout=30):
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
-
-
-def check_output_path(flag, path):
-    """Raise ValueError where path, given with flag, cannot be written as a file: run before any computation."""
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
-
-
-def atomic_write(path, write):
-    """Call write(f) on a binary temp file unique to this process beside path, then rename it to path: a crash,
-    a full disk or a second process writing the same path never leaves it half-written. On failure the temp
-    file (ours) is removed, and an OSError names path."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path) + ".",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException as e:
-        os.remove(tmp)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, e.strerror or str(e), path) from None
-        raise
 
 
 def _from_mirror(url, folder, target):
@@ -361,9 +336,9 @@ class TextData:
         """The random draws of one global batch: where each window starts."""
         return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
 
-    def train_batch(self, recipe):
+    def train_batch(self, draws):
         """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no labels."""
-        starts = recipe["start"].tolist()
+        starts = draws["start"].tolist()
         return torch.from_numpy(np.stack([self.train[s: s + self.seq_len] for s in starts]).astype(np.int64)), None
 
     def num_train(self):

@@ -1,84 +1,136 @@
-"""Speedups that pay only on some hardware, kept apart from the tutorial path.
+"""What depends on the hardware: the device, the dtype, and speedups that pay only on some of it.
 
 bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention,
-F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and
-train.py and bench.py apply it with one call, for_training(model, device, dtype). It never
-changes the model's API: out, loss = model(x, y) still returns logits for every objective
-(under --compile blocks or graphs without gradient where noted: the loss carries it).
+F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and it never
+changes a live model: train.py and bench.py build the model with its options
+(Bamboo(config, explicit_attention=...)), then call for_training(model, device, dtype, compile),
+which returns the model itself or a wrapper module whose forward says what it calls. The
+model's API stays: out, loss = module(x, y), with logits for every objective (under --compile
+blocks or graphs without gradient where noted: the loss carries it).
 
+  device and dtype         pick_device (cuda, then mps, then cpu) and pick_dtype (bf16 where the
+                           hardware computes it natively)
   explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
-                           fused CPU kernel there (bench.py --attention compares the two anywhere)
+                           fused CPU kernel there (use_explicit_attention; a build option)
   chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
-                           (B*T, vocab) logits: faster and smaller there. On CUDA the plain loss
+                           (B*T, vocab) logits (ChunkedNextToken). On CUDA the plain loss
                            under torch.compile is the fast one, so it stays off.
   compilation              --compile model: torch.compile of the whole training module;
                            blocks: each transformer Block compiled once and reused by every
-                           identical Block (regional compilation), so compile time does not grow
-                           with depth (and next-token's logits and loss, one more region);
-                           graphs: blocks compiled, then the whole forward and backward captured
-                           as one CUDA graph and replayed every step (CUDAGraphed), for deep-and-
-                           narrow models whose steps are bound by kernel launches.
+                           identical Block (regional compilation, nn.Module.compile: the
+                           Block's own forward, compiled), so compile time does not grow with
+                           depth, and next-token's logits and loss as one more region
+                           (CompiledNextToken: rows padded to 64 columns, logits without
+                           gradient); graphs: blocks compiled, then the whole forward and
+                           backward captured as one CUDA graph and replayed (CUDAGraphed).
                            auto: graphs on CUDA where they are safe, else blocks; off on CPU.
-  aligned next-token       blocks and graphs, next-token: logits whose rows are padded to a
-  logits                   multiple of 64 columns (aligned_token_logits), for tensor-core GEMMs
-  the loss alone is        next-token's logits under blocks, every out under graphs come back
-  differentiated           without gradient, so that no backward takes a zero gradient for them
-                           (loss_carries_the_gradient, LossOnly). This entry and the one above
-                           are not yet measured on a GPU.
 
 The measurements, their machine and their commands are in results/bench/README.md (CPU) and
 results/gpu/README.md (GPU).
 
-Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(objective='next')),
-     torch.device('cpu'), torch.bfloat16))"
+Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(
+     objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from bamboo import Block
-from neutreno import Attention
 
 EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond this the (T, T) matrices cost more memory than the kernel saves
 LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-byte boundary (nanoGPT pads so)
+PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
-
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
 
 
-def for_training(model, device, dtype, compile="off", ddp=False, attention="auto"):
-    """(module to train, compile mode, note): model itself, or model inside the speedups that pay
-    on this device. The note says which compilation was chosen and why, for train.py to print.
-    Under mode "graphs" run the module under autocast with cache_enabled=False (the autocast
-    cache would hold tensors from outside the graph) and feed it batches of one shape.
-    attention: auto (explicit where measured to pay), or sdpa or explicit everywhere, for bench.py."""
-    c = model.config
-    explicit = explicit_attention_plan(attention, device, dtype, c.num_patches() if c.is_image else c.seq_len)
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.explicit = explicit
-    module = ChunkedNextToken(model) if device.type == "cpu" and c.objective == "next" else model
-    mode, why = compile_plan(compile, device, c, ddp)
-    if mode == "model":
-        module = torch.compile(module)
-    elif mode in ("blocks", "graphs"):
-        compile_blocks(model)
-    if mode == "graphs":
-        module = CUDAGraphed(module)
-    return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
+# ----------------------------------------------------------------------------- device and dtype
 
 
-def explicit_attention_plan(asked, device, dtype, tokens):
-    """Whether attention runs as explicit matmul-softmax-matmul for --attention `asked`: under auto, on
-    CPU in bf16/fp16 for short sequences only, where it was measured to beat the fused kernel."""
+def pick_device(name, local_rank=0):
+    """auto: cuda (this rank's GPU), then mps, then cpu; or the device named, if it is here."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def cpu_has_bf16():
+    """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def pick_dtype(name, device):
+    """auto: bf16 on CUDA and on CPUs with native bf16, where it is faster than fp32 at the same
+    loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
+    if name == "auto":
+        bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
+        name = "bfloat16" if bf16 else "float32"
+    return getattr(torch, name)
+
+
+def gpu_peak_tflops(device):
+    """Dense bf16 peak of a known CUDA GPU, or None for one not in the table."""
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def fused_adamw(device):
+    """The fused AdamW kernel exists on CUDA and CPU, and is the faster one on both."""
+    return device.type in ("cuda", "cpu")
+
+
+def use_explicit_attention(asked, device, dtype, config):
+    """Whether to build the model with explicit matmul-softmax-matmul attention for --attention
+    `asked`: under auto, on CPU in bf16/fp16 for short sequences only, where it was measured to beat
+    the fused kernel."""
     if asked not in ATTENTION_CHOICES:
         raise ValueError(f"--attention {asked!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if asked != "auto":
         return asked == "explicit"
+    tokens = config.num_patches() if config.is_image else config.seq_len
     return device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
+
+
+# ----------------------------------------------------------------------------- the module to train
+
+
+def for_training(model, device, dtype, compile="off", ddp=False):
+    """(module to train, compile mode, note): model itself, or model inside the wrappers that pay
+    on this device. The note says which compilation was chosen and why, for train.py to print.
+    Under the modes blocks and graphs, model's Blocks are compiled in place (nn.Module.compile:
+    their own forward, compiled; their weights and state_dict are untouched). Under mode graphs,
+    run the module under autocast with cache_enabled=False (the autocast cache would hold tensors
+    from outside the graph) and feed it batches of one shape."""
+    chunked = device.type == "cpu" and model.config.objective == "next"
+    module = ChunkedNextToken(model) if chunked else model
+    mode, why = compile_plan(compile, device, model.config, ddp)
+    if mode == "model":
+        module = torch.compile(module)
+    elif mode in ("blocks", "graphs"):
+        compile_blocks(model)
+        if model.config.objective == "next" and not chunked:
+            module = CompiledNextToken(model)
+    if mode == "graphs":
+        module = CUDAGraphed(module)
+    return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
 
 
 def compile_plan(asked, device, config, ddp):
@@ -107,40 +159,51 @@ def graphs_unsafe(device, config, ddp):
 
 
 def compile_blocks(model, **compile_kwargs):
-    """Regional compilation: compile each Block in place. Identical Blocks share one compiled graph
-    (their parameters are graph inputs), so compile time stays that of one block at any depth.
-    Next-token's logits and loss are one more region: compiled, the (B, T, vocab) log-softmax is
-    fused into one pass instead of fp32 copies of the largest tensors of the step; its logits
-    come from aligned_token_logits and without gradient (loss_carries_the_gradient)."""
+    """Regional compilation: compile each Block in place (nn.Module.compile). Identical Blocks share
+    one compiled graph (their parameters are graph inputs), so compile time stays that of one block
+    at any depth."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(**compile_kwargs)
-    if model.config.objective == "next":
-        model.token_logits = functools.partial(aligned_token_logits, model)
-        model.next_token_loss = torch.compile(functools.partial(loss_carries_the_gradient, model.next_token_loss),
-                                              **compile_kwargs)
 
 
-def loss_carries_the_gradient(loss_fn, *args):
-    """(out, loss) of loss_fn with out detached. A compiled region's backward takes a gradient for every output
-    that requires grad, zeros when unused: for next-token's logits, (B, T, vocab) zeros made and added every step."""
-    out, loss = loss_fn(*args)
-    return out.detach(), loss
+class CompiledNextToken(nn.Module):
+    """model's next-token loss, its logits and loss compiled as one region:
+    forward(tokens, y=None) -> (logits without gradient, loss).
 
-
-def aligned_token_logits(model, h):
-    """model.token_logits(h) (B, T, vocab) as a view of logits padded to a multiple of 64 columns.
-
-    With GPT-2's 50,257 ids every row of the logits starts off the 16-byte alignment that tensor-core
-    GEMMs load and store fastest, and the step's three largest GEMMs (the logits, dL/dh, dL/dW) all
-    use them. torch.compile keeps the strides of a tensor it returns, so it does not pad these
-    itself. Zero rows appended to the output embedding make the padded columns; the view leaves them
-    out, so the logits, the loss and the gradients are the model's own.
+    Compiled, the (B, T, vocab) log-softmax is fused into one pass instead of fp32 copies of the
+    largest tensors of the step. The features and targets are the model's own
+    (Bamboo.next_token_features); aligned_logits_and_loss gives the model's logits and loss.
     """
-    weight = model.output_embedding()  # (vocab, D)
+
+    def __init__(self, model, **compile_kwargs):
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.logits_and_loss = torch.compile(aligned_logits_and_loss, **compile_kwargs)
+
+    def forward(self, tokens, y=None):
+        h, targets = self.model.next_token_features(tokens, y)
+        return self.logits_and_loss(h, self.model.output_embedding(), targets)
+
+
+def aligned_logits_and_loss(h, weight, targets):
+    """Logits h @ weight^T (B, T, vocab) as a view of logits padded to a multiple of 64 columns, and
+    their mean cross-entropy; the logits come back detached, so that only the loss carries the
+    gradient.
+
+    With GPT-2's 50,257 ids every row of the logits starts off the 16-byte alignment that
+    tensor-core GEMMs load and store fastest, and the step's three largest GEMMs (the logits, dL/dh,
+    dL/dW) all use them. torch.compile keeps the strides of a tensor it returns, so it does not pad
+    these itself. Zero rows appended to the output embedding make the padded columns; the view
+    leaves them out, so the logits, the loss and the gradients are the model's own. A compiled
+    region's backward takes a gradient for every output that requires grad, zeros when unused: for
+    the logits, (B, T, vocab) zeros made and added every step, hence detached.
+    """
     vocab = weight.shape[0]
     padded = F.pad(weight, (0, 0, 0, -vocab % LOGITS_ROW_MULTIPLE))  # (vocab rounded up, D)
-    return (h @ padded.T)[..., :vocab]  # (B, T, vocab), row stride a multiple of 64
+    logits = (h @ padded.T)[..., :vocab]  # (B, T, vocab), row stride a multiple of 64
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return logits.detach(), loss
 
 
 class CUDAGraphed(nn.Module):

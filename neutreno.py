@@ -24,10 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VISION_LAMBDA = 0.6    # DeiT / ADE20K in the NeuTRENO paper
-LANGUAGE_LAMBDA = 0.4  # WikiText-103 language modelling in the NeuTRENO paper
-
-
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
 
@@ -78,66 +74,84 @@ class EigenValueOutput(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention; NeuTRENO when `neutreno` > 0 and `v0` is given.
 
-    vo_param = free uses learned W_V and W_O (plain attention); smooth or sharpen builds
-    them per head from EigenValueOutput above.
+    W_Q, W_K, W_V are one learned Linear (qkv) and W_O another (proj). EigenAttention below
+    builds W_V and W_O from eigenvalues instead; both hand forward() their weights through
+    projections(), so there is one path through it. explicit: softmax attention as plain
+    matmul-softmax-matmul even without need_weights (fast.py chooses it where it pays).
 
     forward(x, v0=None, need_weights=False) -> (y, v, probs)
       y:     (B, T, C) the block's attention output, after W_O
       v:     (B, nh, T, hs) this layer's values if it is layer 0 (v0 None) of a NeuTRENO model:
-             they become V0 for the rest; else None, as nothing reads them (returned, a compiled
-             block would take a zero gradient for them in every backward)
+             they become V0 for the rest; else None, as nothing reads them
       probs: (B, nh, T, T) attention probabilities if need_weights, else None
     """
 
-    def __init__(self, width, heads, causal=False, neutreno=0.0, dropout=0.0, vo_param="free"):
+    def __init__(self, width, heads, causal=False, neutreno=0.0, dropout=0.0, explicit=False):
         super().__init__()
-        self.heads = heads
-        self.causal = causal
-        self.neutreno = neutreno
-        self.dropout = dropout
-        self.explicit = False  # True: softmax attention as plain ops even without need_weights (fast.py sets it)
-        if vo_param == "free":
-            self.qkv = nn.Linear(width, 3 * width)  # W_Q, W_K, W_V in one matmul
-            self.proj = nn.Linear(width, width)     # W_O
-        else:
-            self.qk = nn.Linear(width, 2 * width)   # W_Q, W_K
-            self.vo = EigenValueOutput(width, heads, vo_param)
+        self.heads, self.causal, self.neutreno, self.dropout = heads, causal, neutreno, dropout
+        self.explicit = explicit
+        self.build_projections(width, heads)
         self.proj_drop = nn.Dropout(dropout)
+
+    def build_projections(self, width, heads):
+        self.qkv = nn.Linear(width, 3 * width)  # W_Q, W_K, W_V in one matmul
+        self.proj = nn.Linear(width, width)  # W_O
+
+    def projections(self):
+        """(W_qkv (3C, C), b_qkv (3C,), W_O (C, C), b_O (C,)), as F.linear takes them."""
+        return self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias
 
     def forward(self, x, v0=None, need_weights=False):
         B, T, C = x.shape
-        if hasattr(self, "qkv"):
-            q, k, v = self.qkv(x).split(C, dim=2)
-            v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-        else:
-            q, k = self.qk(x).split(C, dim=2)
-            basis = self.vo.orthonormal().to(x.dtype)
-            v = torch.einsum("btd,hdk->bhtk", x, basis)  # (B, nh, T, hs): x @ Q_h per head
-        q, k = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
+        w_qkv, b_qkv, w_o, b_o = self.projections()
+        q, k, v = (
+            t.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
+            for t in F.linear(x, w_qkv, b_qkv).split(C, dim=2)
+        )
         dropout_p = self.dropout if self.training else 0.0
         if need_weights or self.explicit:
             y, probs = explicit_attention(q, k, v, self.causal, dropout_p)
             probs = probs if need_weights else None
         else:
-            y, probs = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal), None
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal)
+            probs = None
         if v0 is not None and self.neutreno:
             y = y + self.neutreno * (v0 - v)  # the fidelity term, per head, before W_O
-        if hasattr(self, "qkv"):
-            out = self.proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C): heads merged, then W_O
-        else:  # W_O,h = diag(l_h) Q_h^T, summed over heads
-            scaled = y * self.vo.eigenvalues().to(y.dtype)[None, :, None, :]
-            out = torch.einsum("bhtk,hdk->btd", scaled, basis) + self.vo.bias
+        out = F.linear(y.transpose(1, 2).reshape(B, T, C), w_o, b_o)  # heads merged, then W_O
+        # A block returns v only where NeuTRENO reads it: a compiled block would otherwise take a
+        # zero gradient for it in every backward.
         return self.proj_drop(out), v if v0 is None and self.neutreno else None, probs
 
     def weights(self):
         """W_Q, W_K (D, D) and per head W_V (nh, D, hs), W_O (nh, hs, D), all acting as x @ W."""
-        nh = self.heads
-        if hasattr(self, "qkv"):
-            w_q, w_k, w_v = self.qkv.weight.detach().chunk(3)  # (D_out, D_in) each
-            D = w_q.shape[1]
-            return {"q": w_q.T, "k": w_k.T, "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
-                    "o": self.proj.weight.detach().T.reshape(nh, D // nh, D)}
-        w_q, w_k = self.qk.weight.detach().chunk(2)
-        basis = self.vo.orthonormal().detach()
-        return {"q": w_q.T, "k": w_k.T, "v": basis,
-                "o": self.vo.eigenvalues().detach()[..., None] * basis.transpose(1, 2)}
+        w_qkv, _, w_o, _ = (t.detach() for t in self.projections())
+        D, nh = w_o.shape[0], self.heads
+        w_q, w_k, w_v = w_qkv.chunk(3)  # (D_out, D_in) each
+        return {"q": w_q.T, "k": w_k.T, "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
+                "o": w_o.T.reshape(nh, D // nh, D)}
+
+
+class EigenAttention(Attention):
+    """Attention whose per-head W_V W_O is smooth or sharpen by construction (EigenValueOutput).
+
+    W_V,h = Q_h and W_O,h = diag(l_h) Q_h^T, laid out as the rows and columns of the W_qkv and
+    W_O that Attention.forward applies: the same forward, other weights.
+    """
+
+    def __init__(self, width, heads, mode, **kwargs):
+        self.mode = mode  # read by build_projections, which Attention.__init__ calls
+        super().__init__(width, heads, **kwargs)
+
+    def build_projections(self, width, heads):
+        self.qk = nn.Linear(width, 2 * width)  # W_Q, W_K
+        self.vo = EigenValueOutput(width, heads, self.mode)
+
+    def projections(self):
+        basis = self.vo.orthonormal()  # (nh, D, hs): Q_h
+        nh, D, hs = basis.shape
+        w_v = basis.transpose(1, 2).reshape(nh * hs, D)  # head h's rows: Q_h^T, so x @ Q_h
+        w_qkv = torch.cat([self.qk.weight, w_v.to(self.qk.weight.dtype)])
+        b_qkv = torch.cat([self.qk.bias, self.qk.bias.new_zeros(D)])
+        scaled = basis * self.vo.eigenvalues()[:, None, :]  # (nh, D, hs): Q_h diag(l_h)
+        w_o = scaled.permute(1, 0, 2).reshape(D, nh * hs)  # sum over heads of diag(l_h) Q_h^T
+        return w_qkv, b_qkv, w_o.to(self.vo.bias.dtype), self.vo.bias

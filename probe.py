@@ -13,9 +13,9 @@ Token metrics, on each layer's hidden states h (T tokens of width D, hbar their 
                     (uniform attention over T keys gives log T; entropy collapse drives it towards 0)
   attn_sim          NeuTRENO G.2: cosine between successive layers' attention maps
 Weight metrics, per block:
-  h_dominant    Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
+  vo_dominant   Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
                 W_V W_O, LayerNorm gain folded in, averaged over heads (+1: all heads smooth)
-  h_positive    the fraction of those eigenvalues (all heads) with a positive real part
+  vo_positive   the fraction of those eigenvalues (all heads) with a positive real part
   beta_qk/v     Bamboo Fig. 2: ||W_Q W_K^T||_2 and ||W_V||_2 of each checkpoint over the first's
 
 Collapsed tokens: a token whose vector (raw for cos, centred for abs_cos_centered) is shorter than
@@ -38,12 +38,13 @@ import sys
 import torch
 
 from bamboo import Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, atomic_write, check_output_path
-from train import CheckpointError, TrainingError, model_from_checkpoint, pick_device
+from checkpoint import CheckpointError, atomic_write, check_output_path, model_from_checkpoint
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+from fast import pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # defined from block 1 (attn_sim: block 2) on
-WEIGHT_METRICS = ("h_dominant", "h_positive", "beta_qk", "beta_v")
+WEIGHT_METRICS = ("vo_dominant", "vo_positive", "beta_qk", "beta_v")
 COLLAPSED = 1e-5  # relative token norm below which a direction is float32 rounding noise
 
 
@@ -141,7 +142,7 @@ def head_value_output(block):
     return w["o"].double() @ (gain.double()[None, :, None] * w["v"].double())  # (nh, hs, hs)
 
 
-def h_spectrum(model):
+def vo_spectrum(model):
     """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real parts)."""
     dominant, positive = [], []
     for block in model.blocks:
@@ -228,8 +229,8 @@ def probe_model(model, samples, batch_size, mask=False):
     layers = model.config.depth + 1
     result = {name: [sums[name, layer].item() / len(samples) if (name, layer) in sums else None
                      for layer in range(layers)] for name in TOKEN_METRICS + LAYER_METRICS}
-    dominant, positive = h_spectrum(model)
-    result["h_dominant"], result["h_positive"] = [None] + dominant, [None] + positive
+    dominant, positive = vo_spectrum(model)
+    result["vo_dominant"], result["vo_positive"] = [None] + dominant, [None] + positive
     return result
 
 
@@ -347,7 +348,7 @@ def main(argv=None):
             if path:
                 check_output_path(flag, path)
         run(args)
-    except (CheckpointError, DataError, TrainingError, ValueError) as e:
+    except (CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing the outputs

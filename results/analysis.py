@@ -23,11 +23,11 @@ def command_line(main):
     checkpoint, an output it cannot write) is one line on stderr and exit code 2, as train.py and probe.py do."""
     sys.path.insert(0, ROOT)
     from data import DataError
-    from train import CheckpointError, TrainingError
+    from checkpoint import CheckpointError
 
     try:
         main()
-    except (AnalysisError, DataError, CheckpointError, TrainingError, OSError) as e:
+    except (AnalysisError, DataError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

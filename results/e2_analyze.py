@@ -25,7 +25,7 @@ from analysis import (ROOT, command_line, correct_per_image, experiment_data, in
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from train import model_from_checkpoint  # noqa: E402
+from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")

@@ -29,7 +29,7 @@ from analysis import (ROOT, AnalysisError, command_line, initial_model, last_lay
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
 from data import TextData  # noqa: E402
-from train import model_from_checkpoint  # noqa: E402
+from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 # The comparison: same trunk, same weights (the two MLM arms differ in their rate only).

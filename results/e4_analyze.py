@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from train import model_from_checkpoint  # noqa: E402
+from checkpoint import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from analysis import (AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402

@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
 from analysis import (command_line, correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std,  # noqa: E402
                       plot_bands, probe_images, same_init, seed_bands)
-from train import model_from_checkpoint  # noqa: E402
+from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 ARMS = {"free": "free W_V W_O", "smooth": "smooth (every eigenvalue > 0)", "sharpen": "sharpen (in [-1, 0))"}
-METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy", "h_positive")
+METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy", "vo_positive")
 
 
 def analyze_seed(seed, data_dir, test_data):

@@ -46,7 +46,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, output to $O
 cat "$OUT/gpu.txt"
 
 targets() {
-  step tests 120 $PY -m pytest -q tests/gpu
+  step tests 120 $PY -m pytest -q test_all.py -k cuda
   # MAE 48x384, batch 256: eager against CUDA graphs over regionally compiled blocks (target: at most 20 ms).
   step mae-bamboo-b 60 $PY bench.py mae:bamboo-b --batch_size 256 --compile off,graphs --rounds 3 --steps 5 \
     --json "$OUT/mae-bamboo-b.json"

@@ -1,6 +1,7 @@
-"""The experiment analyses in results/: experiments 1, 3 and 4 on tiny runs, their records and read-back.
+"""The lab's tests: the experiment scripts and analyses in results/ on tiny runs, their records and read-back.
 
-Run: python -m pytest -q tests/test_results.py
+The reference's own tests are in ../test_all.py, whose helpers these share.
+Run: python -m pytest -q results
 """
 import importlib
 import json
@@ -13,7 +14,7 @@ import tarfile
 
 import pytest
 
-from helpers import REPO, trained_checkpoint
+from test_all import REPO, tiny_data, trained_checkpoint  # noqa: F401 (tiny_data: a fixture)
 
 
 def analyze_argv(data, runs, out, *seeds, flags=()):
