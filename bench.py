@@ -19,6 +19,7 @@ of what to compare in the same run.
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
 """
+
 import argparse
 import functools
 import json
@@ -42,56 +43,81 @@ LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 def parse_spec(spec):
     objective, sep, rest = spec.partition(":")
     if not sep:
-        raise ValueError(f"bad spec {spec!r}; write OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
+        raise ValueError(
+            f"bad spec {spec!r}; write OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b"
+        )
     return Config.from_spec(rest, objective=objective)
 
 
 def synthetic_batch(config, batch_size, device, generator):
     """Random images and labels, or random tokens, with the config's shapes."""
     if config.is_image:
-        x = torch.randn(batch_size, config.channels, config.image_size, config.image_size, generator=generator)
+        x = torch.randn(
+            batch_size, config.channels, config.image_size, config.image_size, generator=generator
+        )
         y = torch.randint(0, config.num_classes, (batch_size,), generator=generator)
         return x.to(device), y.to(device)
-    return torch.randint(0, config.vocab_size, (batch_size, config.seq_len), generator=generator).to(device), None
+    return (
+        torch.randint(0, config.vocab_size, (batch_size, config.seq_len), generator=generator).to(
+            device
+        ),
+        None,
+    )
 
 
-# ----------------------------------------------------------------------------- what users would pick instead
+# ----------------------------------------------------------------------------- what users would
+# pick instead
+
 
 def reference_model(config):
     """(name, model, loss_fn) of the usual library implementation of the same shape."""
-    c = config
-    if c.objective == "cls":
-        from timm.models.vision_transformer import VisionTransformer
+    builders = {"cls": timm_vit, "next": hf_gpt2, "mlm": hf_bert, "mae": vit_pytorch_mae}
+    return builders[config.objective](config)
 
-        model = VisionTransformer(img_size=c.image_size, patch_size=c.patch_size, in_chans=c.channels,
-                                  num_classes=c.num_classes, embed_dim=c.width, depth=c.depth, num_heads=c.heads,
-                                  mlp_ratio=c.mlp_ratio, class_token=False, global_pool="avg")
-        return "timm VisionTransformer", model, lambda m, x, y: F.cross_entropy(m(x), y)
-    if c.objective == "next":
-        from transformers import GPT2Config, GPT2LMHeadModel
 
-        hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.width, n_layer=c.depth,
-                        n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-        return "HF GPT2LMHeadModel", GPT2LMHeadModel(hf), lambda m, x, y: m(input_ids=x, labels=x).loss
-    if c.objective == "mlm":
-        from transformers import BertConfig, BertForMaskedLM
+def timm_vit(c):
+    from timm.models.vision_transformer import VisionTransformer
 
-        hf = BertConfig(vocab_size=c.vocab_size + 1, hidden_size=c.width, num_hidden_layers=c.depth,
-                        num_attention_heads=c.heads, intermediate_size=int(c.mlp_ratio * c.width),
-                        max_position_embeddings=c.seq_len, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        attn_implementation="sdpa")
-        masker = Bamboo(Config(objective="mlm", depth=1, width=8, heads=1, vocab_size=c.vocab_size, seq_len=c.seq_len))
+    model = VisionTransformer(img_size=c.image_size, patch_size=c.patch_size, in_chans=c.channels,
+                              num_classes=c.num_classes, embed_dim=c.width, depth=c.depth,
+                              num_heads=c.heads, mlp_ratio=c.mlp_ratio, class_token=False,
+                              global_pool="avg")
+    return "timm VisionTransformer", model, lambda m, x, y: F.cross_entropy(m(x), y)
 
-        def bert_loss(m, x, y):
-            inputs, targets = masker.mask_tokens(x)  # the same 80/10/10 corruption as ours
-            return m(input_ids=inputs, labels=targets).loss
 
-        return "HF BertForMaskedLM", BertForMaskedLM(hf), bert_loss
+def hf_gpt2(c):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.width, n_layer=c.depth,
+                    n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    attn_implementation="sdpa")
+    return "HF GPT2LMHeadModel", GPT2LMHeadModel(hf), lambda m, x, y: m(input_ids=x, labels=x).loss
+
+
+def hf_bert(c):
+    from transformers import BertConfig, BertForMaskedLM
+
+    hf = BertConfig(vocab_size=c.vocab_size + 1, hidden_size=c.width, num_hidden_layers=c.depth,
+                    num_attention_heads=c.heads, intermediate_size=int(c.mlp_ratio * c.width),
+                    max_position_embeddings=c.seq_len, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    masker = Bamboo(Config(objective="mlm", depth=1, width=8, heads=1, vocab_size=c.vocab_size,
+                           seq_len=c.seq_len))
+
+    def bert_loss(m, x, y):
+        inputs, targets = masker.mask_tokens(x)  # the same 80/10/10 corruption as ours
+        return m(input_ids=inputs, labels=targets).loss
+
+    return "HF BertForMaskedLM", BertForMaskedLM(hf), bert_loss
+
+
+def vit_pytorch_mae(c):
     from vit_pytorch import MAE, ViT
 
-    encoder = ViT(image_size=c.image_size, patch_size=c.patch_size, num_classes=c.num_classes, dim=c.width,
-                  depth=c.depth, heads=c.heads, mlp_dim=int(c.mlp_ratio * c.width), dim_head=c.width // c.heads,
-                  pool="mean")  # its MAE breaks with pool="cls" (vit-pytorch 1.26); ours pools by mean too
+    # Its MAE breaks with pool="cls" (vit-pytorch 1.26); ours pools by mean too.
+    encoder = ViT(image_size=c.image_size, patch_size=c.patch_size, num_classes=c.num_classes,
+                  dim=c.width, depth=c.depth, heads=c.heads, mlp_dim=int(c.mlp_ratio * c.width),
+                  dim_head=c.width // c.heads, pool="mean")
     model = MAE(encoder=encoder, masking_ratio=c.mask_ratio, decoder_dim=c.decoder_width,
                 decoder_depth=c.decoder_depth, decoder_heads=c.decoder_heads,
                 decoder_dim_head=c.decoder_width // c.decoder_heads)
@@ -100,10 +126,13 @@ def reference_model(config):
 
 # ----------------------------------------------------------------------------- one config
 
+
 class Runner:
     """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
 
-    def __init__(self, config, args, device, dtype, compile_mode, reference=False, attention="auto"):
+    def __init__(
+        self, config, args, device, dtype, compile_mode, reference=False, attention="auto"
+    ):
         torch.manual_seed(0)
         if reference:
             self.name, model, self.loss_fn = reference_model(config)
@@ -114,25 +143,38 @@ class Runner:
         self.config = config
         self.model = model.to(device).train()
         if reference:  # the library model compiled whole, as its users would
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=fused_adamw(device))
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=LEARNING_RATE, fused=fused_adamw(device)
+            )
             self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
             kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
-            self.forward = torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
+            self.forward = (
+                torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
+            )
             self.attention = "library"
         else:  # exactly as train.py does
-            self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05, beta2=0.95,
-                                                            fused=fused_adamw(device))
-            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype, compile_mode)
+            self.optimizer = self.model.configure_optimizer(
+                LEARNING_RATE, weight_decay=0.05, beta2=0.95, fused=fused_adamw(device)
+            )
+            self.forward, self.compiled, _ = fast.for_training(
+                self.model, device, dtype, compile_mode
+            )
             self.attention = "explicit" if explicit else "sdpa"
-        self.batch = synthetic_batch(config, args.batch_size, device, torch.Generator().manual_seed(0))
-        self.autocast = torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs") \
-            if dtype != torch.float32 else nullcontext()
+        self.batch = synthetic_batch(
+            config, args.batch_size, device, torch.Generator().manual_seed(0)
+        )
+        self.autocast = (
+            torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs")
+            if dtype != torch.float32
+            else nullcontext()
+        )
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.device = device
 
     def step(self):
         if self.compiled == "graphs" and self.name != "bamboo":
-            torch.compiler.cudagraph_mark_step_begin()  # the library model under mode="reduce-overhead"
+            # the library model under mode="reduce-overhead"
+            torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:
             loss = self.loss_fn(self.forward, *self.batch)
         self.scaler.scale(loss).backward()
@@ -163,17 +205,22 @@ def peak_rss_mib():
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
+    except (
+        OSError,
+        StopIteration,
+    ):  # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
         try:
             import resource
         except ImportError:
             return None
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+            2**20 if sys.platform == "darwin" else 2**10
+        )
 
 
 def cpu_peak_rss(args, entry, queue):
-    """Child process: a few steps of one entry (spec, dtype, compile mode, reference, attention), then report this
-    process's peak RSS in MiB."""
+    """Child process: a few steps of one entry (spec, dtype, compile mode, reference, attention),
+    then report this process's peak RSS in MiB."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     runner = Runner(parse_spec(entry[0]), args, torch.device("cpu"), *entry[1:])
     for _ in range(2):
@@ -183,9 +230,12 @@ def cpu_peak_rss(args, entry, queue):
 
 @functools.cache
 def measure_cpu_peak_tflops(dtype, seconds=1.0):
-    """The CPU's practical peak for MFU: the best rate of square GEMMs in this dtype, or in float32 where that is
-    faster: a CPU without bf16 units emulates it, so slowly for large GEMMs that a model's small bf16 ops would
-    read above 100% of a bf16 'peak' (results/bench/README.md). Once per process and dtype, after a warm-up GEMM."""
+    """The CPU's practical peak for MFU: the best rate of square GEMMs in this dtype, or in float32
+    where that is faster: a CPU without bf16 units emulates it, so slowly for large GEMMs that a
+    model's small bf16 ops would read above 100% of a bf16 'peak' (results/bench/README.md). Once
+    per process and dtype, after a warm-up GEMM.
+    """
+
     def best_rate(dt):
         n = 1024
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
@@ -194,7 +244,7 @@ def measure_cpu_peak_tflops(dtype, seconds=1.0):
         while not best or time.perf_counter() < t_end:
             t0 = time.perf_counter()
             a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
         return best / 1e12
 
     fp32 = best_rate(torch.float32)
@@ -207,25 +257,34 @@ def peak_tflops(device, dtype):
         peak = gpu_peak_tflops(device)
         if peak is None:
             return None, f"{name} (peak unknown)"
-        return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"  # fp32 runs as TF32
+        return (
+            peak if dtype != torch.float32 else peak / 2
+        ), f"{name}, table peak"  # fp32 runs as TF32
     return measure_cpu_peak_tflops(dtype), "CPU, measured GEMM peak"
 
 
 # ----------------------------------------------------------------------------- the table
 
+
 def device_sync(device):
-    """A call that waits for the device's queued work (CUDA runs asynchronously), or does nothing on CPU."""
+    """A call that waits for the device's queued work (CUDA runs asynchronously), or does nothing on
+    CPU."""
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def build_runners(args, device):
-    """One Runner per spec x dtype x compile mode x attention (x bamboo / reference: once, attention being the
-    library's own), warmed up; the first step timed apart."""
+    """One Runner per spec x dtype x compile mode x attention (x bamboo / reference: once, attention
+    being the library's own), warmed up; the first step timed apart."""
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
     attentions = args.attention.split(",")
-    entries = [(spec, dtype, mode, reference, attention) for spec in args.specs for dtype in dtypes
-               for mode in args.compile.split(",") for reference in ((False, True) if args.against else (False,))
-               for attention in (attentions[:1] if reference else attentions)]
+    entries = [
+        (spec, dtype, mode, reference, attention)
+        for spec in args.specs
+        for dtype in dtypes
+        for mode in args.compile.split(",")
+        for reference in ((False, True) if args.against else (False,))
+        for attention in (attentions[:1] if reference else attentions)
+    ]
     runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
     sync = device_sync(device)
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
@@ -239,13 +298,14 @@ def build_runners(args, device):
 
 
 def peak_memory(args, device, entries, runners):
-    """Per runner, peak MiB: CUDA's max allocated, or on CPU the max RSS of a child running the same steps."""
+    """Per runner, peak MiB: CUDA's max allocated, or on CPU the max RSS of a child running the same
+    steps."""
     memory = []
     for entry, runner in zip(entries, runners):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             runner.step()
-            memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
+            memory.append(torch.cuda.max_memory_allocated(device) / 2**20)
         elif args.memory:
             ctx = multiprocessing.get_context("spawn")
             queue = ctx.Queue()
@@ -260,12 +320,20 @@ def peak_memory(args, device, entries, runners):
 
 def print_table(args, device, entries, runners, step_ms, memory, peaks):
     for dtype, (peak, source) in peaks.items():
-        print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak else f"peak: {source}")
-    print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps (fastest round), "
-          f"{torch.get_num_threads()} threads")
-    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8} {'step ms':>9} "
-              f"{'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'1st s':>6} "
-              f"{'vs first':>8}")
+        print(
+            f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})"
+            if peak
+            else f"peak: {source}"
+        )
+    print(
+        f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps"
+        f" (fastest round), {torch.get_num_threads()} threads"
+    )
+    header = (
+        f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8}"
+        f" {'step ms':>9} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6}"
+        f" {'peak MiB':>9} {'1st s':>6} {'vs first':>8}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
@@ -276,17 +344,31 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         tflops = training_flops(c) * args.batch_size / step / 1e12
         peak = peaks[dtype][0]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
-        rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
-                     "compiled": runner.compiled, "attention": runner.attention, "step_ms": step * 1000,
-                     "samples_s": args.batch_size / step, "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
-                     "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem, "params_m": params,
-                     "first_step_s": runner.first_step_s})
+        rows.append(
+            {
+                "spec": spec,
+                "impl": runner.name,
+                "dtype": str(dtype).replace("torch.", ""),
+                "compiled": runner.compiled,
+                "attention": runner.attention,
+                "step_ms": step * 1000,
+                "samples_s": args.batch_size / step,
+                "tokens_s": args.batch_size * tokens / step,
+                "tflops": tflops,
+                "mfu": 100 * tflops / peak if peak else None,
+                "peak_mib": mem,
+                "params_m": params,
+                "first_step_s": runner.first_step_s,
+            }
+        )
         r = rows[-1]
-        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {r['attention']:<8} {params:>7.2f}M "
-              f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
-              f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
-              f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
-              f"{rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+        print(
+            f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {r['attention']:<8}"
+            f" {params:>7.2f}M {r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f}"
+            f" {tflops:>8.3f} {r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f}"
+            f" {mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f}"
+            f" {rows[0]['step_ms'] / r['step_ms']:>7.2f}x"
+        )
     return rows
 
 
@@ -295,24 +377,44 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     entries, runners, peaks = build_runners(args, device)
-    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds, args.steps,
-                         device_sync(device))
-    rows = print_table(args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks)
+    step_ms = fastest_ms(
+        {i: runner.step for i, runner in enumerate(runners)},
+        args.rounds,
+        args.steps,
+        device_sync(device),
+    )
+    rows = print_table(
+        args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks
+    )
     if args.profile:
         for (spec, dtype, *_), runner in zip(entries, runners):
-            profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile)
+            profile_step(
+                runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile
+            )
     if args.json:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or device.type
-        report = {"device": name, "torch": torch.__version__, "batch_size": args.batch_size, "rows": rows}
+        name = (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or device.type
+        )
+        report = {
+            "device": name,
+            "torch": torch.__version__,
+            "batch_size": args.batch_size,
+            "rows": rows,
+        }
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     return rows
 
 
 def profile_step(runner, title, rows):
-    """torch.profiler on one training step: the operators that take the most time, for finding bottlenecks."""
+    """torch.profiler on one training step: the operators that take the most time, for finding
+    bottlenecks."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if runner.device.type == "cuda" else []
+    )
     with profile(activities=activities) as prof:
         runner.step()
         device_sync(runner.device)()
@@ -322,24 +424,29 @@ def profile_step(runner, title, rows):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs on synthetic data.")
-    p.add_argument("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
-    p.add_argument("--batch_size", type=int, default=8, help="samples per step (default: 8)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per round (default: 2)")
-    p.add_argument("--rounds", type=int, default=5, help="round-robin rounds; the fastest counts (default: 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first one timed apart (default: 2)")
-    p.add_argument("--device", default="auto", help="auto picks cuda, then mps, then cpu")
-    p.add_argument("--dtype", default="auto",
-                   help="autocast dtype, or a comma list to compare: auto, float32, bfloat16, float16 (default: auto)")
-    p.add_argument("--compile", default="auto",
-                   help="auto, off, model, blocks or graphs (see fast.py), or a comma list to compare")
-    p.add_argument("--attention", default="auto",
-                   help="auto (fast.py's choice), sdpa or explicit (matmul-softmax-matmul), or a comma list to compare")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the CPU peak-RSS child processes")
-    p.add_argument("--against", action="store_true", help="also time timm / Hugging Face / vit-pytorch equivalents")
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N slowest operators of one step")
-    p.add_argument("--json", default="", help="also write the table's rows here, with the device's name")
+    p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs.")
+    add = p.add_argument
+    add("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
+    add("--batch_size", type=int, default=8, help="samples per step (default: 8)")
+    add("--steps", type=int, default=2, help="timed steps per round (default: 2)")
+    add("--rounds", type=int, default=5, help="round-robin rounds; the fastest counts (default: 5)")
+    add("--warmup", type=int, default=2, help="untimed steps first, the first timed apart "
+        "(default: 2)")
+    add("--device", default="auto", help="auto picks cuda, then mps, then cpu")
+    add("--dtype", default="auto", help="autocast dtype, or a comma list to compare: auto, "
+        "float32, bfloat16, float16 (default: auto)")
+    add("--compile", default="auto", help="auto, off, model, blocks or graphs (see fast.py), or a "
+        "comma list to compare")
+    add("--attention", default="auto", help="auto (fast.py's choice), sdpa or explicit "
+        "(matmul-softmax-matmul), or a comma list to compare")
+    add("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    add("--no-memory", dest="memory", action="store_false",
+        help="skip the CPU peak-RSS child processes")
+    add("--against", action="store_true",
+        help="also time timm / Hugging Face / vit-pytorch equivalents")
+    add("--profile", type=int, default=0, metavar="N",
+        help="print the N slowest operators of one step")
+    add("--json", default="", help="also write the table's rows here, with the device's name")
     return p
 
 
@@ -349,9 +456,11 @@ def check_args(args):
         raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
     for spec in args.specs:
         parse_spec(spec)
-    for flag, names, known in (("--dtype", args.dtype, fast.DTYPES),
-                               ("--compile", args.compile, fast.COMPILE_MODES),
-                               ("--attention", args.attention, fast.ATTENTION_CHOICES)):
+    for flag, names, known in (
+        ("--dtype", args.dtype, fast.DTYPES),
+        ("--compile", args.compile, fast.COMPILE_MODES),
+        ("--attention", args.attention, fast.ATTENTION_CHOICES),
+    ):
         for name in names.split(","):
             if name not in known:
                 raise ValueError(f"unknown {flag} {name!r}; use {', '.join(known)}")
@@ -365,14 +474,20 @@ def main(argv=None):
         check_args(args)
         run(args)
     except ImportError as e:
-        print(f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a scratch venv",
-              file=sys.stderr)
+        print(
+            f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a"
+            " scratch venv",
+            file=sys.stderr,
+        )
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing --json
-        print(f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere", file=sys.stderr)
+        print(
+            f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

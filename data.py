@@ -1,4 +1,5 @@
-"""Datasets for the four objectives: images decoded once to uint8 on the device, text tokenized once.
+"""Datasets for the four objectives: images decoded once to uint8 on the device, text tokenized
+once.
 
 Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir) or `folder`
 (any ImageFolder tree with train/ and test/ or val/). The whole split lives on the training
@@ -13,9 +14,11 @@ tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random w
 Every failure a user can meet (no network, missing files) raises DataError with one line:
 what is missing, where to put it, and which flag points elsewhere.
 
-Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt', 'cache',
+Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt',
+     'cache',
      128).vocab_size)"
 """
+
 import hashlib
 import io
 import os
@@ -30,8 +33,11 @@ from checkpoint import atomic_write
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
-IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")  # ImageFolder's
-USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"  # the WikiText mirror answers 403 to urllib's default
+# ImageFolder's
+IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+USER_AGENT = (  # the WikiText mirror answers 403 to urllib's default
+    "Mozilla/5.0 (X11; Linux x86_64) bamboo"
+)
 
 
 class DataError(Exception):
@@ -39,6 +45,7 @@ class DataError(Exception):
 
 
 # ----------------------------------------------------------------------------- images
+
 
 def _cifar(name, data_dir, train):
     import torchvision
@@ -50,11 +57,18 @@ def _cifar(name, data_dir, train):
         ds = cls(data_dir, train=train, download=True)
     except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
         if os.path.exists(archive) and not had_archive:
-            os.remove(archive)  # leave no half-written archive behind; never one that was there before
-        raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
-                        f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
-                        "with an ImageFolder tree") from None
-    return torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets), list(ds.classes)
+            # leave no half-written archive behind; never one that was there before
+            os.remove(archive)
+        raise DataError(
+            f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
+            f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
+            "with an ImageFolder tree"
+        ) from None
+    return (
+        torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(),
+        torch.tensor(ds.targets),
+        list(ds.classes),
+    )
 
 
 def _decode(path, size):
@@ -66,29 +80,48 @@ def _decode(path, size):
             if im.size != (size, size):
                 im = im.resize((size, size), Image.BICUBIC)
             return np.asarray(im)
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for unreadable, truncated or non-image files
-        raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file") from None
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+    ) as e:  # PIL's errors for unreadable, truncated or non-image files
+        raise DataError(
+            f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file"
+        ) from None
 
 
 def _image_files(root):
-    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in torch._dynamo,
-    seconds at every start): (path, class index) for each image under root/<class>/, classes and files sorted
-    by name, so subsets match ImageFolder's; and the class names. Hidden folders (.ipynb_checkpoints) are
-    not classes."""
+    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
+    torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
+    classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
+    folders (.ipynb_checkpoints) are not classes."""
     try:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        classes = sorted(
+            e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
+        )
     except OSError as e:
-        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point --data_dir elsewhere")
+        raise DataError(
+            f"cannot list {root} ({e.strerror}); check its permissions or point --data_dir"
+            " elsewhere"
+        )
     if not classes:
-        raise DataError(f"{root} has no class folders; an image folder dataset needs {root}/<class>/<image>")
+        raise DataError(
+            f"{root} has no class folders; an image folder dataset needs {root}/<class>/<image>"
+        )
     samples = []
     for label, name in enumerate(classes):
         before = len(samples)
         for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            samples += [(os.path.join(folder, f), label) for f in sorted(files) if f.lower().endswith(IMAGE_FILES)]
+            samples += [
+                (os.path.join(folder, f), label)
+                for f in sorted(files)
+                if f.lower().endswith(IMAGE_FILES)
+            ]
         if len(samples) == before:
-            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
-                            "add images to it or remove it")
+            raise DataError(
+                f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
+                "add images to it or remove it"
+            )
     return samples, classes
 
 
@@ -96,16 +129,23 @@ def _folder(data_dir, split, image_size, limit=0):
     names = ("train",) if split == "train" else ("test", "val")
     roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
     if not roots:
-        raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an image folder dataset "
-                        f"needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg "
-                        "(point --data_dir at such a tree)")
+        raise DataError(
+            f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an image folder"
+            f" dataset needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg"
+            " (point --data_dir at such a tree)"
+        )
     samples, classes = _image_files(roots[0])
     if limit:  # a fixed random subset (the same for every run), decoded alone
-        keep = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:limit].sort().values
+        keep = (
+            torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:limit]
+            .sort()
+            .values
+        )
         samples = [samples[i] for i in keep.tolist()]
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
-    images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
+    # (N, 3, H, W) uint8
+    images = (torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous())
     return images, torch.tensor([label for _, label in samples]), classes
 
 
@@ -114,17 +154,27 @@ def _load_split(name, data_dir, split, image_size, limit=0):
         return _folder(data_dir, split, image_size, limit)
     images, labels, classes = _cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
-        keep = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:limit].sort().values
+        keep = (
+            torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:limit]
+            .sort()
+            .values
+        )
         images, labels = images[keep], labels[keep]
     if images.shape[-1] != image_size:
-        images = torch.nn.functional.interpolate(images.float(), size=image_size, mode="bicubic",
-                                                 antialias=True).round().clamp(0, 255).to(torch.uint8)
+        images = (
+            torch.nn.functional.interpolate(
+                images.float(), size=image_size, mode="bicubic", antialias=True
+            )
+            .round()
+            .clamp(0, 255)
+            .to(torch.uint8)
+        )
     return images, labels, classes
 
 
 def to_device(t, device):
-    """t on device without making the CPU wait for the GPU: a copy from pageable memory would wait for
-    everything queued before it, so small per-step tensors go through pinned memory."""
+    """t on device without making the CPU wait for the GPU: a copy from pageable memory would wait
+    for everything queued before it, so small per-step tensors go through pinned memory."""
     if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -138,29 +188,49 @@ class ImageData:
         keeps a fixed random subset of the training split (the test split stays whole)."""
         if name == "folder":
             if not os.path.isdir(data_dir):
-                raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image folder "
-                                "tree with train/ and test/ inside")
+                raise DataError(
+                    f"data directory {data_dir} does not exist; point --data_dir at an image folder"
+                    " tree with train/ and test/ inside"
+                )
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, classes = _load_split(name, data_dir, "test", image_size)
         self.train_x, self.train_y, train_classes = (
-            _load_split(name, data_dir, "train", image_size, train_samples) if train
-            else (self.test_x[:0], self.test_y[:0], classes))
-        if train_classes != classes:  # labels are class indices: any difference would mislabel the test split
-            only_train, only_test = sorted(set(train_classes) - set(classes)), sorted(set(classes) - set(train_classes))
-            raise DataError(f"{data_dir}: the splits have different classes (only in training: {only_train[:5]}, "
-                            f"only in test: {only_test[:5]}); give both the same class folders")
+            _load_split(name, data_dir, "train", image_size, train_samples)
+            if train
+            else (self.test_x[:0], self.test_y[:0], classes)
+        )
+        if (
+            train_classes != classes
+        ):  # labels are class indices: any difference would mislabel the test split
+            only_train, only_test = sorted(set(train_classes) - set(classes)), sorted(
+                set(classes) - set(train_classes)
+            )
+            raise DataError(
+                f"{data_dir}: the splits have different classes (only in training:"
+                f" {only_train[:5]}, only in test: {only_test[:5]}); give both the same class"
+                " folders"
+            )
         self.num_classes = len(classes)
         if name == "folder":
-            # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair sample.
+            # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair
+            # sample.
             order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
             self.test_x, self.test_y = self.test_x[order], self.test_y[order]
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # Per-channel statistics of the training pixels (test pixels without a train split), to normalise.
-        flat = (self.train_x if train else self.test_x)[:10000].float().div(255).transpose(0, 1).flatten(1)
+        # Per-channel statistics of the training pixels (test pixels without a train split), to
+        # normalise.
+        flat = (
+            (self.train_x if train else self.test_x)[:10000]
+            .float()
+            .div(255)
+            .transpose(0, 1)
+            .flatten(1)
+        )
         self.mean, self.std = flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
-        # A channel that barely varies (a colour unused by the dataset, a single image) would divide by ~0 and make
+        # A channel that barely varies (a colour unused by the dataset, a single image) would divide
+        # by ~0 and make
         # every input non-finite; such a channel is only centred. 1/255 is one grey level.
         self.std = torch.where(self.std > 1 / 255, self.std, torch.ones_like(self.std))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
@@ -173,9 +243,11 @@ class ImageData:
 
     def sample(self, n, generator):
         """The random draws of one global batch: which images, where to crop, whether to flip."""
-        return {"index": torch.randint(0, len(self.train_x), (n,), generator=generator),
-                "offset": torch.randint(0, 9, (n, 2), generator=generator),
-                "flip": torch.rand(n, generator=generator) < 0.5}
+        return {
+            "index": torch.randint(0, len(self.train_x), (n,), generator=generator),
+            "offset": torch.randint(0, 9, (n, 2), generator=generator),
+            "flip": torch.rand(n, generator=generator) < 0.5,
+        }
 
     def train_batch(self, draws):
         """Augmented, normalised images and their labels for (a shard of) a sampled batch."""
@@ -193,7 +265,8 @@ class ImageData:
 
 
 def random_crop_flip(x, offsets, flips, pad=4):
-    """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where flips (B,).
+    """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where flips
+    (B,).
 
     One gather on x's device for the whole batch.
     """
@@ -210,11 +283,23 @@ def random_crop_flip(x, offsets, flips, pad=4):
 # ----------------------------------------------------------------------------- text
 
 WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging Face config)
-    "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw", "wikitext-2-raw-v1"),
-    "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw", "wikitext-103-raw-v1"),
+    "wikitext2": (
+        "https://wikitext.smerity.com/wikitext-2-raw-v1.zip",
+        "wikitext-2-raw",
+        "wikitext-2-raw-v1",
+    ),
+    "wikitext103": (
+        "https://wikitext.smerity.com/wikitext-103-raw-v1.zip",
+        "wikitext-103-raw",
+        "wikitext-103-raw-v1",
+    ),
 }
-HF_PARQUET = "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/{config}/{split}-{i:05d}-of-{n:05d}.parquet"
-HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}  # parquet files per split on the hub; 1 where not listed
+HF_PARQUET = (
+    "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
+    "{config}/{split}-{i:05d}-of-{n:05d}.parquet"
+)
+# parquet files per split on the hub; 1 where not listed
+HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}
 
 
 def _fetch(url, timeout=30):
@@ -244,13 +329,18 @@ def _from_hugging_face(config, target):
         n = HF_SHARDS.get(config, {}).get(name, 1)
         rows = []
         for i in range(n):
-            table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name, i=i, n=n))))
+            table = pq.read_table(
+                io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name, i=i, n=n)))
+            )
             rows += table.column("text").to_pylist()
-        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write("".join(rows).encode()))
+        atomic_write(
+            os.path.join(target, f"{split}.txt"), lambda f: f.write("".join(rows).encode())
+        )
 
 
 def download_wikitext(name, data_dir):
-    """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless train.txt and valid.txt are there."""
+    """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless train.txt and valid.txt
+    are there."""
     url, folder, hf_config = WIKITEXT[name]
     target = os.path.join(data_dir, folder)
     if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
@@ -259,19 +349,25 @@ def download_wikitext(name, data_dir):
     ours = [os.path.join(target, f"{s}.txt") for s in ("train", "valid", "test")]
     ours = [path for path in ours if not os.path.exists(path)]  # only what this call may write
     errors = []
-    for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
-                          ("huggingface.co", lambda: _from_hugging_face(hf_config, target))):
+    for source, fetch in (
+        (url, lambda: _from_mirror(url, folder, target)),
+        ("huggingface.co", lambda: _from_hugging_face(hf_config, target)),
+    ):
         try:
             fetch()
             return target
         except Exception as e:  # network errors, HTTP errors, corrupt archives
             errors.append(f"{source}: {type(e).__name__}: {e}")
-    for leftover in ours:  # nothing half-done survives a failed download; files that were there before stay
+    for (
+        leftover
+    ) in ours:  # nothing half-done survives a failed download; files that were there before stay
         if os.path.exists(leftover):
             os.remove(leftover)
-    raise DataError(f"could not download {name} ({'; '.join(errors)}); put {os.path.join(target, 'train.txt')} "
-                    f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's wiki.train.raw and "
-                    "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files")
+    raise DataError(
+        f"could not download {name} ({'; '.join(errors)}); put {os.path.join(target, 'train.txt')} "
+        f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's wiki.train.raw and "
+        "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files"
+    )
 
 
 def get_tokenizer(name):
@@ -279,25 +375,37 @@ def get_tokenizer(name):
     import tiktoken
 
     if name == "bytes":
-        return tiktoken.Encoding("bytes", pat_str=r"[\s\S]", mergeable_ranks={bytes([i]): i for i in range(256)},
-                                 special_tokens={})
+        return tiktoken.Encoding(
+            "bytes",
+            pat_str=r"[\s\S]",
+            mergeable_ranks={bytes([i]): i for i in range(256)},
+            special_tokens={},
+        )
     try:
         return tiktoken.get_encoding(name)
     except ValueError:
-        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, r50k_base, "
-                        "cl100k_base, ...) or bytes") from None
+        raise DataError(
+            f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, r50k_base, "
+            "cl100k_base, ...) or bytes"
+        ) from None
     except Exception as e:
-        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without network set "
-                        "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's ranks are r50k_base's), "
-                        "or use --tokenizer bytes") from None
+        raise DataError(
+            f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without network set "
+            "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's ranks are r50k_base's), "
+            "or use --tokenizer bytes"
+        ) from None
 
 
 def tokenize_cached(path, tokenizer, cache_dir):
     """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
     stat = os.stat(path)
-    key = hashlib.sha1(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}".encode())
-    dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
-    cache = os.path.join(cache_dir, f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
+    key = hashlib.sha1(
+        f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}".encode()
+    )
+    dtype = np.uint16 if tokenizer.n_vocab <= 2**16 else np.uint32
+    cache = os.path.join(
+        cache_dir, f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin"
+    )
     if not os.path.exists(cache):
         os.makedirs(cache_dir, exist_ok=True)
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -309,7 +417,9 @@ def tokenize_cached(path, tokenizer, cache_dir):
 class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
-    def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len, train=True):
+    def __init__(
+        self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len, train=True
+    ):
         """train=False reads the validation file only (the probe needs nothing else)."""
         self.tokenizer = get_tokenizer(tokenizer)
         if name in WIKITEXT:
@@ -320,26 +430,37 @@ class TextData:
         for file, flag in wanted + ((val_file, "--val_file"),):
             path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
-                raise DataError(f"missing text file {path}; put it there, or point --data_dir and {flag} elsewhere")
+                raise DataError(
+                    f"missing text file {path}; put it there, or point --data_dir and {flag}"
+                    " elsewhere"
+                )
             if os.path.getsize(path) == 0:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size = self.tokenizer.n_vocab
         self.seq_len = seq_len
-        for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
+        for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1 :]:
             if len(tokens) <= seq_len:
-                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}; "
-                                "use more text or a smaller --seq_len")
+                raise DataError(
+                    f"{split} text has {len(tokens)} tokens, fewer than one window of"
+                    f" seq_len={seq_len}; use more text or a smaller --seq_len"
+                )
 
     def sample(self, n, generator):
         """The random draws of one global batch: where each window starts."""
         return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
 
     def train_batch(self, draws):
-        """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no labels."""
+        """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no
+        labels."""
         starts = draws["start"].tolist()
-        return torch.from_numpy(np.stack([self.train[s: s + self.seq_len] for s in starts]).astype(np.int64)), None
+        return (
+            torch.from_numpy(
+                np.stack([self.train[s : s + self.seq_len] for s in starts]).astype(np.int64)
+            ),
+            None,
+        )
 
     def num_train(self):
         return len(self.train) - self.seq_len + 1
@@ -349,5 +470,8 @@ class TextData:
         n = (len(self.val) - 1) // self.seq_len
         n = n if limit is None else min(n, limit)
         for i in range(0, n, batch_size):
-            rows = [self.val[k * self.seq_len: (k + 1) * self.seq_len] for k in range(i, min(i + batch_size, n))]
+            rows = [
+                self.val[k * self.seq_len : (k + 1) * self.seq_len]
+                for k in range(i, min(i + batch_size, n))
+            ]
             yield torch.from_numpy(np.stack(rows).astype(np.int64)), None

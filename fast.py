@@ -31,14 +31,19 @@ results/gpu/README.md (GPU).
 Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(
      objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from bamboo import Block
 
-EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond this the (T, T) matrices cost more memory than the kernel saves
-LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-byte boundary (nanoGPT pads so)
+EXPLICIT_ATTENTION_MAX_TOKENS = (
+    256  # beyond this the (T, T) matrices cost more memory than the kernel saves
+)
+LOGITS_ROW_MULTIPLE = (
+    64  # columns: a row of bf16 logits then starts on a 128-byte boundary (nanoGPT pads so)
+)
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,12 +63,20 @@ def pick_device(name, local_rank=0):
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+        raise ValueError(
+            f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    available = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available(),
+        "mps": torch.backends.mps.is_available(),
+    }
     if not available.get(device.type, False):
         raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices")
+        raise ValueError(
+            f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices"
+        )
     return device
 
 
@@ -81,7 +94,11 @@ def pick_dtype(name, device):
     """auto: bf16 on CUDA and on CPUs with native bf16, where it is faster than fp32 at the same
     loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
     if name == "auto":
-        bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_bf16()
+        bf16 = (
+            torch.cuda.is_bf16_supported()
+            if device.type == "cuda"
+            else device.type == "cpu" and cpu_has_bf16()
+        )
         name = "bfloat16" if bf16 else "float32"
     return getattr(torch, name)
 
@@ -106,7 +123,9 @@ def use_explicit_attention(asked, device, dtype, config):
     if asked != "auto":
         return asked == "explicit"
     tokens = config.num_patches() if config.is_image else config.seq_len
-    return device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
+    return (
+        device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
+    )
 
 
 # ----------------------------------------------------------------------------- the module to train
@@ -139,12 +158,20 @@ def compile_plan(asked, device, config, ddp):
         raise ValueError(f"--compile {asked!r}: choose one of {', '.join(COMPILE_MODES)}")
     if asked == "auto":
         if device.type != "cuda":
-            return "off", f"auto compiles on CUDA only; on {device.type} pass --compile blocks or model to compile"
+            return (
+                "off",
+                (
+                    f"auto compiles on CUDA only; on {device.type} pass --compile blocks or model"
+                    " to compile"
+                ),
+            )
         asked = "graphs"
     if asked != "graphs":
         return asked, ""
     unsafe = graphs_unsafe(device, config, ddp)
-    return ("blocks", unsafe + "; compiling blocks without CUDA graphs") if unsafe else ("graphs", "")
+    return (
+        ("blocks", unsafe + "; compiling blocks without CUDA graphs") if unsafe else ("graphs", "")
+    )
 
 
 def graphs_unsafe(device, config, ddp):
@@ -230,21 +257,28 @@ class CUDAGraphed(nn.Module):
         inputs = tuple(a for a in args if a is not None)
         shapes = [tuple(a.shape) for a in inputs]
         if self.graphed is None:
-            rng = torch.cuda.get_rng_state(inputs[0].device)  # warm-up draws must not shift a resumed run's masks
+            # warm-up draws must not shift a resumed run's masks
+            rng = torch.cuda.get_rng_state(inputs[0].device)
             self.loss_only = LossOnly(self.module, args)
-            self.graphed = torch.cuda.make_graphed_callables(self.loss_only, inputs, allow_unused_input=True)
-            torch.cuda.set_rng_state(rng, inputs[0].device)  # replays read the generator's state as it is now
+            self.graphed = torch.cuda.make_graphed_callables(
+                self.loss_only, inputs, allow_unused_input=True
+            )
+            # replays read the generator's state as it is now
+            torch.cuda.set_rng_state(rng, inputs[0].device)
             self.shapes = shapes
         if shapes != self.shapes:
-            raise ValueError(f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
-                             "keep the batch size fixed or pass --compile blocks")
+            raise ValueError(
+                f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
+                "keep the batch size fixed or pass --compile blocks"
+            )
         loss = self.graphed(*inputs)
-        return self.loss_only.out, loss  # out: the captured run's tensor, which every replay refills
+        # out: the captured run's tensor, which every replay refills
+        return (self.loss_only.out, loss)
 
 
 class LossOnly(nn.Module):
-    """module called with the non-None arguments of a template call (make_graphed_callables takes tensors only),
-    returning the loss; out is kept, detached, in self.out."""
+    """module called with the non-None arguments of a template call (make_graphed_callables takes
+    tensors only), returning the loss; out is kept, detached, in self.out."""
 
     def __init__(self, module, template):
         super().__init__()
@@ -258,7 +292,8 @@ class LossOnly(nn.Module):
 
 
 class ChunkedNextToken(nn.Module):
-    """model's next-token loss computed by ChunkedCrossEntropy: forward(tokens, y=None) -> (None, loss).
+    """model's next-token loss computed by ChunkedCrossEntropy: forward(tokens, y=None) -> (None,
+    loss).
 
     The features and targets are the model's own (Bamboo.next_token_features), so the loss is
     the same as model(tokens, y)[1] to rounding; only the logits are never all materialised.
@@ -272,7 +307,9 @@ class ChunkedNextToken(nn.Module):
     def forward(self, tokens, y=None):
         h, targets = self.model.next_token_features(tokens, y)
         weight = self.model.output_embedding()
-        if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into an autograd Function
+        if torch.is_autocast_enabled(
+            h.device.type
+        ):  # autocast does not reach into an autograd Function
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
         return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
@@ -288,7 +325,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     to rounding.
     """
 
-    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
+    ELEMENTS_PER_CHUNK = 2**23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
 
     @staticmethod
     def forward(ctx, h, weight, targets):
@@ -302,10 +339,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, h.shape[0], rows):
             chunk = slice(i, i + rows)
-            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)  # (rows, V)
+            # (rows, V)
+            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)
             total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
             grad = log_probs.exp_()  # softmax, in place
-            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))  # minus the one-hot
+            # minus the one-hot
+            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))
             grad = grad.to(h.dtype)
             grad_h[chunk] = (grad @ weight) * valid[chunk, None]
             grad_w += grad.T @ h_valid[chunk]

@@ -24,13 +24,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
 
     Mathematically the same as F.scaled_dot_product_attention; it materialises the
     (B, nh, T, T) matrix, which the probe needs and which pays off only for short sequences.
     """
-    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, T); scaling q is T/hs times cheaper
+    # (B, nh, T, T); scaling q is T/hs times cheaper
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
     if causal:
         T = q.size(-2)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
@@ -40,7 +42,8 @@ def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
 
 
 class EigenValueOutput(nn.Module):
-    """W_V W_O of every head built from its eigendecomposition (Dovonon, Bronstein & Kusner, TMLR 2025).
+    """W_V W_O of every head built from its eigendecomposition (Dovonon, Bronstein & Kusner, TMLR
+    2025).
 
     Per head h, H_h = W_V,h W_O,h = Q_h diag(l_h) Q_h^T with Q_h (D, hs) orthonormal, so
     l_h are exactly H_h's non-zero eigenvalues:
@@ -51,7 +54,8 @@ class EigenValueOutput(nn.Module):
         so the eigenvalues sit in the output projection, next to where NeuTRENO adds its term;
       * Q_h is the Q of a QR decomposition of a learned (D, hs) matrix, as in the paper;
       * LayerNorm's gain multiplies H from the left, and a negative gain can flip an eigenvalue's
-        sign; the attention LayerNorm of these blocks therefore has no learned gain (Block does that);
+        sign; the attention LayerNorm of these blocks therefore has no learned gain (Block does
+        that);
       * clipping psi^2 into [1e-4, 1] keeps the sharpening eigenvalues in [-1, 0) (a gain beyond
         1 per layer would blow the residual stream up); the gradient of psi is zero once clipped.
     """
@@ -60,11 +64,12 @@ class EigenValueOutput(nn.Module):
         super().__init__()
         self.mode = mode
         self.basis = nn.Parameter(torch.randn(heads, width, width // heads))  # fed to the QR
-        self.psi = nn.Parameter(torch.empty(heads, width // heads).uniform_(0.3, 0.7))  # |l| in 0.09..0.49
+        # |l| in 0.09..0.49
+        self.psi = nn.Parameter(torch.empty(heads, width // heads).uniform_(0.3, 0.7))
         self.bias = nn.Parameter(torch.zeros(width))
 
     def eigenvalues(self):
-        square = self.psi ** 2  # (nh, hs)
+        square = self.psi**2  # (nh, hs)
         return square if self.mode == "smooth" else -square.clamp(1e-4, 1.0)
 
     def orthonormal(self):
@@ -127,8 +132,12 @@ class Attention(nn.Module):
         w_qkv, _, w_o, _ = (t.detach() for t in self.projections())
         D, nh = w_o.shape[0], self.heads
         w_q, w_k, w_v = w_qkv.chunk(3)  # (D_out, D_in) each
-        return {"q": w_q.T, "k": w_k.T, "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
-                "o": w_o.T.reshape(nh, D // nh, D)}
+        return {
+            "q": w_q.T,
+            "k": w_k.T,
+            "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
+            "o": w_o.T.reshape(nh, D // nh, D),
+        }
 
 
 class EigenAttention(Attention):

@@ -1,16 +1,20 @@
-"""Measure over-smoothing layer by layer, for checkpoints side by side, with every metric of the papers.
+"""Measure over-smoothing layer by layer, for checkpoints side by side, with the papers' metrics.
 
 Token metrics, on each layer's hidden states h (T tokens of width D, hbar their mean):
-  std               Bamboo eq. 1: per-channel std over tokens, sqrt(sum_t (h_t - hbar)^2 / (T-1)), channel mean
+  std               Bamboo eq. 1: per-channel std over tokens, sqrt(sum_t (h_t - hbar)^2 / (T-1)),
+                    averaged over channels
   cos               NeuTRENO E.3: mean signed cosine similarity over token pairs i != j
-  abs_cos_centered  Bamboo Fig. 1b after Gong et al. 2021: mean ABSOLUTE cosine over pairs i != j of h - hbar.
-                    The absolute value is needed because centred tokens sum to zero, so their signed
-                    mean cosine is pinned near -1/(T-1) whatever the model does.
-  hc_dc             Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F = ||h - hbar||_F / (sqrt(T) ||hbar||)
+  abs_cos_centered  Bamboo Fig. 1b after Gong et al. 2021: mean ABSOLUTE cosine over pairs i != j
+                    of h - hbar. The absolute value is needed because centred tokens sum to zero,
+                    so their signed mean cosine is pinned near -1/(T-1) whatever the model does.
+  hc_dc             Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F
+                    = ||h - hbar||_F / (sqrt(T) ||hbar||)
   erank             Roy & Vetterli: exp(entropy of the normalised singular values of h)
-  update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the residual stream
-  attn_entropy      entropy of each query's attention distribution in nats, mean over heads and queries
-                    (uniform attention over T keys gives log T; entropy collapse drives it towards 0)
+  update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the
+                    residual stream
+  attn_entropy      entropy of each query's attention distribution in nats, mean over heads and
+                    queries (uniform attention over T keys gives log T; entropy collapse drives it
+                    towards 0)
   attn_sim          NeuTRENO G.2: cosine between successive layers' attention maps
 Weight metrics, per block:
   vo_dominant   Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
@@ -27,9 +31,11 @@ Every checkpoint sees the same fixed, un-augmented samples (the first N of the h
 in order), so two runs give identical numbers. A checkpoint can be a fresh model instead:
 init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6 (seed 0, so equal specs are equal).
 
-Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen --dataset folder \
+Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen \
+       --dataset folder \
        --data_dir ../shared/data/cifar10-jpeg --samples 64 --json p.json --plot p.png
 """
+
 import argparse
 import json
 import math
@@ -43,12 +49,14 @@ from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
 from fast import pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
-LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # defined from block 1 (attn_sim: block 2) on
+# defined from block 1 (attn_sim: block 2) on
+LAYER_METRICS = ("update", "attn_entropy", "attn_sim")
 WEIGHT_METRICS = ("vo_dominant", "vo_positive", "beta_qk", "beta_v")
 COLLAPSED = 1e-5  # relative token norm below which a direction is float32 rounding noise
 
 
 # ----------------------------------------------------------------------------- the metrics
+
 
 def mean_pairwise_cos(h, scale, absolute=False):
     """Per sample, the mean (absolute) cosine over pairs i != j of (B, T, D) tokens.
@@ -66,11 +74,11 @@ def mean_pairwise_cos(h, scale, absolute=False):
 
 
 def singular_values(h):
-    """The singular values (B, min(T, D)) of each sample's tokens h (B, T, D), in float64, in ascending order:
-    square roots of the eigenvalues of the smaller Gram matrix, which is several times faster than the batched
-    SVD (the probe's slowest step). Squaring costs precision only in the smallest values: a zero singular value
-    comes out near 1e-8 of the largest (up to 2e-8 for 64 x 384 tokens of rank 2), which moves erank by far
-    less than it reports."""
+    """The singular values (B, min(T, D)) of each sample's tokens h (B, T, D), in float64, in
+    ascending order: square roots of the eigenvalues of the smaller Gram matrix, which is several
+    times faster than the batched SVD (the probe's slowest step). Squaring costs precision only in
+    the smallest values: a zero singular value comes out near 1e-8 of the largest (up to 2e-8 for 64
+    x 384 tokens of rank 2), which moves erank by far less than it reports."""
     gram = h @ h.transpose(1, 2) if h.shape[1] <= h.shape[2] else h.transpose(1, 2) @ h
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
 
@@ -88,7 +96,10 @@ def token_metrics_per_sample(h):
         "std": centered.pow(2).sum(1).div(T - 1).sqrt().mean(-1),
         "cos": mean_pairwise_cos(h, scale),
         "abs_cos_centered": mean_pairwise_cos(centered, scale, absolute=True),
-        "hc_dc": centered.flatten(1).norm(dim=1) / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300),
+        "hc_dc": (
+            centered.flatten(1).norm(dim=1)
+            / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300)
+        ),
         "erank": torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1)),
     }
 
@@ -105,14 +116,18 @@ def update_ratio(before, after):
 
 
 def attention_entropy(probs):
-    """Per sample, the entropy in nats of each query's attention row (B, nh, T, T), mean over heads and queries."""
+    """Per sample, the entropy in nats of each query's attention row (B, nh, T, T), mean over heads
+    and queries."""
     p = probs.double()
     return -(p * p.clamp_min(1e-300).log()).sum(-1).mean((1, 2))
 
 
 def attention_similarity(before, after):
-    """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, averaged over heads."""
-    return torch.nn.functional.cosine_similarity(before.flatten(2).double(), after.flatten(2).double(), dim=-1).mean(1)
+    """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, averaged over
+    heads."""
+    return torch.nn.functional.cosine_similarity(
+        before.flatten(2).double(), after.flatten(2).double(), dim=-1
+    ).mean(1)
 
 
 def layer_metrics_per_sample(hiddens, attns):
@@ -138,12 +153,17 @@ def head_value_output(block):
     diag(g) W_V,h W_O,h, the head's value-output product with the LayerNorm gain g folded in
     (eig(AB) = eig(BA) for the non-zero part), at a fraction of the cost."""
     w = block.attn.weights()
-    gain = block.ln1.weight.detach() if block.ln1.weight is not None else w["v"].new_ones(w["v"].shape[1])
+    gain = (
+        block.ln1.weight.detach()
+        if block.ln1.weight is not None
+        else w["v"].new_ones(w["v"].shape[1])
+    )
     return w["o"].double() @ (gain.double()[None, :, None] * w["v"].double())  # (nh, hs, hs)
 
 
 def vo_spectrum(model):
-    """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real parts)."""
+    """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real
+    parts)."""
     dominant, positive = [], []
     for block in model.blocks:
         eigs = torch.linalg.eigvals(head_value_output(block))  # (nh, hs)
@@ -175,12 +195,16 @@ def beta(model, reference):
 
 # ----------------------------------------------------------------------------- models and data
 
+
 def load_model(spec, dataset):
-    """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs are equal)."""
+    """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
+    are equal)."""
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
-    config = Config.from_spec(spec[len("init:"):], objective="cls" if dataset in IMAGE_DATASETS else "next")
+    config = Config.from_spec(
+        spec[len("init:") :], objective="cls" if dataset in IMAGE_DATASETS else "next"
+    )
     torch.manual_seed(0)
     return Bamboo(config).eval(), {}
 
@@ -191,17 +215,29 @@ def load_samples(args, model, train_cfg):
     dataset = args.dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
     data_dir = args.data_dir or train_cfg.get("data_dir") or "./data"
     if c.is_image != (dataset in IMAGE_DATASETS):
-        raise ValueError(f"a {'image' if c.is_image else 'text'} model ({c.objective}) cannot be probed with "
-                         f"--dataset {dataset}; use {' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}")
+        raise ValueError(
+            f"a {'image' if c.is_image else 'text'} model ({c.objective}) cannot be probed with"
+            f" --dataset {dataset}; use"
+            f" {' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}"
+        )
     if c.is_image:
         data = ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
     else:
-        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
-                        "", args.val_file or train_cfg.get("val_file", "val.txt"),
-                        train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
+        data = TextData(
+            dataset,
+            data_dir,
+            args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
+            "",
+            args.val_file or train_cfg.get("val_file", "val.txt"),
+            train_cfg.get("cache_dir", "./data/cache"),
+            c.seq_len,
+            train=False,
+        )
         if data.vocab_size > c.vocab_size:
-            raise ValueError(f"tokenizer has {data.vocab_size} ids but the model knows {c.vocab_size}; "
-                             "pass the --tokenizer it was trained with")
+            raise ValueError(
+                f"tokenizer has {data.vocab_size} ids but the model knows {c.vocab_size}; "
+                "pass the --tokenizer it was trained with"
+            )
     return torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
 
 
@@ -214,27 +250,42 @@ def probe_model(model, samples, batch_size, mask=False):
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
     device = next(model.parameters()).device
     for i in range(0, len(samples), batch_size):
-        x = samples[i:i + batch_size].to(device)
-        noise = torch.rand(len(x), model.config.num_patches(), generator=noise_gen).to(device) if mask else None
-        hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
-                                             mask_ratio=model.config.mask_ratio if mask else 0.0)
+        x = samples[i : i + batch_size].to(device)
+        noise = (
+            torch.rand(len(x), model.config.num_patches(), generator=noise_gen).to(device)
+            if mask
+            else None
+        )
+        hiddens, attns = model.hidden_states(
+            x, need_weights=True, noise=noise, mask_ratio=model.config.mask_ratio if mask else 0.0
+        )
         finite = torch.stack([h.isfinite().all() for h in hiddens])
-        if not finite.all():  # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
+        if (
+            not finite.all()
+        ):  # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
             bad = finite.logical_not().nonzero()[0].item()
-            raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} to {i + len(x) - 1}; "
-                             "check the data (a channel or token that breaks normalisation) or the checkpoint")
+            raise ValueError(
+                f"layer {bad}'s hidden states are not finite on samples {i} to {i + len(x) - 1}; "
+                "check the data (a channel or token that breaks normalisation) or the checkpoint"
+            )
         for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
             for name, values in metrics.items():  # summed on the device, read once at the end
                 sums[name, layer] = sums.get((name, layer), 0.0) + values.sum()
     layers = model.config.depth + 1
-    result = {name: [sums[name, layer].item() / len(samples) if (name, layer) in sums else None
-                     for layer in range(layers)] for name in TOKEN_METRICS + LAYER_METRICS}
+    result = {
+        name: [
+            sums[name, layer].item() / len(samples) if (name, layer) in sums else None
+            for layer in range(layers)
+        ]
+        for name in TOKEN_METRICS + LAYER_METRICS
+    }
     dominant, positive = vo_spectrum(model)
     result["vo_dominant"], result["vo_positive"] = [None] + dominant, [None] + positive
     return result
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def pad(values, length):
     return list(values) + [None] * (length - len(values))
@@ -249,8 +300,12 @@ def print_table(report):
         print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
         for layer in range(depth + 1):
             cells = [report["metrics"][n][label][layer] for n in names]
-            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
-                                            for c, w in zip(cells, widths)))
+            print(
+                f"{layer:>5} "
+                + " ".join(
+                    f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}" for c, w in zip(cells, widths)
+                )
+            )
 
 
 def plot(report, path, relative):
@@ -260,15 +315,22 @@ def plot(report, path, relative):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = [n for n in report["metrics"] if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
+    names = [
+        n
+        for n in report["metrics"]
+        if any(v is not None for vs in report["metrics"][n].values() for v in vs)
+    ]
     cols = 3
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         for label in report["labels"]:
             depth = report["depth"][label]
-            pairs = [(layer / depth if relative else layer, v)
-                     for layer, v in enumerate(report["metrics"][name][label][: depth + 1]) if v is not None]
+            pairs = [
+                (layer / depth if relative else layer, v)
+                for layer, v in enumerate(report["metrics"][name][label][: depth + 1])
+                if v is not None
+            ]
             if pairs:
                 ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
         ax.set_title(name)
@@ -277,7 +339,7 @@ def plot(report, path, relative):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
@@ -289,29 +351,51 @@ def plot(report, path, relative):
 def run(args):
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
-        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct names, one per checkpoint")
-    report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
-              "metrics": {}}
+        raise ValueError(
+            f"--labels needs {len(args.checkpoints)} distinct names, one per checkpoint"
+        )
+    report = {
+        "labels": labels,
+        "layers": [],
+        "samples": args.samples,
+        "depth": {},
+        "source": {},
+        "metrics": {},
+    }
     reference, raw, sample_sets = None, {}, {}
     for label, spec in zip(labels, args.checkpoints):
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(pick_device(args.device, 0))
         c = model.config
-        key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"), train_cfg.get("data_dir"))
-        if key not in sample_sets:  # decode or tokenize each dataset once, however many checkpoints share it
+        key = (
+            c.is_image,
+            c.image_size,
+            c.seq_len,
+            train_cfg.get("dataset"),
+            train_cfg.get("data_dir"),
+        )
+        if (
+            key not in sample_sets
+        ):  # decode or tokenize each dataset once, however many checkpoints share it
             sample_sets[key] = load_samples(args, model, train_cfg)
         raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
         if reference is None:
             reference = model
         raw[label]["beta_qk"], raw[label]["beta_v"] = (
-            [None] + values if values is not None else [] for values in beta(model, reference))
+            [None] + values if values is not None else [] for values in beta(model, reference)
+        )
         report["depth"][label] = model.config.depth
         report["source"][label] = spec
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
     order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
-    report["metrics"] = {name: {label: [None if v is None else round(v, 6) for v in pad(raw[label][name], layers)]
-                                for label in labels} for name in order}
+    report["metrics"] = {
+        name: {
+            label: [None if v is None else round(v, 6) for v in pad(raw[label][name], layers)]
+            for label in labels
+        }
+        for name in order
+    }
     print_table(report)
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
@@ -322,20 +406,25 @@ def run(args):
 
 def build_parser():
     p = argparse.ArgumentParser(description="Measure over-smoothing layer by layer.")
-    p.add_argument("checkpoints", nargs="+", help="checkpoint paths, or init:PRESET[,key=value,...] for a fresh model")
-    p.add_argument("--labels", default="", help="comma-separated names for the checkpoints (default: their paths)")
-    p.add_argument("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
-                   help="data to probe with (default: each checkpoint's own training data)")
-    p.add_argument("--data_dir", default="", help="where the dataset lives (default: the checkpoint's)")
-    p.add_argument("--tokenizer", default="", help="text: tiktoken encoding (default: the checkpoint's)")
-    p.add_argument("--val_file", default="", help="--dataset text: held-out file in data_dir (default: val.txt)")
-    p.add_argument("--samples", type=int, default=256, help="held-out samples, the first N in order (default: 256)")
-    p.add_argument("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
-    p.add_argument("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
-    p.add_argument("--relative", action="store_true", help="plot against relative depth (layer / depth)")
-    p.add_argument("--json", default="", help="write the numbers here")
-    p.add_argument("--plot", default="", help="write a PNG with one panel per metric here")
+    add = p.add_argument
+    add("checkpoints", nargs="+",
+        help="checkpoint paths, or init:PRESET[,key=value,...] for a fresh model")
+    add("--labels", default="",
+        help="comma-separated names for the checkpoints (default: their paths)")
+    add("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
+        help="data to probe with (default: each checkpoint's own training data)")
+    add("--data_dir", default="", help="where the dataset lives (default: the checkpoint's)")
+    add("--tokenizer", default="", help="text: tiktoken encoding (default: the checkpoint's)")
+    add("--val_file", default="",
+        help="--dataset text: held-out file in data_dir (default: val.txt)")
+    add("--samples", type=int, default=256,
+        help="held-out samples, the first N in order (default: 256)")
+    add("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
+    add("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
+    add("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
+    add("--relative", action="store_true", help="plot against relative depth (layer / depth)")
+    add("--json", default="", help="write the numbers here")
+    add("--plot", default="", help="write a PNG with one panel per metric here")
     return p
 
 
@@ -352,7 +441,10 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing the outputs
-        print(f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere", file=sys.stderr)
+        print(
+            f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -10,6 +10,7 @@ fast.py as a visible wrapper. The commands are in README.md.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
+
 import argparse
 import inspect
 import json
@@ -35,46 +36,64 @@ from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData, 
 
 @dataclass
 class TrainConfig:
-    preset: str = ""                 # start from a named model preset (bamboo.PRESETS); model flags override it
+    preset: str = ""                 # a named model (bamboo.PRESETS); model flags override it
     dataset: str = "cifar10"         # cifar10 | cifar100 | folder | wikitext2 | wikitext103 | text
     data_dir: str = "./data"         # where the dataset lives, or is downloaded to
-    tokenizer: str = "gpt2"          # text: a tiktoken encoding name, or bytes (256 ids, no download)
+    tokenizer: str = "gpt2"          # text: a tiktoken encoding, or bytes (256 ids, no download)
     train_file: str = "train.txt"    # --dataset text: training file inside data_dir
     val_file: str = "val.txt"        # --dataset text: evaluation file inside data_dir
     cache_dir: str = "./data/cache"  # text: where tokenized .bin files are cached
-    batch_size: int = 128            # samples per optimizer step, summed over processes and grad_accum
+    batch_size: int = 128            # samples per optimizer step, over processes and grad_accum
     grad_accum: int = 1              # micro-batches per optimizer step
     max_iters: int = 2000            # optimizer steps
-    lr: float = -1.0                 # peak learning rate (times the layer-decay scale); -1: base_lr x batch_size / 256
-    base_lr: float = 3e-4            # with --lr -1: the peak rate per 256 samples (linear scaling, as DeiT and MAE)
-    min_lr: float = 1e-5             # learning rate at the end of the cosine (with --lr -1: at most that rate)
-    warmup: int = -1                 # linear warmup steps; -1: max(100, 10 x depth), longer for deeper trunks
+    lr: float = -1.0                 # peak rate (times layer decay); -1: base_lr x batch_size / 256
+    base_lr: float = 3e-4            # with --lr -1: the peak rate per 256 samples (as DeiT and MAE)
+    min_lr: float = 1e-5             # rate at the end of the cosine (--lr -1: at most the peak)
+    warmup: int = -1                 # linear warmup steps; -1: max(100, 10 x depth)
     weight_decay: float = 0.05       # AdamW decay on matrices (not on biases, norms, positions)
     beta2: float = 0.95              # AdamW beta2
     grad_clip: float = 1.0           # clip the global gradient norm; 0 turns it off
-    layer_decay: float = 1.0         # fine-tuning: lr of block i scaled by layer_decay^(depth + 1 - i)
+    layer_decay: float = 1.0         # fine-tuning: block i's lr times layer_decay^(depth + 1 - i)
     eval_interval: int = 200         # evaluate and checkpoint every this many steps
     eval_samples: int = 10000        # held-out images or text windows per evaluation; 0 means all
     train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
     log_interval: int = 10           # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"             # checkpoint and log.jsonl go here
-    overwrite: bool = False          # start afresh in an out_dir that holds another run (its files are replaced)
+    overwrite: bool = False          # start afresh in an out_dir that holds another run (replaced)
     seed: int = 1337                 # one seed for the init, the data order and the masks
-    device: str = "auto"             # auto picks cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
-    dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (autocast; auto = bf16 where native)
-    compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py; auto = graphs on CUDA)
-    resume: bool = False             # continue from out_dir/ckpt.pt with its settings (see RESUMABLE)
-    init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this checkpoint
+    device: str = "auto"             # auto: cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
+    dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (auto: bf16 where native)
+    compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py)
+    resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
+    init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
-
-CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES, "pool": ("mean", "cls"),
-           "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
-           "preset": ("",) + tuple(PRESETS)}
-# What --resume may change: length and learning rate, where the data lives, logging. The settings of one
-# invocation (machine, time limit) are never inherited from the checkpoint: they are given now or default.
-RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
-             "log_interval", "data_dir", "cache_dir", "init_from")
+CHOICES = {
+    "dataset": IMAGE_DATASETS + TEXT_DATASETS,
+    "objective": OBJECTIVES,
+    "pool": ("mean", "cls"),
+    "dtype": fast.DTYPES,
+    "compile": fast.COMPILE_MODES,
+    "preset": ("",) + tuple(PRESETS),
+}
+# What --resume may change: length and learning rate, where the data lives, logging. The settings of
+# one
+# invocation (machine, time limit) are never inherited from the checkpoint: they are given now or
+# default.
+RESUMABLE = (
+    "max_iters",
+    "lr",
+    "base_lr",
+    "min_lr",
+    "warmup",
+    "grad_clip",
+    "eval_interval",
+    "eval_samples",
+    "log_interval",
+    "data_dir",
+    "cache_dir",
+    "init_from",
+)
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 
 
@@ -84,6 +103,7 @@ class TrainingError(Exception):
 
 # ----------------------------------------------------------------------------- settings
 
+
 def field_comments(cls):
     """The comment after each field of a dataclass: the --help text."""
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
@@ -92,11 +112,19 @@ def field_comments(cls):
 def build_parser():
     """Every TrainConfig and Config field as a flag. Flags not given stay unset, so that a preset,
     a pretrained trunk or a resumed checkpoint can fill them, and --resume knows what was asked."""
-    parser = argparse.ArgumentParser(description="Train bamboo models.", formatter_class=argparse.RawTextHelpFormatter)
-    for cls, title in ((TrainConfig, "training"), (Config, "model (defaults shown; a --preset sets its own)")):
+    parser = argparse.ArgumentParser(
+        description="Train bamboo models.", formatter_class=argparse.RawTextHelpFormatter
+    )
+    for cls, title in (
+        (TrainConfig, "training"),
+        (Config, "model (defaults shown; a --preset sets its own)"),
+    ):
         group, comments = parser.add_argument_group(title), field_comments(cls)
         for f in fields(cls):
-            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})", default=argparse.SUPPRESS)
+            kwargs = dict(
+                help=f"{comments.get(f.name, '')} (default: {f.default!r})",
+                default=argparse.SUPPRESS,
+            )
             if isinstance(f.default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -120,19 +148,32 @@ def schedule_defaults(cfg, depth):
     if cfg.lr != -1:
         return replace(cfg, warmup=warmup)
     lr = cfg.base_lr * cfg.batch_size / 256
-    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # small batches: the cosine never rises
+    # small batches: the cosine never rises
+    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)
 
 
 def validate(cfg):
-    """Check every training setting (after schedule_defaults) as Config checks its fields: one line naming the
-    flag and the fix."""
+    """Check every training setting (after schedule_defaults) as Config checks its fields: one line
+    naming the flag and the fix."""
     checks = [
         ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
         ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
         ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
-        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr), "must be a finite number >= 0"),
-        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr), "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
-        ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0), f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
+        (
+            "base_lr",
+            cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
+            "must be a finite number >= 0",
+        ),
+        (
+            "lr",
+            cfg.lr >= 0 and math.isfinite(cfg.lr),
+            "must be a finite number >= 0, or -1 (base_lr x batch / 256)",
+        ),
+        (
+            "min_lr",
+            0 <= cfg.min_lr <= max(cfg.lr, 0),
+            f"must be in [0, --lr {cfg.lr}]; lower --min_lr",
+        ),
         ("warmup", cfg.warmup >= 0, "must be >= 0, or -1 (max(100, 10 x depth))"),
         ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
         ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
@@ -140,7 +181,11 @@ def validate(cfg):
         ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
         ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
         ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
-        ("train_samples", cfg.train_samples >= 0, "must be >= 0 (0 means the whole training split)"),
+        (
+            "train_samples",
+            cfg.train_samples >= 0,
+            "must be >= 0 (0 means the whole training split)",
+        ),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
         ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
@@ -152,6 +197,7 @@ def validate(cfg):
 
 # ----------------------------------------------------------------------------- the learning rate
 
+
 def get_lr(it, cfg):
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters."""
     if it < cfg.warmup:
@@ -162,6 +208,7 @@ def get_lr(it, cfg):
 
 # ----------------------------------------------------------------------------- evaluation
 
+
 @torch.no_grad()
 def evaluate(model, data, cfg, batch_size, device):
     """The metric each objective is judged by, on fixed held-out data with fixed masks.
@@ -171,11 +218,15 @@ def evaluate(model, data, cfg, batch_size, device):
     objective = model.config.objective
     was_training = model.training
     model.eval()
-    loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other shapes
+    loss_sum, count, correct = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)
+    )
+    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
+    # shapes
     # would be compiled and captured for a pass that runs once per eval_interval steps.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.compiler.set_stance("force_eager"):
+    with torch.random.fork_rng(
+        devices=[device] if device.type == "cuda" else []
+    ), torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
         for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
             x = x.to(device)
@@ -207,127 +258,203 @@ def evaluate(model, data, cfg, batch_size, device):
 
 def selection_metric(objective):
     """The metric that decides the best checkpoint, and whether larger is better."""
-    return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False),
-            "mae": ("val_loss", False)}[objective]
+    return {
+        "cls": ("top1", True),
+        "mlm": ("mlm_acc", True),
+        "next": ("ppl", False),
+        "mae": ("val_loss", False),
+    }[objective]
 
 
 # ----------------------------------------------------------------------------- set-up
 
+
 def resume_config(args):
-    """The saved run's TrainConfig, with the RESUMABLE flags given now; any other flag must agree."""
+    """The saved run's TrainConfig, with the RESUMABLE flags given now; any other flag must
+    agree."""
     path = os.path.join(getattr(args, "out_dir", TrainConfig.out_dir), "ckpt.pt")
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
     if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(TrainConfig)}:
-        raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; fine-tune from it with "
-                              "--init_from instead")
+        raise checkpoint.CheckpointError(
+            f"{path} has no training state this version can resume; fine-tune from it with "
+            "--init_from instead"
+        )
     now = flags_given(args, TrainConfig)
     for name, value in {**now, **flags_given(args, Config)}.items():
         before = saved.get(name, ckpt["config"].get(name))
         if name not in RESUMABLE + PER_INVOCATION and value != before:
             hint = " or fine-tune from it with --init_from" if name == "objective" else ""
             may = " ".join("--" + n for n in RESUMABLE[:-1])
-            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has {name}={before!r}, not {value!r}; "
-                                f"--resume may change only {may}; drop --{name}{hint}")
-    settings = {f.name: saved.get(f.name, f.default) for f in fields(TrainConfig)}  # fields added since: defaults
+            raise TrainingError(
+                f"--resume: the run in {os.path.dirname(path)} has {name}={before!r}, not"
+                f" {value!r}; --resume may change only {may}; drop --{name}{hint}"
+            )
+    # fields added since: defaults
+    settings = {f.name: saved.get(f.name, f.default) for f in fields(TrainConfig)}
     for f in fields(TrainConfig):
         kinds = (int, float) if f.type is float else f.type
-        if not isinstance(settings[f.name], kinds) or (f.type is not bool and isinstance(settings[f.name], bool)):
-            raise checkpoint.CheckpointError(f"{path}: its training setting {f.name}={settings[f.name]!r} is damaged; train again")
+        if not isinstance(settings[f.name], kinds) or (
+            f.type is not bool and isinstance(settings[f.name], bool)
+        ):
+            raise checkpoint.CheckpointError(
+                f"{path}: its training setting {f.name}={settings[f.name]!r} is damaged; train"
+                " again"
+            )
     settings.update({name: getattr(TrainConfig, name) for name in PER_INVOCATION})
-    settings.update({name: value for name, value in now.items() if name in RESUMABLE + PER_INVOCATION})
+    settings.update(
+        {name: value for name, value in now.items() if name in RESUMABLE + PER_INVOCATION}
+    )
     try:
         return TrainConfig(**settings), ckpt
     except TypeError as e:
-        raise checkpoint.CheckpointError(f"{path}: its training settings are damaged ({e})") from None
+        raise checkpoint.CheckpointError(
+            f"{path}: its training settings are damaged ({e})"
+        ) from None
 
 
 def start_processes(cfg):
     """(device, rank, world): one process, or this rank of a torchrun DDP group."""
     rank, world, local_rank = 0, 1, 0
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        rank, world, local_rank = (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["LOCAL_RANK"]),
+        )
     device = fast.pick_device(cfg.device, local_rank)
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
-        raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
-                            f"{world} x {cfg.grad_accum}")
+        raise TrainingError(
+            f"--batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
+            f"{world} x {cfg.grad_accum}"
+        )
     return device, rank, world
 
 
 def prepare_out_dir(cfg):
-    """Check out_dir before any data is decoded: a writable folder, and no other run's files unless --overwrite."""
+    """Check out_dir before any data is decoded: a writable folder, and no other run's files unless
+    --overwrite."""
     out = cfg.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); choose another --out_dir") from None
+        raise TrainingError(
+            f"cannot create --out_dir {out} ({e.strerror}); choose another --out_dir"
+        ) from None
     if not os.access(out, os.W_OK | os.X_OK):
-        raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or fix its permissions")
+        raise TrainingError(
+            f"--out_dir {out} is not writable; choose another --out_dir or fix its permissions"
+        )
     taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
     if taken and not cfg.resume and not cfg.overwrite:
-        raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); continue it with --resume, "
-                            "choose another --out_dir, or pass --overwrite to replace it")
+        raise TrainingError(
+            f"--out_dir {out} holds another run ({', '.join(taken)}); continue it with --resume, "
+            "choose another --out_dir, or pass --overwrite to replace it"
+        )
 
 
 def model_settings(args, cfg, resumed, pretrained):
-    """The model's settings before the data is seen: the checkpoint's (resume), or preset, then flags."""
+    """The model's settings before the data is seen: the checkpoint's (resume), or preset, then
+    flags."""
     if resumed is not None:
         return dict(resumed["config"])
     settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
     if pretrained is not None:  # fine-tuning keeps the pretrained trunk's shape
-        settings.update({k: pretrained["config"][k] for k in ("depth", "width", "heads", "mlp_ratio", "patch_size",
-                                                              "image_size", "vocab_size", "seq_len", "neutreno")})
+        settings.update(
+            {
+                k: pretrained["config"][k]
+                for k in (
+                    "depth",
+                    "width",
+                    "heads",
+                    "mlp_ratio",
+                    "patch_size",
+                    "image_size",
+                    "vocab_size",
+                    "seq_len",
+                    "neutreno",
+                )
+            }
+        )
     settings.update(flags_given(args, Config))
     objective = settings.get("objective", Config.objective)
     image = objective in IMAGE_OBJECTIVES
     if image != (cfg.dataset in IMAGE_DATASETS):
         wanted = IMAGE_DATASETS if image else TEXT_DATASETS
-        raise TrainingError(f"--objective {objective} needs {'an image' if image else 'a text'} dataset "
-                            f"({', '.join(wanted)}), not --dataset {cfg.dataset}")
+        raise TrainingError(
+            f"--objective {objective} needs {'an image' if image else 'a text'} dataset "
+            f"({', '.join(wanted)}), not --dataset {cfg.dataset}"
+        )
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     return settings
 
 
 def load_data(cfg, settings, device):
     if cfg.dataset in IMAGE_DATASETS:
-        return ImageData(cfg.dataset, cfg.data_dir, device, settings.get("image_size", Config.image_size),
-                         train_samples=cfg.train_samples)
-    return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file, cfg.cache_dir,
-                    settings.get("seq_len", Config.seq_len))
+        return ImageData(
+            cfg.dataset,
+            cfg.data_dir,
+            device,
+            settings.get("image_size", Config.image_size),
+            train_samples=cfg.train_samples,
+        )
+    return TextData(
+        cfg.dataset,
+        cfg.data_dir,
+        cfg.tokenizer,
+        cfg.train_file,
+        cfg.val_file,
+        cfg.cache_dir,
+        settings.get("seq_len", Config.seq_len),
+    )
 
 
 def model_config(settings, data):
-    """The final Config: what the data dictates (classes, image size, vocabulary) on top of the settings."""
+    """The final Config: what the data dictates (classes, image size, vocabulary) on top of the
+    settings."""
     if isinstance(data, ImageData):
-        settings = {**settings, "image_size": data.image_size, "channels": data.channels,
-                    "num_classes": data.num_classes}
+        settings = {
+            **settings,
+            "image_size": data.image_size,
+            "channels": data.channels,
+            "num_classes": data.num_classes,
+        }
     else:
         settings = {**settings, "vocab_size": data.vocab_size}
     return Config.from_dict(settings)
 
 
 def check_trunk_loaded(model, loaded, path):
-    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must have come from the
-    checkpoint (a text trunk for an image model, or a flag that reshapes the trunk, would silently train from
-    scratch). Fewer blocks than the checkpoint is allowed: the first ones are used."""
+    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must have
+    come from the checkpoint (a text trunk for an image model, or a flag that reshapes the trunk,
+    would silently train from scratch). Fewer blocks than the checkpoint is allowed: the first ones
+    are used."""
     stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
-    missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem) and name not in loaded]
+    missing = [
+        name
+        for name in model.state_dict()
+        if name.startswith(("blocks.",) + stem) and name not in loaded
+    ]
     if missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} tensors are absent "
-                            f"or shaped differently ({names}); fine-tune from a checkpoint of the same modality and "
-                            "tokenizer, without flags that reshape its trunk (--width, --mlp_ratio, --patch_size)")
+        raise TrainingError(
+            f"--init_from {path} does not hold this model's trunk: {len(missing)} tensors are"
+            f" absent or shaped differently ({names}); fine-tune from a checkpoint of the same"
+            " modality and tokenizer, without flags that reshape its trunk (--width, --mlp_ratio,"
+            " --patch_size)"
+        )
 
 
 @dataclass
 class Run:
-    """One training run's state, every field declared here: setup() fills it, train() advances it."""
+    """One training run's state, every field declared here: setup() fills it, train() advances
+    it."""
 
     cfg: TrainConfig  # the settings (a resumed run: the checkpoint's, with the flags given now)
     device: torch.device  # where the model and the batches live
@@ -335,7 +462,9 @@ class Run:
     world: int = 1  # processes in the DDP group; 1 alone
     data: object = None  # ImageData or TextData
     model: Bamboo = None  # the model itself: what is evaluated and saved
-    training_module: nn.Module = None  # what the step calls: model, or model in fast.py's wrappers and DDP
+    training_module: nn.Module = (
+        None  # what the step calls: model, or model in fast.py's wrappers and DDP
+    )
     compile_mode: str = "off"  # the compilation fast.for_training chose
     dtype: torch.dtype = torch.float32  # autocast dtype
     autocast: object = None  # the context of the forward pass: autocast, or nullcontext in float32
@@ -376,12 +505,18 @@ class Run:
 def settings_of(args):
     """(training settings, the checkpoint resumed or None, the pretrained checkpoint or None, the
     model's settings): checked, flags over a preset, a trunk or a resumed run, before any work."""
-    if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it: else the first evaluation would fail
-        raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release this code runs on; "
-                            "pip install -r requirements.txt")
+    if not hasattr(
+        torch.compiler, "set_stance"
+    ):  # evaluate() needs it: else the first evaluation would fail
+        raise TrainingError(
+            f"torch {torch.__version__} is older than 2.6, the oldest release this code runs on; "
+            "pip install -r requirements.txt"
+        )
     resumed = None
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
-        raise TrainingError("--resume continues the run in --out_dir and --overwrite replaces it; choose one")
+        raise TrainingError(
+            "--resume continues the run in --out_dir and --overwrite replaces it; choose one"
+        )
     if getattr(args, "resume", False):
         cfg, resumed = resume_config(args)
     else:
@@ -409,26 +544,40 @@ def setup(args):
     run.model = Bamboo(config, explicit_attention=explicit).to(device)
     if pretrained is not None:
         load_pretrained_trunk(run, pretrained)
-    run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay,
-                                                  fused=fast.fused_adamw(device))
+    run.optimizer = run.model.configure_optimizer(
+        cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay, fused=fast.fused_adamw(device)
+    )
     run.params = list(run.model.parameters())
-    run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)  # bf16 needs no scaling
-    run.generator = torch.Generator().manual_seed(cfg.seed)  # data order and augmentation, the same on every rank
+    # bf16 needs no scaling
+    run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)
+    # data order and augmentation, the same on every rank
+    run.generator = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
     if resumed is not None:
         checkpoint.restore(run, resumed, run.ckpt_path)
         run.log(f"resumed from {run.ckpt_path} at step {run.step}")
-    module, run.compile_mode, note = fast.for_training(run.model, device, run.dtype, cfg.compile, run.ddp)
+    module, run.compile_mode, note = fast.for_training(
+        run.model, device, run.dtype, cfg.compile, run.ddp
+    )
     run.log(note)
-    run.training_module = (DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
-                           if run.ddp else module)
-    run.autocast = (torch.autocast(device.type, dtype=run.dtype, cache_enabled=run.compile_mode != "graphs")
-                    if run.dtype != torch.float32 else nullcontext())
+    run.training_module = (
+        DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+        if run.ddp
+        else module
+    )
+    run.autocast = (
+        torch.autocast(device.type, dtype=run.dtype, cache_enabled=run.compile_mode != "graphs")
+        if run.dtype != torch.float32
+        else nullcontext()
+    )
     run.micro_batch = cfg.batch_size // (world * cfg.grad_accum)
-    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{run.model.num_params() / 1e6:.2f}M params, {run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} x {cfg.grad_accum} "
-            f"x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps")
+    run.log(
+        f"{config.objective} {config.depth}x{config.width} ({config.heads} heads),"
+        f" {run.model.num_params() / 1e6:.2f}M params, {run.model.flops_per_sample() / 1e9:.3f}"
+        f" GFLOPs/sample, {device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} ="
+        f" {world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup"
+        f" {cfg.warmup} steps"
+    )
     return run
 
 
@@ -436,14 +585,19 @@ def load_pretrained_trunk(run, pretrained):
     """--init_from: the pretrained stem and blocks, checked to be whole."""
     loaded, skipped = run.model.load_encoder(pretrained["model"])
     check_trunk_loaded(run.model, loaded, run.cfg.init_from)
-    run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
-            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
+    run.log(
+        f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+        f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})"
+    )
 
 
-# ----------------------------------------------------------------------------- bookkeeping that is not the step
+# ----------------------------------------------------------------------------- bookkeeping that is
+# not the step
+
 
 def any_rank(run, flag):
-    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag itself."""
+    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag
+    itself."""
     if not run.ddp:
         return flag
     value = torch.tensor([float(flag)], device=run.device if run.device.type == "cuda" else "cpu")
@@ -466,23 +620,32 @@ def time_to_stop(run):
 def last_good_state(run):
     """Where the last good state is, said truthfully."""
     if run.saved_step is None:
-        return f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), so this run is lost"
-    return f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from it with --resume"
+        return (
+            f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), so"
+            " this run is lost"
+        )
+    return (
+        f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from it"
+        " with --resume"
+    )
 
 
 def divergence_advice(cfg):
-    """What to change after a non-finite loss: the rate and the warmup first (a deep trunk diverged on a GPU with
-    a warmup that was too short), then clipping if it is off."""
+    """What to change after a non-finite loss: the rate and the warmup first (a deep trunk diverged
+    on a GPU with a warmup that was too short), then clipping if it is off."""
     clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
     return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
 
 
 def read_loss(run, total):
-    """The training loss as a number (a host sync), refusing a non-finite one before anything is saved."""
+    """The training loss as a number (a host sync), refusing a non-finite one before anything is
+    saved."""
     train_loss = total.item()
     if not math.isfinite(train_loss):
-        raise TrainingError(f"loss is {train_loss} at step {run.step} (read every --log_interval steps); nothing "
-                            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}")
+        raise TrainingError(
+            f"loss is {train_loss} at step {run.step} (read every --log_interval steps); nothing "
+            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}"
+        )
     return train_loss
 
 
@@ -491,10 +654,14 @@ def stop_if_non_finite(run, metrics):
     non-finite (other ranks pass metrics None)."""
     problem = None
     if run.master:
-        finite = all(torch.isfinite(p).all() for p in run.params) and math.isfinite(metrics["val_loss"])
+        finite = all(torch.isfinite(p).all() for p in run.params) and math.isfinite(
+            metrics["val_loss"]
+        )
         if not finite:
-            problem = (f"the weights or the evaluation went non-finite at step {run.step}; nothing was saved; "
-                       f"{last_good_state(run)}; {divergence_advice(run.cfg)}")
+            problem = (
+                f"the weights or the evaluation went non-finite at step {run.step}; nothing was"
+                f" saved; {last_good_state(run)}; {divergence_advice(run.cfg)}"
+            )
     if any_rank(run, problem is not None):
         raise TrainingError(problem or "rank 0 stopped the run")
 
@@ -502,28 +669,40 @@ def stop_if_non_finite(run, metrics):
 def record_evaluation(run, metrics, train_loss, log, bar):
     """Keep the best, write the evaluation to log.jsonl and print it (rank 0)."""
     name, larger_is_better = selection_metric(run.model.config.objective)
-    if run.best is None or (metrics[name] > run.best if larger_is_better else metrics[name] < run.best):
+    if run.best is None or (
+        metrics[name] > run.best if larger_is_better else metrics[name] < run.best
+    ):
         run.best = metrics[name]
     run.metrics = metrics
-    record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": time.time() - run.t_start}
+    record = {
+        "step": run.step,
+        "train_loss": train_loss,
+        **metrics,
+        "elapsed_s": time.time() - run.t_start,
+    }
     log.write(json.dumps({"eval": True, **record}) + "\n")
-    bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    bar.write(
+        " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+    )
 
 
 def micro_batch(run, draws, k):
     """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
     cfg = run.cfg
-    part = {name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
-            for name, v in draws.items()}
+    part = {
+        name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
+        for name, v in draws.items()
+    }
     x, y = run.data.train_batch(part)
     return to_device(x, run.device), y
 
 
 @contextmanager
 def stop_signals(run):
-    """Ctrl-C and SIGTERM (what schedulers send) set run.stop: the loop finishes the step (under DDP,
-    the steps up to the next one that logs the loss), saves and exits; a second Ctrl-C stops at
+    """Ctrl-C and SIGTERM (what schedulers send) set run.stop: the loop finishes the step (under
+    DDP, the steps up to the next one that logs the loss), saves and exits; a second Ctrl-C stops at
     once. The handlers before are put back on the way out."""
+
     def handler(signum, frame):
         if run.stop == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -539,16 +718,22 @@ def stop_signals(run):
 
 @contextmanager
 def log_and_progress(run):
-    """(log.jsonl, progress bar) for the loop; on the way out the bar is closed before any error line
-    and a DDP rank leaves its process group."""
+    """(log.jsonl, progress bar) for the loop; on the way out the bar is closed before any error
+    line and a DDP rank leaves its process group."""
     from tqdm import tqdm
 
     # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
-    bar = tqdm(total=run.cfg.max_iters, initial=run.step, disable=not (run.master and sys.stderr.isatty()),
-               dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(
+        total=run.cfg.max_iters,
+        initial=run.step,
+        disable=not (run.master and sys.stderr.isatty()),
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
     mode = "a" if run.cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
-        # Line-buffered: `tail -f log.jsonl` follows the run, and a killed run keeps every line it logged.
+        # Line-buffered: `tail -f log.jsonl` follows the run, and a killed run keeps every line it
+        # logged.
         with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as log:
             yield log, bar
     finally:
@@ -558,29 +743,40 @@ def log_and_progress(run):
 
 
 def summary(run):
-    """The last evaluation, the best, and the speed: ms per step, samples or tokens per second, MFU on GPUs."""
+    """The last evaluation, the best, and the speed: ms per step, samples or tokens per second, MFU
+    on GPUs."""
     if not run.step_times or not run.master or run.metrics is None:
         return
     c, cfg = run.model.config, run.cfg
     name, _ = selection_metric(c.objective)
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
-    step_s = sum(run.step_times[1:] or run.step_times) / max(1, len(run.step_times) - 1)  # the first step warms up
-    line = (f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), {step_s * 1000:.1f} ms/step, "
-            f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
+    # the first step warms up
+    step_s = sum(run.step_times[1:] or run.step_times) / max(1, len(run.step_times) - 1)
+    line = (
+        f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), {step_s * 1000:.1f} ms/step, "
+        f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s"
+    )
     peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
     if peak:
-        line += f", MFU {run.model.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
+        line += (
+            ", MFU"
+            f" {run.model.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
+        )
     run.log(line)
 
 
 # ----------------------------------------------------------------------------- the training loop
 
+
 def train(args):
     run = setup(args)
-    cfg, model = run.cfg, run.training_module  # model: the Bamboo, or it inside fast.py's wrappers and DDP
+    # model: the Bamboo, or it inside fast.py's wrappers and DDP
+    cfg, model = run.cfg, run.training_module
     if run.step >= cfg.max_iters:
-        run.log(f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
-                f"{cfg.max_iters}; raise --max_iters to train on")
+        run.log(
+            f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
+            f"{cfg.max_iters}; raise --max_iters to train on"
+        )
         if run.ddp:
             dist.destroy_process_group()
         return 0
@@ -593,7 +789,8 @@ def train(args):
             for group in run.optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             # 2. forward and backward over grad_accum micro-batches of this rank's part of the batch
-            draws = run.data.sample(cfg.batch_size, run.generator)  # the global batch, same on every rank
+            # the global batch, same on every rank
+            draws = run.data.sample(cfg.batch_size, run.generator)
             loss_sum = torch.zeros((), device=run.device)  # mean over micro-batches and ranks
             for k in range(cfg.grad_accum):
                 x, y = micro_batch(run, draws, k)
@@ -620,22 +817,29 @@ def train(args):
             if run.step % cfg.log_interval == 0 or evaluating:
                 train_loss = read_loss(run, loss_sum)  # refuses a non-finite loss before any save
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-            run.step_times.append(time.time() - t0)  # up to the read: the steps add up to the wall clock
+            # up to the read: the steps add up to the wall clock
+            run.step_times.append(time.time() - t0)
             if run.master and run.step % cfg.log_interval == 0:
                 log.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
             # 5. evaluate on held-out data and save a checkpoint
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
-                metrics = (evaluate(run.model, run.data, cfg, run.micro_batch * cfg.grad_accum, run.device)
-                           if run.master else None)
+                metrics = (
+                    evaluate(run.model, run.data, cfg, run.micro_batch * cfg.grad_accum, run.device)
+                    if run.master
+                    else None
+                )
                 stop_if_non_finite(run, metrics)
                 if run.master:
                     record_evaluation(run, metrics, train_loss, log, bar)
                     checkpoint.save(run.ckpt_path, {**state, "best": run.best})
                     run.saved_step = run.step
             if stopping:
-                run.log(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved to "
-                        f"{run.ckpt_path}; continue with: python train.py --resume --out_dir {cfg.out_dir}")
+                run.log(
+                    f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved"
+                    f" to {run.ckpt_path}; continue with: python train.py --resume --out_dir"
+                    f" {cfg.out_dir}"
+                )
                 break
     if run.stop is None:
         summary(run)
@@ -650,21 +854,32 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # mostly the log: a full disk, a removed folder (checkpoints say so themselves)
+    except (
+        OSError
+    ) as e:  # mostly the log: a full disk, a removed folder (checkpoints say so themselves)
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); the last checkpoint "
-                  "is as it was; free space or restore the path, then continue with --resume", file=sys.stderr)
+            print(
+                f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); the"
+                " last checkpoint is as it was; free space or restore the path, then continue with"
+                " --resume",
+                file=sys.stderr,
+            )
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
-        print("error: interrupted twice; stopped at once, the last checkpoint is as it was", file=sys.stderr)
+        print(
+            "error: interrupted twice; stopped at once, the last checkpoint is as it was",
+            file=sys.stderr,
+        )
         return 130
 
 
 if __name__ == "__main__":
     code = main()
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves without the
-        # interpreter's shutdown, where gloo's threads can still touch Python objects and, now and then, abort
+        # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves
+        # without the
+        # interpreter's shutdown, where gloo's threads can still touch Python objects and, now and
+        # then, abort
         # the rank after a good run ("terminate called without an active exception").
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,4 +1,5 @@
-"""pytest set-up for the lab's tests: the repository root on the import path (test_all.py, train.py, ...).
+"""pytest set-up for the lab's tests: the repository root on the import path, and test_all.py's
+tiny data as a fixture here too.
 
 Run: python -m pytest -q results
 """
@@ -6,3 +7,4 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_all import tiny_data  # noqa: E402, F401 (a fixture the lab's tests share)

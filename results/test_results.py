@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from test_all import REPO, tiny_data, trained_checkpoint  # noqa: F401 (tiny_data: a fixture)
+from test_all import REPO, trained_checkpoint
 
 
 def analyze_argv(data, runs, out, *seeds, flags=()):
