@@ -80,34 +80,23 @@ class Config:
             ("mlp_ratio", self.mlp_ratio > 0, "must be positive"),
             ("dropout", 0 <= self.dropout < 1, "must be in [0, 1)"),
             ("drop_path", 0 <= self.drop_path < 1, "must be in [0, 1)"),
-            (
-                "patch_size",
-                self.patch_size >= 1 and self.image_size % self.patch_size == 0,
-                f"must divide image_size={self.image_size}",
-            ),
+            ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0,
+             f"must divide image_size={self.image_size}"),
             ("image_size", self.image_size >= 1, "must be at least 1"),
             ("channels", self.channels >= 1, "must be at least 1"),
-            (
-                "num_classes",
-                self.num_classes >= (2 if self.objective == "cls" else 1),
-                "must be at least 2 for cls (an image folder holds one sub-folder per class)",
-            ),
+            ("num_classes", self.num_classes >= (2 if self.objective == "cls" else 1),
+             "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
             ("mask_ratio", self.num_visible() >= 1, "leaves no visible patch; lower it"),
             ("decoder_depth", self.decoder_depth >= 1, "must be at least 1"),
-            (
-                "decoder_heads",
-                self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,
-                f"must divide decoder_width={self.decoder_width}",
-            ),
-            (
-                "decoder_width",
-                self.decoder_width % 4 == 0,
-                "must be a multiple of 4 (2-D sin-cos positions)",
-            ),
+            ("decoder_heads",
+             self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,
+             f"must divide decoder_width={self.decoder_width}"),
+            ("decoder_width", self.decoder_width % 4 == 0,
+             "must be a multiple of 4 (2-D sin-cos positions)"),
             ("mlm_prob", 0 < self.mlm_prob < 1, "must be in (0, 1)"),
             ("neutreno", self.neutreno >= 0, "must be >= 0 (0 turns NeuTRENO off)"),
             ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
@@ -290,21 +279,10 @@ class Block(nn.Module):
     """Pre-norm block: x + attn(ln(x)), then x + mlp(ln(x)). Returns (x, v, attention probs), v the
     values of a NeuTRENO model's layer 0 (called without v0), else None."""
 
-    def __init__(
-        self,
-        width,
-        heads,
-        mlp_ratio=4.0,
-        dropout=0.0,
-        drop_path=0.0,
-        causal=False,
-        neutreno=0.0,
-        vo_param="free",
-        explicit_attention=False,
-    ):
+    def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False,
+                 neutreno=0.0, vo_param="free", explicit_attention=False):
         super().__init__()
-        # smooth/sharpen: no learned gain, whose sign could flip W_V W_O's eigenvalues (see
-        # neutreno.py)
+        # smooth/sharpen: no learned gain, whose sign could flip W_V W_O's eigenvalues
         self.ln1 = nn.LayerNorm(width, elementwise_affine=vo_param == "free")
         options = dict(
             causal=causal, neutreno=neutreno, dropout=dropout, explicit=explicit_attention
@@ -448,17 +426,8 @@ class Bamboo(nn.Module):
         # stochastic depth grows linearly
         rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]
         self.blocks = nn.ModuleList(
-            Block(
-                c.width,
-                c.heads,
-                c.mlp_ratio,
-                c.dropout,
-                rate,
-                c.objective == "next",
-                c.neutreno,
-                c.vo_param,
-                self.explicit_attention,
-            )
+            Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno,
+                  c.vo_param, self.explicit_attention)
             for rate in rates
         )
         init_stack(self.blocks, residual_depth=c.depth)
@@ -488,12 +457,8 @@ class Bamboo(nn.Module):
                 "decoder_pos_embed", sincos_2d(c.decoder_width, grid), persistent=False
             )
             self.decoder_blocks = nn.ModuleList(
-                Block(
-                    c.decoder_width,
-                    c.decoder_heads,
-                    c.mlp_ratio,
-                    explicit_attention=self.explicit_attention,
-                )
+                Block(c.decoder_width, c.decoder_heads, c.mlp_ratio,
+                      explicit_attention=self.explicit_attention)
                 for _ in range(c.decoder_depth)
             )
             self.decoder_norm = nn.LayerNorm(c.decoder_width)
@@ -661,10 +626,8 @@ class Bamboo(nn.Module):
             positions = self.choose_positions(tokens)
             inputs, _ = self.mask_tokens(tokens, positions)
             h, _, _ = self.run_blocks(self.embed(inputs)[0])
-            h, targets = (
-                take_tokens(h, positions).flatten(0, 1),
-                tokens.gather(1, positions).flatten(),
-            )
+            h, targets = (take_tokens(h, positions).flatten(0, 1),
+                          tokens.gather(1, positions).flatten())
         else:  # corrupted tokens and their targets given (-100 where ignored)
             h, _, _ = self.run_blocks(self.embed(tokens)[0])
             chosen = y != -100
@@ -711,19 +674,14 @@ class Bamboo(nn.Module):
         depth, groups = self.config.depth, {}
         no_decay = ("pos_embed", "cls_token", "mask_token", "vo.psi", "vo.basis")
         for name, p in self.named_parameters():
-            # No decay on positions, special tokens, or the eigen-parameterization (decay would pull
-            # l to 0).
+            # No decay on positions, special tokens, or eigenvalues (decay would pull l to 0).
             decay = p.dim() >= 2 and not name.endswith(no_decay)
             lr_scale = layer_decay ** (depth + 1 - layer_id(name, depth))
-            # One group per distinct setting: 2 groups without layer decay, so one fused kernel call
-            # each.
+            # One group per setting: 2 without layer decay, so one fused kernel call each.
             group = groups.setdefault(
                 (decay, lr_scale),
-                {
-                    "params": [],
-                    "lr_scale": lr_scale,
-                    "weight_decay": weight_decay if decay else 0.0,
-                },
+                {"params": [], "lr_scale": lr_scale,
+                 "weight_decay": weight_decay if decay else 0.0},
             )
             group["params"].append(p)
         return torch.optim.AdamW(list(groups.values()), lr=lr, betas=(0.9, beta2), fused=fused)

@@ -65,8 +65,7 @@ def synthetic_batch(config, batch_size, device, generator):
     )
 
 
-# ----------------------------------------------------------------------------- what users would
-# pick instead
+# -------------------------------------------------------------------- what users would pick instead
 
 
 def reference_model(config):
@@ -345,21 +344,11 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         peak = peaks[dtype][0]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
         rows.append(
-            {
-                "spec": spec,
-                "impl": runner.name,
-                "dtype": str(dtype).replace("torch.", ""),
-                "compiled": runner.compiled,
-                "attention": runner.attention,
-                "step_ms": step * 1000,
-                "samples_s": args.batch_size / step,
-                "tokens_s": args.batch_size * tokens / step,
-                "tflops": tflops,
-                "mfu": 100 * tflops / peak if peak else None,
-                "peak_mib": mem,
-                "params_m": params,
-                "first_step_s": runner.first_step_s,
-            }
+            {"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
+             "compiled": runner.compiled, "attention": runner.attention, "step_ms": step * 1000,
+             "samples_s": args.batch_size / step, "tokens_s": args.batch_size * tokens / step,
+             "tflops": tflops, "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem,
+             "params_m": params, "first_step_s": runner.first_step_s}
         )
         r = rows[-1]
         print(
@@ -377,12 +366,8 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     entries, runners, peaks = build_runners(args, device)
-    step_ms = fastest_ms(
-        {i: runner.step for i, runner in enumerate(runners)},
-        args.rounds,
-        args.steps,
-        device_sync(device),
-    )
+    step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds,
+                         args.steps, device_sync(device))
     rows = print_table(
         args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks
     )
@@ -397,12 +382,8 @@ def run(args):
             if device.type == "cuda"
             else platform.processor() or device.type
         )
-        report = {
-            "device": name,
-            "torch": torch.__version__,
-            "batch_size": args.batch_size,
-            "rows": rows,
-        }
+        report = {"device": name, "torch": torch.__version__, "batch_size": args.batch_size,
+                  "rows": rows}
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     return rows
 
@@ -456,11 +437,9 @@ def check_args(args):
         raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
     for spec in args.specs:
         parse_spec(spec)
-    for flag, names, known in (
-        ("--dtype", args.dtype, fast.DTYPES),
-        ("--compile", args.compile, fast.COMPILE_MODES),
-        ("--attention", args.attention, fast.ATTENTION_CHOICES),
-    ):
+    for flag, names, known in (("--dtype", args.dtype, fast.DTYPES),
+                               ("--compile", args.compile, fast.COMPILE_MODES),
+                               ("--attention", args.attention, fast.ATTENTION_CHOICES)):
         for name in names.split(","):
             if name not in known:
                 raise ValueError(f"unknown {flag} {name!r}; use {', '.join(known)}")

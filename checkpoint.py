@@ -24,8 +24,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used or written; the message is one line and says why."""
 
 
-# ----------------------------------------------------------------------------- files written whole
-# or not at all
+# ---------------------------------------------------------------- files written whole or not at all
 
 
 def check_output_path(flag, path):
@@ -74,16 +73,10 @@ def training_state(run):
     if run.ddp:  # masks and dropout differ per rank, so a resume needs each rank's own state
         ranks = [None] * run.world
         dist.all_gather_object(ranks, own)
-    return {
-        "config": run.model.config.to_dict(),
-        "train": asdict(run.cfg),
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scaler": run.scaler.state_dict(),
-        "step": run.step,
-        "best": run.best,
-        "rng": {"data": run.generator.get_state(), "ranks": ranks},
-    }
+    return {"config": run.model.config.to_dict(), "train": asdict(run.cfg),
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scaler": run.scaler.state_dict(), "step": run.step, "best": run.best,
+            "rng": {"data": run.generator.get_state(), "ranks": ranks}}
 
 
 def save(path, state):

@@ -64,11 +64,8 @@ def _cifar(name, data_dir, train):
             f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
             "with an ImageFolder tree"
         ) from None
-    return (
-        torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(),
-        torch.tensor(ds.targets),
-        list(ds.classes),
-    )
+    return (torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets),
+            list(ds.classes))
 
 
 def _decode(path, size):
@@ -213,14 +210,12 @@ class ImageData:
             )
         self.num_classes = len(classes)
         if name == "folder":
-            # ImageFolder lists images class by class; one fixed shuffle makes "the first N" a fair
-            # sample.
+            # ImageFolder lists images class by class: one fixed shuffle makes "the first N" fair.
             order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
             self.test_x, self.test_y = self.test_x[order], self.test_y[order]
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # Per-channel statistics of the training pixels (test pixels without a train split), to
-        # normalise.
+        # Per-channel statistics of the training pixels (test pixels without a train split).
         flat = (
             (self.train_x if train else self.test_x)[:10000]
             .float()
@@ -243,11 +238,9 @@ class ImageData:
 
     def sample(self, n, generator):
         """The random draws of one global batch: which images, where to crop, whether to flip."""
-        return {
-            "index": torch.randint(0, len(self.train_x), (n,), generator=generator),
-            "offset": torch.randint(0, 9, (n, 2), generator=generator),
-            "flip": torch.rand(n, generator=generator) < 0.5,
-        }
+        return {"index": torch.randint(0, len(self.train_x), (n,), generator=generator),
+                "offset": torch.randint(0, 9, (n, 2), generator=generator),
+                "flip": torch.rand(n, generator=generator) < 0.5}
 
     def train_batch(self, draws):
         """Augmented, normalised images and their labels for (a shard of) a sampled batch."""
@@ -283,16 +276,10 @@ def random_crop_flip(x, offsets, flips, pad=4):
 # ----------------------------------------------------------------------------- text
 
 WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging Face config)
-    "wikitext2": (
-        "https://wikitext.smerity.com/wikitext-2-raw-v1.zip",
-        "wikitext-2-raw",
-        "wikitext-2-raw-v1",
-    ),
-    "wikitext103": (
-        "https://wikitext.smerity.com/wikitext-103-raw-v1.zip",
-        "wikitext-103-raw",
-        "wikitext-103-raw-v1",
-    ),
+    "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw",
+                  "wikitext-2-raw-v1"),
+    "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw",
+                    "wikitext-103-raw-v1"),
 }
 HF_PARQUET = (
     "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
@@ -349,10 +336,8 @@ def download_wikitext(name, data_dir):
     ours = [os.path.join(target, f"{s}.txt") for s in ("train", "valid", "test")]
     ours = [path for path in ours if not os.path.exists(path)]  # only what this call may write
     errors = []
-    for source, fetch in (
-        (url, lambda: _from_mirror(url, folder, target)),
-        ("huggingface.co", lambda: _from_hugging_face(hf_config, target)),
-    ):
+    for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
+                          ("huggingface.co", lambda: _from_hugging_face(hf_config, target))):
         try:
             fetch()
             return target
@@ -375,12 +360,9 @@ def get_tokenizer(name):
     import tiktoken
 
     if name == "bytes":
-        return tiktoken.Encoding(
-            "bytes",
-            pat_str=r"[\s\S]",
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={},
-        )
+        return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
+                                 mergeable_ranks={bytes([i]): i for i in range(256)},
+                                 special_tokens={})
     try:
         return tiktoken.get_encoding(name)
     except ValueError:

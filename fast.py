@@ -66,11 +66,8 @@ def pick_device(name, local_rank=0):
         raise ValueError(
             f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
         ) from None
-    available = {
-        "cpu": True,
-        "cuda": torch.cuda.is_available(),
-        "mps": torch.backends.mps.is_available(),
-    }
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": torch.backends.mps.is_available()}
     if not available.get(device.type, False):
         raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():

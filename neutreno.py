@@ -132,12 +132,8 @@ class Attention(nn.Module):
         w_qkv, _, w_o, _ = (t.detach() for t in self.projections())
         D, nh = w_o.shape[0], self.heads
         w_q, w_k, w_v = w_qkv.chunk(3)  # (D_out, D_in) each
-        return {
-            "q": w_q.T,
-            "k": w_k.T,
-            "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
-            "o": w_o.T.reshape(nh, D // nh, D),
-        }
+        return {"q": w_q.T, "k": w_k.T, "v": w_v.T.reshape(D, nh, D // nh).transpose(0, 1),
+                "o": w_o.T.reshape(nh, D // nh, D)}
 
 
 class EigenAttention(Attention):

@@ -223,16 +223,9 @@ def load_samples(args, model, train_cfg):
     if c.is_image:
         data = ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
     else:
-        data = TextData(
-            dataset,
-            data_dir,
-            args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
-            "",
-            args.val_file or train_cfg.get("val_file", "val.txt"),
-            train_cfg.get("cache_dir", "./data/cache"),
-            c.seq_len,
-            train=False,
-        )
+        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
+                        args.val_file or train_cfg.get("val_file", "val.txt"),
+                        train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
         if data.vocab_size > c.vocab_size:
             raise ValueError(
                 f"tokenizer has {data.vocab_size} ids but the model knows {c.vocab_size}; "
@@ -354,26 +347,15 @@ def run(args):
         raise ValueError(
             f"--labels needs {len(args.checkpoints)} distinct names, one per checkpoint"
         )
-    report = {
-        "labels": labels,
-        "layers": [],
-        "samples": args.samples,
-        "depth": {},
-        "source": {},
-        "metrics": {},
-    }
+    report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
+              "metrics": {}}
     reference, raw, sample_sets = None, {}, {}
     for label, spec in zip(labels, args.checkpoints):
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(pick_device(args.device, 0))
         c = model.config
-        key = (
-            c.is_image,
-            c.image_size,
-            c.seq_len,
-            train_cfg.get("dataset"),
-            train_cfg.get("data_dir"),
-        )
+        key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
+               train_cfg.get("data_dir"))
         if (
             key not in sample_sets
         ):  # decode or tokenize each dataset once, however many checkpoints share it

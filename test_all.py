@@ -29,8 +29,7 @@ from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, take_token
 from neutreno import Attention, explicit_attention
 
 # The suite's models are tiny: splitting their ops over two threads costs more in hand-offs than it
-# saves on
-# a 2-core machine, and one thread leaves the other core to the torchrun and signal tests'
+# saves on a 2-core machine, and one thread leaves the other core to the torchrun and signal tests'
 # subprocesses.
 torch.set_num_threads(1)
 
@@ -42,19 +41,8 @@ torch.set_num_threads(1)
 
 def tiny(objective, **overrides):
     """A config small enough to train in a second on CPU."""
-    base = dict(
-        objective=objective,
-        depth=2,
-        width=32,
-        heads=2,
-        image_size=16,
-        patch_size=4,
-        vocab_size=64,
-        seq_len=16,
-        decoder_depth=1,
-        decoder_width=32,
-        decoder_heads=2,
-    )
+    base = dict(objective=objective, depth=2, width=32, heads=2, image_size=16, patch_size=4,
+                vocab_size=64, seq_len=16, decoder_depth=1, decoder_width=32, decoder_heads=2)
     return Config(**{**base, **overrides})
 
 
@@ -80,36 +68,11 @@ def mean_cos(h):
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-TINY_IMAGE_FLAGS = [
-    "--depth",
-    "2",
-    "--width",
-    "32",
-    "--heads",
-    "2",
-    "--image_size",
-    "16",
-    "--patch_size",
-    "4",
-    "--decoder_depth",
-    "1",
-    "--decoder_width",
-    "32",
-    "--decoder_heads",
-    "2",
-]
-TINY_TEXT_FLAGS = [
-    "--depth",
-    "2",
-    "--width",
-    "32",
-    "--heads",
-    "2",
-    "--seq_len",
-    "32",
-    "--tokenizer",
-    "bytes",
-]
+TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_size", "16",
+                    "--patch_size", "4", "--decoder_depth", "1", "--decoder_width", "32",
+                    "--decoder_heads", "2"]
+TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32",
+                   "--tokenizer", "bytes"]
 
 
 def run_train(*flags, out_dir):
@@ -135,43 +98,15 @@ def train_losses(records):
 def image_flags(tiny_data, objective, *extra):
     # the tiny MAE needs a higher lr to learn in 40 steps
     lr = "1e-2" if objective == "mae" else "3e-3"
-    return [
-        "--objective",
-        objective,
-        "--dataset",
-        "folder",
-        "--data_dir",
-        str(tiny_data / "images"),
-        *TINY_IMAGE_FLAGS,
-        "--batch_size",
-        "16",
-        "--lr",
-        lr,
-        "--warmup",
-        "2",
-        *extra,
-    ]
+    return ["--objective", objective, "--dataset", "folder", "--data_dir",
+            str(tiny_data / "images"), *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr,
+            "--warmup", "2", *extra]
 
 
 def text_flags(tiny_data, objective, *extra):
-    return [
-        "--objective",
-        objective,
-        "--dataset",
-        "text",
-        "--data_dir",
-        str(tiny_data / "text"),
-        "--cache_dir",
-        str(tiny_data / "cache"),
-        *TINY_TEXT_FLAGS,
-        "--batch_size",
-        "16",
-        "--lr",
-        "3e-3",
-        "--warmup",
-        "2",
-        *extra,
-    ]
+    return ["--objective", objective, "--dataset", "text", "--data_dir", str(tiny_data / "text"),
+            "--cache_dir", str(tiny_data / "cache"), *TINY_TEXT_FLAGS, "--batch_size", "16", "--lr",
+            "3e-3", "--warmup", "2", *extra]
 
 
 def trained_checkpoint(tiny_data, objective, out_dir, steps=1, *extra):
@@ -190,20 +125,8 @@ def run_torchrun(*flags, out_dir):
     returns (exit code, output, log records)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "train.py",
-            "--log_interval",
-            "1",
-            *flags,
-            "--out_dir",
-            str(out_dir),
-        ],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "train.py", "--log_interval", "1", *flags, "--out_dir", str(out_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -257,8 +180,7 @@ def tiny_data(tmp_path_factory):
 
 
 # ==================================================================================================
-# 1. The model: trunk, NeuTRENO, MAE, MLM, configs and presets, overfitting, fine-tuning, same-init
-# trunks
+# 1. The model: trunk, NeuTRENO, MAE, MLM, configs and presets, overfitting, same-init trunks
 # ==================================================================================================
 
 
@@ -269,12 +191,9 @@ def test_objective_shapes_loss_and_gradients(objective):
     model = Bamboo(c)
     x, y = batch(c)
     out, loss = model(x, y)  # logits for every objective, with or without gradients
-    expected = {
-        "mae": (4, c.num_patches(), c.patch_size**2 * c.channels),
-        "cls": (4, c.num_classes),
-        "mlm": (out.shape[0], c.vocab_size),
-        "next": (4, c.seq_len - 1, c.vocab_size),
-    }[objective]
+    expected = {"mae": (4, c.num_patches(), c.patch_size**2 * c.channels),
+                "cls": (4, c.num_classes), "mlm": (out.shape[0], c.vocab_size),
+                "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
     assert out.shape == expected
     assert torch.isfinite(loss)
     loss.backward()
@@ -374,11 +293,8 @@ def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypat
 
     fused_calls = []
     sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        neutreno.F,
-        "scaled_dot_product_attention",
-        lambda *a, **k: fused_calls.append(1) or sdpa(*a, **k),
-    )
+    monkeypatch.setattr(neutreno.F, "scaled_dot_product_attention",
+                        lambda *a, **k: fused_calls.append(1) or sdpa(*a, **k))
     torch.manual_seed(0)
     for causal in (False, True):
         attns = {
@@ -419,7 +335,7 @@ def test_causal_outputs_ignore_the_future():
         assert not torch.equal(a[-1][:, t + 1 :], b[-1][:, t + 1 :])
 
 
-# ---------------------------------------------------------------- NeuTRENO
+# ----------------------------------------------------------------------------- NeuTRENO
 
 
 def test_neutreno_zero_lambda_is_plain_attention_exactly():
@@ -481,15 +397,8 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
     for lam in (0.0, 0.6):
         torch.manual_seed(0)
         model = Bamboo(
-            Config(
-                objective=objective,
-                depth=24,
-                width=64,
-                heads=1,
-                neutreno=lam,
-                vocab_size=256,
-                seq_len=64,
-            )
+            Config(objective=objective, depth=24, width=64, heads=1, neutreno=lam, vocab_size=256,
+                   seq_len=64)
         ).eval()
         x, _ = batch(model.config, B=8, seed=1)
         with torch.no_grad():
@@ -497,7 +406,7 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
     assert cos[0.6] < cos[0.0]
 
 
-# ---------------------------------------------------------------- MAE
+# ----------------------------------------------------------------------------- MAE
 
 
 def test_mae_masking_keeps_the_right_number_and_restores_order():
@@ -562,7 +471,7 @@ def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
         assert not torch.allclose(model.forward_mae(visible_changed, noise=noise)[0], pred)
 
 
-# ---------------------------------------------------------------- MLM
+# ----------------------------------------------------------------------------- MLM
 
 
 def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
@@ -590,7 +499,7 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
 
 
-# ---------------------------------------------------------------- presets and configs
+# ----------------------------------------------------------------------------- presets and configs
 
 
 def test_table1_comparable_compute():
@@ -644,27 +553,11 @@ def test_every_preset_builds_a_valid_config():
 
 @pytest.mark.parametrize(
     "field,value",
-    [
-        ("objective", "gan"),
-        ("depth", 0),
-        ("heads", 5),
-        ("mlp_ratio", 0),
-        ("dropout", 1.0),
-        ("drop_path", -0.1),
-        ("patch_size", 5),
-        ("pool", "max"),
-        ("num_classes", 1),
-        ("vocab_size", 1),
-        ("seq_len", 1),
-        ("mask_ratio", 0.0),
-        ("mask_ratio", 1.0),
-        ("mask_ratio", 0.999),
-        ("decoder_heads", 5),
-        ("decoder_width", 30),
-        ("mlm_prob", 1.5),
-        ("neutreno", -0.1),
-        ("channels", 0),
-    ],
+    [("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
+     ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
+     ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
+     ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
+     ("channels", 0)],
 )
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}="):
@@ -691,7 +584,7 @@ def test_wrong_input_shape_is_a_clear_error():
     assert text(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 64)
 
 
-# ---------------------------------------------------------------- overfitting one batch
+# ---------------------------------------------------------------------------- overfitting one batch
 
 
 @pytest.mark.parametrize(
@@ -720,7 +613,7 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
     assert final < 0.1 * first, f"{objective}: loss {first:.3f} -> {final:.3f}"
 
 
-# ---------------------------------------------------------------- fine-tuning from MAE
+# ----------------------------------------------------------------------------- fine-tuning from MAE
 
 
 def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
@@ -734,12 +627,8 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
     )
     own = cls.state_dict()
     assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
-    assert sorted(n for n in own if n not in loaded) == [
-        "fc_norm.bias",
-        "fc_norm.weight",
-        "head.bias",
-        "head.weight",
-    ]
+    assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight",
+                                                         "head.bias", "head.weight"]
 
 
 def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
@@ -754,8 +643,7 @@ def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning()
         assert torch.allclose(model(x)[0], expected, atol=1e-6)
 
 
-# ---------------------------------------------------------------- the same weights for every
-# objective
+# ------------------------------------------------------------- the same weights for every objective
 
 
 def trunk_state(model):
@@ -817,7 +705,7 @@ def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
         assert qk == [1.0] * 4 and v == [1.0] * 4
 
 
-# ---------------------------------------------------------------- training (data.py, train.py)
+# --------------------------------------------------------------------- training (data.py, train.py)
 
 
 def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
@@ -830,8 +718,7 @@ def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
 
 
 # ==================================================================================================
-# 2. The W_V W_O eigen-parameterization (Dovonon et al.): spectra by construction, at init and after
-# training
+# 2. The W_V W_O eigen-parameterization (Dovonon et al.): spectra by construction, before and after
 # ==================================================================================================
 
 
@@ -902,8 +789,7 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_every_token_metric(
 
 
 # ==================================================================================================
-# 3. Training as users run it: every objective through the CLI, resume, fine-tuning, DDP, one-line
-# errors
+# 3. Training as users run it: every objective through the CLI, resume, fine-tuning, DDP, errors
 # ==================================================================================================
 
 
@@ -1067,15 +953,8 @@ def test_get_lr_warms_up_then_decays():
 
 @pytest.mark.parametrize(
     "preset",
-    [
-        "cifar-tiny",
-        "cifar-small",
-        "cifar-deep",
-        "base-12x768",
-        "bamboo-b",
-        "base-96x256",
-        "wikitext-deep",
-    ],
+    ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b", "base-96x256",
+     "wikitext-deep"],
 )
 def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
     import train
@@ -1134,37 +1013,12 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
 
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
     steps = cfg.warmup + 80
-    code, out, records = run_train(
-        "--preset",
-        "bamboo-b",
-        "--objective",
-        "cls",
-        "--width",
-        "16",
-        "--heads",
-        "1",
-        "--image_size",
-        "32",
-        "--patch_size",
-        "8",
-        "--dataset",
-        "folder",
-        "--data_dir",
-        tiny_data / "images",
-        "--batch_size",
-        "8",
-        "--max_iters",
-        steps,
-        "--eval_interval",
-        steps,
-        "--dtype",
-        "float32",
-        "--lr",
-        cfg.lr,
-        "--warmup",
-        cfg.warmup,
-        out_dir=tmp_path,
-    )
+    code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16",
+                                   "--heads", "1", "--image_size", "32", "--patch_size", "8",
+                                   "--dataset", "folder", "--data_dir", tiny_data / "images",
+                                   "--batch_size", "8", "--max_iters", steps, "--eval_interval",
+                                   steps, "--dtype", "float32", "--lr", cfg.lr, "--warmup",
+                                   cfg.warmup, out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
@@ -1178,20 +1032,8 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
     fp32, because bf16 rounding alone moves the losses by as much as the tolerance, which says
     nothing about DDP.
     """
-    flags = image_flags(
-        tiny_data,
-        "cls",
-        "--max_iters",
-        "4",
-        "--eval_interval",
-        "4",
-        "--batch_size",
-        "8",
-        "--dtype",
-        "float32",
-        "--grad_accum",
-        "2",
-    )
+    flags = image_flags(tiny_data, "cls", "--max_iters", "4", "--eval_interval", "4",
+                        "--batch_size", "8", "--dtype", "float32", "--grad_accum", "2")
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
     assert code == 0, out
     assert "2 x 2 x 2" in out
@@ -1206,20 +1048,8 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     exactly. The ranks agree to stop only at steps that log the loss (a host sync each): a time
     limit met at step 1 stops at step 2.
     """
-    flags = image_flags(
-        tiny_data,
-        "mae",
-        "--eval_interval",
-        "4",
-        "--batch_size",
-        "8",
-        "--dtype",
-        "float32",
-        "--grad_accum",
-        "2",
-        "--max_iters",
-        "4",
-    )
+    flags = image_flags(tiny_data, "mae", "--eval_interval", "4", "--batch_size", "8", "--dtype",
+                        "float32", "--grad_accum", "2", "--max_iters", "4")
     code, out, whole = run_torchrun(*flags, out_dir=tmp_path / "whole")
     assert code == 0, out
     code, out, _ = run_torchrun(
@@ -1233,19 +1063,12 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
-# ---------------------------------------------------------------- one-line errors
+# ----------------------------------------------------------------------------- one-line errors
 
 
 def test_error_missing_data_directory(capsys, tmp_path):
-    err = cli_error(
-        capsys,
-        "--dataset",
-        "folder",
-        "--data_dir",
-        str(tmp_path / "nope"),
-        "--out_dir",
-        str(tmp_path),
-    )
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"),
+                    "--out_dir", str(tmp_path))
     assert "does not exist" in err and "--data_dir" in err
 
 
@@ -1257,31 +1080,13 @@ def test_error_download_without_network(capsys, tmp_path, monkeypatch):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
-    err = cli_error(
-        capsys,
-        "--objective",
-        "next",
-        "--dataset",
-        "wikitext2",
-        "--data_dir",
-        str(tmp_path / "d"),
-        "--tokenizer",
-        "bytes",
-        "--out_dir",
-        str(tmp_path),
-    )
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path))
     assert "could not download wikitext2" in err and "--dataset text" in err
     # nothing half-written left behind
     assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]
-    err = cli_error(
-        capsys,
-        "--dataset",
-        "cifar10",
-        "--data_dir",
-        str(tmp_path / "c"),
-        "--out_dir",
-        str(tmp_path),
-    )
+    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
+                    str(tmp_path))
     assert "could not download cifar10" in err
     assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
 
@@ -1329,16 +1134,14 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
 
 
 # ==================================================================================================
-# 4. Bad input and faults: one error line that says how to fix it, never a traceback, never lost
-# work
+# 4. Bad input and faults: one line that says how to fix it, never a traceback, never lost work
 # ==================================================================================================
 
 
 @pytest.mark.parametrize(
     "resume_flags,message",
     [
-        # --resume may raise the iterations and change the learning rate: here to one that diverges
-        # at once
+        # --resume may raise the iterations and change the rate: here to one that diverges at once
         (["--max_iters", "50", "--eval_interval", "100", "--lr", "1e30"], "loss is"),
         # step 3's loss is still finite; its update is not, and step 3 is an evaluation step
         (["--max_iters", "3", "--lr", "1e30", "--min_lr", "1e30"], "non-finite at step 3"),
@@ -1371,22 +1174,8 @@ def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_wh
 def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
     err = cli_error(
         capsys,
-        *image_flags(
-            tiny_data,
-            "cls",
-            "--max_iters",
-            "50",
-            "--eval_interval",
-            "100",
-            "--grad_clip",
-            "0",
-            "--warmup",
-            "0",
-            "--lr",
-            "1e30",
-            "--min_lr",
-            "1e30",
-        ),
+        *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100", "--grad_clip",
+                     "0", "--warmup", "0", "--lr", "1e30", "--min_lr", "1e30"),
         "--out_dir",
         str(tmp_path),
     )
@@ -1410,14 +1199,9 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(
         return dumps(*args, **kwargs)
 
     monkeypatch.setattr(train.json, "dumps", disk_fills_at_step_2)
-    err = cli_error(
-        capsys,
-        *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "1"),
-        "--log_interval",
-        "1",
-        "--out_dir",
-        str(tmp_path),
-    )
+    err = cli_error(capsys,
+                    *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "1"),
+                    "--log_interval", "1", "--out_dir", str(tmp_path))
     monkeypatch.undo()
     assert (
         "(No space left on device); the last checkpoint is as it was" in err and "--resume" in err
@@ -1569,44 +1353,27 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(
     capsys, tmp_path, monkeypatch
 ):
     monkeypatch.delattr(torch.compiler, "set_stance")  # as in torch 2.5 and older
-    err = cli_error(
-        capsys,
-        "--dataset",
-        "folder",
-        "--data_dir",
-        str(tmp_path),
-        "--out_dir",
-        str(tmp_path / "out"),
-    )
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), "--out_dir",
+                    str(tmp_path / "out"))
     assert "is older than 2.6" in err and "requirements.txt" in err
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
     "flags,message",
-    [
-        (["--log_interval", "0"], "--log_interval 0 must be at least 1"),
-        (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
-        (["--device", "gpu0"], "--device 'gpu0' is not a device"),
-        (["--lr", "nan"], "--lr nan must be a finite number"),
-        (["--warmup", "-2"], "--warmup -2 must be >= 0, or -1"),
-        (["--base_lr", "-0.001"], "--base_lr -0.001 must be a finite number >= 0"),
-        (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
-        (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
-        (["--resume", "--overwrite"], "choose one"),
-    ],
+    [(["--log_interval", "0"], "--log_interval 0 must be at least 1"),
+     (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
+     (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+     (["--lr", "nan"], "--lr nan must be a finite number"),
+     (["--warmup", "-2"], "--warmup -2 must be >= 0, or -1"),
+     (["--base_lr", "-0.001"], "--base_lr -0.001 must be a finite number >= 0"),
+     (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
+     (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
+     (["--resume", "--overwrite"], "choose one")],
 )
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
-    assert message in cli_error(
-        capsys,
-        "--dataset",
-        "folder",
-        "--data_dir",
-        str(tmp_path),
-        *flags,
-        "--out_dir",
-        str(tmp_path / "out"),
-    )
+    assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
+                                "--out_dir", str(tmp_path / "out"))
 
 
 def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
@@ -1615,14 +1382,8 @@ def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
     images = tmp_path / "images"
     shutil.copytree(tiny_data / "images", images)
     (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    err = cli_error(
-        capsys,
-        *image_flags(tiny_data, "cls"),
-        "--data_dir",
-        str(images),
-        "--out_dir",
-        str(tmp_path / "o"),
-    )
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(images), "--out_dir",
+                    str(tmp_path / "o"))
     assert "broken.png" in err and "remove or replace" in err
 
 
@@ -1656,28 +1417,15 @@ def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_
     x, _ = next(data.eval_batches(8))
     # the constant channel is centred, not divided by 0
     assert (x.isfinite().all() and x[:, 2].eq(0).all())
-    code, out, records = run_train(
-        *image_flags(tiny_data, "cls"),
-        "--data_dir",
-        images,
-        "--max_iters",
-        "3",
-        out_dir=tmp_path / "o",
-    )
+    code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
+                                   "--max_iters", "3", out_dir=tmp_path / "o")
     assert code == 0 and all(
         torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r
     ), out
     assert (
         probe.main(
-            [
-                "init:cifar-tiny,image_size=16",
-                "--dataset",
-                "folder",
-                "--data_dir",
-                str(images),
-                "--samples",
-                "8",
-            ]
+            ["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir", str(images),
+             "--samples", "8"]
         )
         == 0
     ), capsys.readouterr().err
@@ -1691,24 +1439,12 @@ def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(
     mismatch = write_folder(
         tmp_path / "mismatch", {"train": ["cat", "dog"], "test": ["dog", "emu"]}
     )
-    err = cli_error(
-        capsys,
-        *image_flags(tiny_data, "cls"),
-        "--data_dir",
-        str(mismatch),
-        "--out_dir",
-        str(tmp_path / "a"),
-    )
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(mismatch),
+                    "--out_dir", str(tmp_path / "a"))
     assert "different classes (only in training: ['cat'], only in test: ['emu'])" in err
     single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
-    err = cli_error(
-        capsys,
-        *image_flags(tiny_data, "cls"),
-        "--data_dir",
-        str(single),
-        "--out_dir",
-        str(tmp_path / "b"),
-    )
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(single), "--out_dir",
+                    str(tmp_path / "b"))
     assert "num_classes=1 must be at least 2 for cls" in err
     code, out, _ = run_train(
         *image_flags(tiny_data, "mae", "--max_iters", "1"),
@@ -1744,33 +1480,17 @@ def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_a
 def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
     (tmp_path / "train.txt").write_text("")
     (tmp_path / "val.txt").write_text("some held-out words " * 50)
-    err = cli_error(
-        capsys,
-        "--objective",
-        "next",
-        "--dataset",
-        "text",
-        "--data_dir",
-        str(tmp_path),
-        "--tokenizer",
-        "bytes",
-        "--cache_dir",
-        str(tmp_path / "cache"),
-        "--out_dir",
-        str(tmp_path / "o"),
-    )
+    err = cli_error(capsys, "--objective", "next", "--dataset", "text", "--data_dir", str(tmp_path),
+                    "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir",
+                    str(tmp_path / "o"))
     assert f"text file {tmp_path / 'train.txt'} is empty; give --train_file a file" in err
 
 
 def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "cls", tmp_path)
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    for field, value in (
-        ("step", "three"),
-        ("rng", [1, 2]),
-        ("config", [1]),
-        ("train", {"lr": "fast"}),
-    ):
+    for field, value in (("step", "three"), ("rng", [1, 2]), ("config", [1]),
+                         ("train", {"lr": "fast"})):
         torch.save({**ckpt, field: value}, tmp_path / "ckpt.pt")
         err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
         assert str(tmp_path / "ckpt.pt") in err, err
@@ -1788,45 +1508,17 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
-    err = cli_error(
-        capsys,
-        "--objective",
-        "next",
-        "--dataset",
-        "wikitext2",
-        "--data_dir",
-        str(tmp_path / "d"),
-        "--tokenizer",
-        "bytes",
-        "--out_dir",
-        str(tmp_path / "o"),
-    )
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
     assert str(target / "train.txt") in err and str(target / "valid.txt") in err
     assert (target / "train.txt").read_text() == "the user's own file"
     # following the message: now it trains, offline
     (target / "valid.txt").write_text("word " * 5000)
-    code, out, _ = run_train(
-        "--objective",
-        "next",
-        "--dataset",
-        "wikitext2",
-        "--data_dir",
-        str(tmp_path / "d"),
-        "--tokenizer",
-        "bytes",
-        "--cache_dir",
-        str(tmp_path / "cache"),
-        *TINY_TEXT_FLAGS[:6],
-        "--seq_len",
-        "16",
-        "--max_iters",
-        "1",
-        "--eval_interval",
-        "1",
-        "--batch_size",
-        "2",
-        out_dir=tmp_path / "o",
-    )
+    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                             str(tmp_path / "d"), "--tokenizer", "bytes", "--cache_dir",
+                             str(tmp_path / "cache"), *TINY_TEXT_FLAGS[:6], "--seq_len", "16",
+                             "--max_iters", "1", "--eval_interval", "1", "--batch_size", "2",
+                             out_dir=tmp_path / "o")
     assert code == 0, out
 
 
@@ -1842,30 +1534,16 @@ def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
     import probe
 
     code = probe.main(
-        [
-            "init:cifar-tiny",
-            "--dataset",
-            "folder",
-            "--data_dir",
-            str(tmp_path / "no-data"),
-            "--json",
-            str(tmp_path / "missing" / "p.json"),
-        ]
+        ["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
+         "--json", str(tmp_path / "missing" / "p.json")]
     )
     err = capsys.readouterr().err
     assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1
     (tmp_path / "out").mkdir()
     assert (
         probe.main(
-            [
-                "init:cifar-tiny",
-                "--dataset",
-                "folder",
-                "--data_dir",
-                str(tmp_path / "no-data"),
-                "--plot",
-                str(tmp_path / "out"),
-            ]
+            ["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
+             "--plot", str(tmp_path / "out")]
         )
         == 2
     )
@@ -1885,17 +1563,8 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    argv = [
-        "init:cifar-tiny,image_size=16,depth=1",
-        "--dataset",
-        "folder",
-        "--data_dir",
-        str(tiny_data / "images"),
-        "--samples",
-        "2",
-        "--json",
-        str(tmp_path / "p.json"),
-    ]
+    argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
+            str(tiny_data / "images"), "--samples", "2", "--json", str(tmp_path / "p.json")]
     monkeypatch.setattr(probe.json, "dumps", full_disk)
     assert probe.main(argv) == 2
     monkeypatch.undo()
@@ -1997,8 +1666,7 @@ def test_residual_attention_stack_contracts_tokens_and_every_metric_says_so():
     assert m["hc_dc"][-1] < m["hc_dc"][0] / 50 and decreasing(m["hc_dc"])
     assert m["erank"][-1] < 3 and decreasing(m["erank"])
     # the centred tokens line up early and then keep their angles while they shrink: the absolute
-    # cosine ends well above layer 0 and never falls back over the deep half (a plateau, to
-    # rounding)
+    # cosine ends well above layer 0, never falling back over the deep half (a plateau, to rounding)
     centred = m["abs_cos_centered"]
     assert centred[-1] > centred[0] + 0.1 and centred[0] > 0.05
     assert all(b > a - 1e-3 for a, b in zip(centred[deep], centred[deep][1:]))
@@ -2135,11 +1803,8 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
     with torch.no_grad():
         block.ln1.weight.normal_()
     small = head_value_output(block)
-    w_v, w_o, g = (
-        block.attn.qkv.weight.detach().double()[64:],
-        block.attn.proj.weight.detach().double(),
-        block.ln1.weight.detach().double(),
-    )
+    w_v, w_o, g = (block.attn.qkv.weight.detach().double()[64:],
+                   block.attn.proj.weight.detach().double(), block.ln1.weight.detach().double())
     for h in range(2):
         # (32, 32), rank 16
         full = (torch.diag(g) @ w_v[16 * h : 16 * (h + 1)].T @ w_o[:, 16 * h : 16 * (h + 1)].T)
@@ -2166,7 +1831,7 @@ def test_beta_of_a_model_against_itself_is_one():
     assert qk == pytest.approx([4.0] * 3) and v == pytest.approx([2.0] * 3)
 
 
-# ---------------------------------------------------------------- probe.py: the command line
+# ----------------------------------------------------------------------- probe.py: the command line
 
 
 @pytest.fixture(scope="module")
@@ -2188,20 +1853,9 @@ def probe_cli(capsys, *argv):
 def test_probe_writes_json_and_png_and_repeats_exactly(
     capsys, tiny_data, trained_checkpoints, tmp_path
 ):
-    argv = [
-        trained_checkpoints / "cls" / "ckpt.pt",
-        "init:cifar-tiny,image_size=16,neutreno=0.6",
-        "--labels",
-        "trained,init",
-        "--dataset",
-        "folder",
-        "--data_dir",
-        tiny_data / "images",
-        "--samples",
-        "8",
-        "--batch_size",
-        "3",
-    ]
+    argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
+            "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
+            "--samples", "8", "--batch_size", "3"]
     code, out = probe_cli(
         capsys, *argv, "--json", tmp_path / "a.json", "--plot", tmp_path / "a.png"
     )
@@ -2213,20 +1867,8 @@ def test_probe_writes_json_and_png_and_repeats_exactly(
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["labels"] == ["trained", "init"] and report["layers"] == [0, 1, 2, 3, 4]
-    for name in (
-        "std",
-        "cos",
-        "abs_cos_centered",
-        "hc_dc",
-        "erank",
-        "update",
-        "attn_entropy",
-        "attn_sim",
-        "vo_dominant",
-        "vo_positive",
-        "beta_qk",
-        "beta_v",
-    ):
+    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "update", "attn_entropy",
+                 "attn_sim", "vo_dominant", "vo_positive", "beta_qk", "beta_v"):
         for label in report["labels"]:
             assert len(report["metrics"][name][label]) == 5
     # itself; padded to 5
@@ -2264,13 +1906,8 @@ def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
 def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_path):
     cases = [
         (
-            [
-                trained_checkpoints / "next" / "ckpt.pt",
-                "--dataset",
-                "folder",
-                "--data_dir",
-                tiny_data / "images",
-            ],
+            [trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir",
+             tiny_data / "images"],
             "cannot be probed with --dataset folder",
         ),
         ([tmp_path / "missing.pt"], "no checkpoint at"),
@@ -2290,8 +1927,7 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
 
 
 # ==================================================================================================
-# 6. Speedups keep results: fast.py against the plain path, fused AdamW, checkpointing, bf16,
-# bench.py
+# 6. Speedups keep results: fast.py against the plain path, AdamW, checkpointing, bf16, bench.py
 # ==================================================================================================
 
 
@@ -2397,39 +2033,21 @@ def test_activation_checkpointing_gives_the_same_gradients(objective):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
-# ---------------------------------------------------------------- bench.py
+# ----------------------------------------------------------------------------- bench.py
 
 
 def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     import bench
 
     args = bench.build_parser().parse_args(
-        [
-            "cls:cifar-tiny,image_size=16",
-            "next:cifar-tiny,seq_len=16,vocab_size=64",
-            "--batch_size",
-            "2",
-            "--steps",
-            "1",
-            "--rounds",
-            "2",
-            "--warmup",
-            "1",
-            "--dtype",
-            "float32,bfloat16",
-            "--compile",
-            "off",
-            "--no-memory",
-        ]
+        ["cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64", "--batch_size",
+         "2", "--steps", "1", "--rounds", "2", "--warmup", "1", "--dtype", "float32,bfloat16",
+         "--compile", "off", "--no-memory"]
     )
     rows = bench.run(args)
     out = capsys.readouterr().out
-    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
-        ("cls", "float32"),
-        ("cls", "bfloat16"),
-        ("next", "float32"),
-        ("next", "bfloat16"),
-    ]
+    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [("cls", "float32"),
+        ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
     for r in rows:
         assert r["step_ms"] > 0 and r["samples_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] < 100
         assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
@@ -2441,24 +2059,9 @@ def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json
     import bench
 
     args = bench.build_parser().parse_args(
-        [
-            "cls:cifar-tiny,image_size=16",
-            "--batch_size",
-            "2",
-            "--steps",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup",
-            "1",
-            "--dtype",
-            "float32",
-            "--no-memory",
-            "--attention",
-            "sdpa,explicit",
-            "--json",
-            str(tmp_path / "b.json"),
-        ]
+        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
+         "--warmup", "1", "--dtype", "float32", "--no-memory", "--attention", "sdpa,explicit",
+         "--json", str(tmp_path / "b.json")]
     )
     rows = bench.run(args)
     assert [r["attention"] for r in rows] == [
@@ -2478,20 +2081,8 @@ def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
 
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
     args = bench.build_parser().parse_args(
-        [
-            "cls:cifar-tiny,image_size=16",
-            "--batch_size",
-            "2",
-            "--steps",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup",
-            "1",
-            "--dtype",
-            "float32",
-            "--no-memory",
-        ]
+        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
+         "--warmup", "1", "--dtype", "float32", "--no-memory"]
     )
     (row,) = bench.run(args)
     assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
@@ -2501,21 +2092,8 @@ def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
     import bench
 
     args = bench.build_parser().parse_args(
-        [
-            "cls:cifar-tiny,image_size=16",
-            "--batch_size",
-            "2",
-            "--steps",
-            "1",
-            "--rounds",
-            "1",
-            "--warmup",
-            "1",
-            "--profile",
-            "5",
-            "--dtype",
-            "float32",
-        ]
+        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
+         "--warmup", "1", "--profile", "5", "--dtype", "float32"]
     )
     rows = bench.run(args)
     out = capsys.readouterr().out
@@ -2583,8 +2161,7 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
     assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
-    # an archive without its test split is refused, and the fallback failing too leaves nothing
-    # behind
+    # an archive without its test split is refused; the fallback failing too leaves nothing behind
     monkeypatch.setattr(data, "_fetch", lambda url: fake_zip(["train", "valid"]))
     with pytest.raises(data.DataError, match="could not download wikitext2"):
         data.download_wikitext("wikitext2", str(tmp_path / "bad"))
@@ -2610,22 +2187,18 @@ def test_bf16_autocast_tracks_fp32_training():
     assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
-# ---------------------------------------------------------------- compilation and CUDA graphs
-# (fast.py)
+# ------------------------------------------------------------ compilation and CUDA graphs (fast.py)
 
 
 @pytest.mark.parametrize(
     "asked,device,options,ddp,expected,why",
-    [
-        ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
-        ("auto", "cuda", {}, False, "graphs", ""),
-        ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
-        ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
-        ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
-        ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
-        ("model", "cpu", {}, False, "model", ""),
-        ("off", "cuda", {}, False, "off", ""),
-    ],
+    [("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
+     ("auto", "cuda", {}, False, "graphs", ""),
+     ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
+     ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
+     ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
+     ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
+     ("model", "cpu", {}, False, "model", ""), ("off", "cuda", {}, False, "off", "")],
 )
 def test_compile_plan_picks_graphs_only_where_safe_and_says_why(
     asked, device, options, ddp, expected, why
@@ -2737,17 +2310,8 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # 7. The code itself: what runs is what the reader reads, in the shape the user asked for
 # ==================================================================================================
 
-REFERENCE_FILES = (
-    "bamboo.py",
-    "neutreno.py",
-    "probe.py",
-    "data.py",
-    "train.py",
-    "test_all.py",
-    "fast.py",
-    "bench.py",
-    "checkpoint.py",
-)
+REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
+                   "fast.py", "bench.py", "checkpoint.py")
 
 
 def instance_attributes(model):
@@ -2826,23 +2390,14 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
     long = {name: n for name, n in lengths.items() if n > 60 and name != "train.py:train"}
     assert not long and lengths["train.py:train"] <= 80, (long, lengths["train.py:train"])
     loop = inspect.getsource(train.train)
-    verbs = [
-        "get_lr(",
-        ".backward()",
-        "clip_grad_norm_(",
-        "scaler.step(",
-        "zero_grad(",
-        "read_loss(",
-        "evaluate(",
-        "checkpoint.save(",
-    ]
+    verbs = ["get_lr(", ".backward()", "clip_grad_norm_(", "scaler.step(", "zero_grad(",
+             "read_loss(", "evaluate(", "checkpoint.save("]
     where = [loop.find(verb) for verb in verbs]
     assert all(i >= 0 for i in where) and where == sorted(where), dict(zip(verbs, where))
 
 
 # ==================================================================================================
-# 8. CUDA: compilation modes, the whole step as a CUDA graph with per-step randomness, next-token's
-# loss
+# 8. CUDA: compilation modes, the step as one CUDA graph with per-step randomness, next-token loss
 # ==================================================================================================
 
 # Defined only where a GPU is, so CPU runs and CI never collect them; results/gpu.sh runs them.
@@ -2856,13 +2411,8 @@ if torch.cuda.is_available():
 
     @pytest.mark.parametrize(
         "mode,objective",
-        [
-            ("model", "cls"),
-            ("blocks", "cls"),
-            ("graphs", "cls"),
-            ("blocks", "next"),
-            ("graphs", "next"),
-        ],
+        [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"), ("blocks", "next"),
+         ("graphs", "next")],
     )
     def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
         torch.manual_seed(0)
@@ -2916,18 +2466,8 @@ if torch.cuda.is_available():
                 module(x[:1], None if y is None else y[:1])
 
     def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path):
-        flags = image_flags(
-            tiny_data,
-            "mae",
-            "--max_iters",
-            "6",
-            "--eval_interval",
-            "3",
-            "--compile",
-            "graphs",
-            "--dtype",
-            "float32",
-        )
+        flags = image_flags(tiny_data, "mae", "--max_iters", "6", "--eval_interval", "3",
+                            "--compile", "graphs", "--dtype", "float32")
         code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
         assert code == 0 and "compile: graphs" in out, out
         code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")

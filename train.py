@@ -68,32 +68,14 @@ class TrainConfig:
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
-CHOICES = {
-    "dataset": IMAGE_DATASETS + TEXT_DATASETS,
-    "objective": OBJECTIVES,
-    "pool": ("mean", "cls"),
-    "dtype": fast.DTYPES,
-    "compile": fast.COMPILE_MODES,
-    "preset": ("",) + tuple(PRESETS),
-}
+CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
+           "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
+           "preset": ("",) + tuple(PRESETS)}
 # What --resume may change: length and learning rate, where the data lives, logging. The settings of
-# one
-# invocation (machine, time limit) are never inherited from the checkpoint: they are given now or
-# default.
-RESUMABLE = (
-    "max_iters",
-    "lr",
-    "base_lr",
-    "min_lr",
-    "warmup",
-    "grad_clip",
-    "eval_interval",
-    "eval_samples",
-    "log_interval",
-    "data_dir",
-    "cache_dir",
-    "init_from",
-)
+# one invocation (machine, time limit) are never inherited from the checkpoint: they are given now
+# or default.
+RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
+             "eval_samples", "log_interval", "data_dir", "cache_dir", "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 
 
@@ -115,16 +97,12 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description="Train bamboo models.", formatter_class=argparse.RawTextHelpFormatter
     )
-    for cls, title in (
-        (TrainConfig, "training"),
-        (Config, "model (defaults shown; a --preset sets its own)"),
-    ):
+    for cls, title in ((TrainConfig, "training"),
+                       (Config, "model (defaults shown; a --preset sets its own)")):
         group, comments = parser.add_argument_group(title), field_comments(cls)
         for f in fields(cls):
-            kwargs = dict(
-                help=f"{comments.get(f.name, '')} (default: {f.default!r})",
-                default=argparse.SUPPRESS,
-            )
+            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})",
+                          default=argparse.SUPPRESS)
             if isinstance(f.default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -159,21 +137,12 @@ def validate(cfg):
         ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
         ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
         ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
-        (
-            "base_lr",
-            cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
-            "must be a finite number >= 0",
-        ),
-        (
-            "lr",
-            cfg.lr >= 0 and math.isfinite(cfg.lr),
-            "must be a finite number >= 0, or -1 (base_lr x batch / 256)",
-        ),
-        (
-            "min_lr",
-            0 <= cfg.min_lr <= max(cfg.lr, 0),
-            f"must be in [0, --lr {cfg.lr}]; lower --min_lr",
-        ),
+        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
+         "must be a finite number >= 0"),
+        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr),
+         "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
+        ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0),
+         f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
         ("warmup", cfg.warmup >= 0, "must be >= 0, or -1 (max(100, 10 x depth))"),
         ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
         ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
@@ -181,11 +150,8 @@ def validate(cfg):
         ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
         ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
         ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
-        (
-            "train_samples",
-            cfg.train_samples >= 0,
-            "must be >= 0 (0 means the whole training split)",
-        ),
+        ("train_samples", cfg.train_samples >= 0,
+         "must be >= 0 (0 means the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
         ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
@@ -222,8 +188,7 @@ def evaluate(model, data, cfg, batch_size, device):
         torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)
     )
     # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
-    # shapes
-    # would be compiled and captured for a pass that runs once per eval_interval steps.
+    # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
     with torch.random.fork_rng(
         devices=[device] if device.type == "cuda" else []
     ), torch.compiler.set_stance("force_eager"):
@@ -258,12 +223,8 @@ def evaluate(model, data, cfg, batch_size, device):
 
 def selection_metric(objective):
     """The metric that decides the best checkpoint, and whether larger is better."""
-    return {
-        "cls": ("top1", True),
-        "mlm": ("mlm_acc", True),
-        "next": ("ppl", False),
-        "mae": ("val_loss", False),
-    }[objective]
+    return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False),
+            "mae": ("val_loss", False)}[objective]
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -317,11 +278,8 @@ def start_processes(cfg):
     """(device, rank, world): one process, or this rank of a torchrun DDP group."""
     rank, world, local_rank = 0, 1, 0
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        rank, world, local_rank = (
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ["LOCAL_RANK"]),
-        )
+        rank, world, local_rank = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                   int(os.environ["LOCAL_RANK"]))
     device = fast.pick_device(cfg.device, local_rank)
     if world > 1:
         if device.type == "cuda":
@@ -369,17 +327,8 @@ def model_settings(args, cfg, resumed, pretrained):
         settings.update(
             {
                 k: pretrained["config"][k]
-                for k in (
-                    "depth",
-                    "width",
-                    "heads",
-                    "mlp_ratio",
-                    "patch_size",
-                    "image_size",
-                    "vocab_size",
-                    "seq_len",
-                    "neutreno",
-                )
+                for k in ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size",
+                          "vocab_size", "seq_len", "neutreno")
             }
         )
     settings.update(flags_given(args, Config))
@@ -397,34 +346,19 @@ def model_settings(args, cfg, resumed, pretrained):
 
 def load_data(cfg, settings, device):
     if cfg.dataset in IMAGE_DATASETS:
-        return ImageData(
-            cfg.dataset,
-            cfg.data_dir,
-            device,
-            settings.get("image_size", Config.image_size),
-            train_samples=cfg.train_samples,
-        )
-    return TextData(
-        cfg.dataset,
-        cfg.data_dir,
-        cfg.tokenizer,
-        cfg.train_file,
-        cfg.val_file,
-        cfg.cache_dir,
-        settings.get("seq_len", Config.seq_len),
-    )
+        return ImageData(cfg.dataset, cfg.data_dir, device,
+                         settings.get("image_size", Config.image_size),
+                         train_samples=cfg.train_samples)
+    return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
+                    cfg.cache_dir, settings.get("seq_len", Config.seq_len))
 
 
 def model_config(settings, data):
     """The final Config: what the data dictates (classes, image size, vocabulary) on top of the
     settings."""
     if isinstance(data, ImageData):
-        settings = {
-            **settings,
-            "image_size": data.image_size,
-            "channels": data.channels,
-            "num_classes": data.num_classes,
-        }
+        settings = {**settings, "image_size": data.image_size, "channels": data.channels,
+                    "num_classes": data.num_classes}
     else:
         settings = {**settings, "vocab_size": data.vocab_size}
     return Config.from_dict(settings)
@@ -591,8 +525,7 @@ def load_pretrained_trunk(run, pretrained):
     )
 
 
-# ----------------------------------------------------------------------------- bookkeeping that is
-# not the step
+# ----------------------------------------------------------------- bookkeeping that is not the step
 
 
 def any_rank(run, flag):
@@ -674,12 +607,8 @@ def record_evaluation(run, metrics, train_loss, log, bar):
     ):
         run.best = metrics[name]
     run.metrics = metrics
-    record = {
-        "step": run.step,
-        "train_loss": train_loss,
-        **metrics,
-        "elapsed_s": time.time() - run.t_start,
-    }
+    record = {"step": run.step, "train_loss": train_loss, **metrics,
+              "elapsed_s": time.time() - run.t_start}
     log.write(json.dumps({"eval": True, **record}) + "\n")
     bar.write(
         " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
@@ -723,17 +652,12 @@ def log_and_progress(run):
     from tqdm import tqdm
 
     # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
-    bar = tqdm(
-        total=run.cfg.max_iters,
-        initial=run.step,
-        disable=not (run.master and sys.stderr.isatty()),
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
+    bar = tqdm(total=run.cfg.max_iters, initial=run.step,
+               disable=not (run.master and sys.stderr.isatty()), dynamic_ncols=True,
+               mininterval=1.0)
     mode = "a" if run.cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
-        # Line-buffered: `tail -f log.jsonl` follows the run, and a killed run keeps every line it
-        # logged.
+        # Line-buffered: `tail -f log.jsonl` follows the run; a killed run keeps what it logged.
         with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as log:
             yield log, bar
     finally:
@@ -770,8 +694,7 @@ def summary(run):
 
 def train(args):
     run = setup(args)
-    # model: the Bamboo, or it inside fast.py's wrappers and DDP
-    cfg, model = run.cfg, run.training_module
+    cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
     if run.step >= cfg.max_iters:
         run.log(
             f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
@@ -789,8 +712,7 @@ def train(args):
             for group in run.optimizer.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             # 2. forward and backward over grad_accum micro-batches of this rank's part of the batch
-            # the global batch, same on every rank
-            draws = run.data.sample(cfg.batch_size, run.generator)
+            draws = run.data.sample(cfg.batch_size, run.generator)  # the global batch, every rank
             loss_sum = torch.zeros((), device=run.device)  # mean over micro-batches and ranks
             for k in range(cfg.grad_accum):
                 x, y = micro_batch(run, draws, k)
@@ -817,29 +739,25 @@ def train(args):
             if run.step % cfg.log_interval == 0 or evaluating:
                 train_loss = read_loss(run, loss_sum)  # refuses a non-finite loss before any save
                 bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-            # up to the read: the steps add up to the wall clock
-            run.step_times.append(time.time() - t0)
+            run.step_times.append(time.time() - t0)  # up to the read: they add up to the wall clock
             if run.master and run.step % cfg.log_interval == 0:
                 log.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
             # 5. evaluate on held-out data and save a checkpoint
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
-                metrics = (
-                    evaluate(run.model, run.data, cfg, run.micro_batch * cfg.grad_accum, run.device)
-                    if run.master
-                    else None
-                )
+                metrics = None
+                if run.master:
+                    batch = run.micro_batch * cfg.grad_accum
+                    metrics = evaluate(run.model, run.data, cfg, batch, run.device)
                 stop_if_non_finite(run, metrics)
                 if run.master:
                     record_evaluation(run, metrics, train_loss, log, bar)
                     checkpoint.save(run.ckpt_path, {**state, "best": run.best})
                     run.saved_step = run.step
             if stopping:
-                run.log(
-                    f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved"
-                    f" to {run.ckpt_path}; continue with: python train.py --resume --out_dir"
-                    f" {cfg.out_dir}"
-                )
+                run.log(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint "
+                        f"saved to {run.ckpt_path}; continue with: python train.py --resume "
+                        f"--out_dir {cfg.out_dir}")
                 break
     if run.stop is None:
         summary(run)
@@ -866,10 +784,8 @@ def main(argv=None):
             )
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
-        print(
-            "error: interrupted twice; stopped at once, the last checkpoint is as it was",
-            file=sys.stderr,
-        )
+        print("error: interrupted twice; stopped at once, the last checkpoint is as it was",
+              file=sys.stderr)
         return 130
 
 
@@ -877,10 +793,9 @@ if __name__ == "__main__":
     code = main()
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves
-        # without the
-        # interpreter's shutdown, where gloo's threads can still touch Python objects and, now and
-        # then, abort
-        # the rank after a good run ("terminate called without an active exception").
+        # without the interpreter's shutdown, where gloo's threads can still touch Python objects
+        # and, now and then, abort the rank after a good run ("terminate called without an active
+        # exception").
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
