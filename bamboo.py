@@ -20,7 +20,6 @@ windows and any batch can be run (or probed) under any objective.
 
 Run: python -c "from bamboo import *; print(Bamboo(Config.from_preset('bamboo-b')).num_params())"
 """
-
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -69,14 +68,8 @@ class Config:
             ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
             ("depth", self.depth >= 1, "must be at least 1"),
             ("width", self.width >= 1, "must be at least 1"),
-            (
-                "heads",
-                self.heads >= 1 and self.width % self.heads == 0,
-                (
-                    f"must divide width={self.width}; pick heads so that width // heads is the"
-                    " head dim"
-                ),
-            ),
+            ("heads", self.heads >= 1 and self.width % self.heads == 0,
+             f"must divide width={self.width}; pick heads so that width // heads is the head dim"),
             ("mlp_ratio", self.mlp_ratio > 0, "must be positive"),
             ("dropout", 0 <= self.dropout < 1, "must be in [0, 1)"),
             ("drop_path", 0 <= self.drop_path < 1, "must be in [0, 1)"),
@@ -102,9 +95,8 @@ class Config:
             ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
         ]
         if self.objective in IMAGE_OBJECTIVES:
-            checks.append(
-                ("width", self.width % 4 == 0, "must be a multiple of 4 for 2-D sin-cos positions")
-            )
+            checks.append(("width", self.width % 4 == 0,
+                           "must be a multiple of 4 for 2-D sin-cos positions"))
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r} {why}")
@@ -116,8 +108,7 @@ class Config:
         return round(self.num_patches() * (1 - self.mask_ratio))
 
     def num_chosen(self, length):
-        """MLM: how many of a window's `length` tokens are chosen for the loss (BERT: at least
-        one)."""
+        """MLM: how many of a window's `length` tokens are in the loss (BERT: at least one)."""
         return max(1, round(length * self.mlm_prob))
 
     @property
@@ -146,8 +137,7 @@ class Config:
 
     @classmethod
     def from_spec(cls, spec, **defaults):
-        """'PRESET[,key=value,...]', e.g. 'bamboo-b,neutreno=0.6,objective=mae', for command
-        lines."""
+        """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
         name, *pairs = spec.split(",")
         types = {f.name: f.type for f in fields(cls)}
         settings = dict(defaults)
@@ -160,9 +150,8 @@ class Config:
             try:
                 settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
             except ValueError:
-                kind = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[
-                    types[key]
-                ]
+                kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+                kind = kinds[types[key]]
                 raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
         return cls.from_preset(name, **settings)
 
@@ -182,7 +171,7 @@ def _trunk(depth, width, heads=0):
 # Head dim 64 unless stated. Table 1: depth sweeps at (roughly) constant compute.
 # Table 2: each original configuration beside its Bamboo counterpart.
 PRESETS = {
-    "base-12x768": _trunk(12, 768),  # ViT-B / BERT-B / MAE-B: Table 1 and 2 "original Base"
+    "base-12x768": _trunk(12, 768),    # ViT-B / BERT-B / MAE-B: Table 1 and 2 "original Base"
     "base-24x512": _trunk(24, 512),
     "base-48x384": _trunk(48, 384),
     "base-96x256": _trunk(96, 256),
@@ -191,19 +180,16 @@ PRESETS = {
     "large-60x640": _trunk(60, 640),
     "large-96x512": _trunk(96, 512),
     "huge-32x1280": _trunk(32, 1280, 16),  # "original Huge": head dim 80, as in ViT-H
-    "bamboo-b": _trunk(48, 384),  # Table 2 Bamboo-B = base-48x384
-    "bamboo-l": _trunk(48, 768),  # Table 2 Bamboo-L = large-48x768
-    "bamboo-h": _trunk(64, 896),  # Table 2 Bamboo-H: 14 heads of 64
+    "bamboo-b": _trunk(48, 384),          # Table 2 Bamboo-B = base-48x384
+    "bamboo-l": _trunk(48, 768),          # Table 2 Bamboo-L = large-48x768
+    "bamboo-h": _trunk(64, 896),          # Table 2 Bamboo-H: 14 heads of 64
     # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
-    "cifar-tiny": dict(
-        depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64, decoder_heads=2
-    ),
-    "cifar-small": dict(
-        depth=6, width=128, heads=2, decoder_depth=2, decoder_width=128, decoder_heads=2
-    ),
-    "cifar-deep": dict(
-        depth=24, width=64, heads=1, decoder_depth=2, decoder_width=128, decoder_heads=2
-    ),
+    "cifar-tiny": dict(depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64,
+                       decoder_heads=2),
+    "cifar-small": dict(depth=6, width=128, heads=2, decoder_depth=2, decoder_width=128,
+                        decoder_heads=2),
+    "cifar-deep": dict(depth=24, width=64, heads=1, decoder_depth=2, decoder_width=128,
+                       decoder_heads=2),
     # WikiText with the GPT-2 tokenizer, 128-token windows.
     "wikitext-small": dict(depth=6, width=256, heads=4, seq_len=128),
     "wikitext-deep": dict(depth=24, width=128, heads=2, seq_len=128),
@@ -216,38 +202,32 @@ def training_flops(c):
     A block costs 2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token
     for Q K^T and A V (PaLM appendix B; the causal half is not discounted).
     """
-
     def blocks(n, tokens, width, mlp):
-        return n * tokens * (2 * (4 * width**2 + 2 * width * mlp) + 4 * tokens * width)
+        return n * tokens * (2 * (4 * width ** 2 + 2 * width * mlp) + 4 * tokens * width)
 
     mlp = int(c.mlp_ratio * c.width)
     prefix = 1 if c.is_image and c.pool == "cls" else 0
     if c.objective == "cls":
         T = c.num_patches() + prefix
-        fwd = c.num_patches() * 2 * c.patch_size**2 * c.channels * c.width + blocks(
-            c.depth, T, c.width, mlp
-        )
+        fwd = c.num_patches() * 2 * c.patch_size ** 2 * c.channels * c.width  # the patch embedding
+        fwd += blocks(c.depth, T, c.width, mlp)
         fwd += 2 * c.width * c.num_classes
     elif c.objective == "mae":
         L, dw = c.num_patches(), c.decoder_width
-        fwd = c.num_visible() * 2 * c.patch_size**2 * c.channels * c.width
-        fwd += (
-            blocks(c.depth, c.num_visible() + prefix, c.width, mlp)
-            + 2 * (c.num_visible() + prefix) * c.width * dw
-        )
+        fwd = c.num_visible() * 2 * c.patch_size ** 2 * c.channels * c.width
+        fwd += blocks(c.depth, c.num_visible() + prefix, c.width, mlp)
+        fwd += 2 * (c.num_visible() + prefix) * c.width * dw  # into the decoder's width
         fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw))
-        fwd += 2 * L * dw * c.patch_size**2 * c.channels  # the pixel prediction
-    elif (
-        c.objective == "mlm"
-    ):  # the head (transform + vocabulary) runs only at the chosen positions
+        fwd += 2 * L * dw * c.patch_size ** 2 * c.channels  # the pixel prediction
+    elif c.objective == "mlm":  # the head (transform + vocabulary) runs at the chosen positions
         T = c.seq_len
-        fwd = blocks(c.depth, T, c.width, mlp) + c.num_chosen(T) * (
-            2 * c.width**2 + 2 * c.width * c.vocab_size
-        )
+        fwd = blocks(c.depth, T, c.width, mlp)
+        fwd += c.num_chosen(T) * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)
     else:
         T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
     return 3 * fwd
+
 
 
 class MLP(nn.Module):
@@ -284,14 +264,10 @@ class Block(nn.Module):
         super().__init__()
         # smooth/sharpen: no learned gain, whose sign could flip W_V W_O's eigenvalues
         self.ln1 = nn.LayerNorm(width, elementwise_affine=vo_param == "free")
-        options = dict(
-            causal=causal, neutreno=neutreno, dropout=dropout, explicit=explicit_attention
-        )
-        self.attn = (
-            Attention(width, heads, **options)
-            if vo_param == "free"
-            else EigenAttention(width, heads, vo_param, **options)
-        )
+        options = dict(causal=causal, neutreno=neutreno, dropout=dropout,
+                       explicit=explicit_attention)
+        self.attn = (Attention(width, heads, **options) if vo_param == "free"
+                     else EigenAttention(width, heads, vo_param, **options))
         self.ln2 = nn.LayerNorm(width)
         self.mlp = MLP(width, int(mlp_ratio * width), dropout)
         self.drop_path = DropPath(drop_path)
@@ -362,10 +338,8 @@ def init_stack(*modules, residual_depth=0):
             nn.init.zeros_(module.bias)
     for module in parts if residual_depth else []:
         if isinstance(module, Block):
-            for proj in (
-                getattr(module.attn, "proj", None),
-                module.mlp.proj,
-            ):  # vo_param blocks have no W_O Linear
+            # vo_param blocks have no W_O Linear
+            for proj in (getattr(module.attn, "proj", None), module.mlp.proj):
                 if proj is not None:
                     nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * residual_depth))
 
@@ -374,12 +348,12 @@ def layer_id(name, depth):
     """0 for the stem, i + 1 for block i, depth + 1 for the final norm and the heads."""
     if name.startswith("blocks."):
         return int(name.split(".")[1]) + 1
-    return (
-        0 if name.startswith(("patch_embed", "pos_embed", "cls_token", "tok_embed")) else depth + 1
-    )
+    stem = ("patch_embed", "pos_embed", "cls_token", "tok_embed")
+    return 0 if name.startswith(stem) else depth + 1
 
 
 class Bamboo(nn.Module):
+
     """The trunk with the stem and head of `config.objective`.
 
     out, loss = model(x, y=None)
@@ -409,11 +383,9 @@ class Bamboo(nn.Module):
 
     def build_stem(self, c):
         if c.is_image:
-            # = conv with stride p
-            self.patch_embed = nn.Linear(c.patch_size**2 * c.channels, c.width)
-            self.register_buffer(
-                "pos_embed", sincos_2d(c.width, c.image_size // c.patch_size), persistent=False
-            )
+            self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # a stride-p conv
+            self.register_buffer("pos_embed", sincos_2d(c.width, c.image_size // c.patch_size),
+                                 persistent=False)
             init_stack(self.patch_embed)
         else:
             self.tok_embed = nn.Embedding(c.vocab_size + 1, c.width)  # +1 row for [MASK]
@@ -423,8 +395,7 @@ class Bamboo(nn.Module):
         self.embed_drop = nn.Dropout(c.dropout)
 
     def build_blocks(self, c):
-        # stochastic depth grows linearly
-        rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]
+        rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # grows linearly
         self.blocks = nn.ModuleList(
             Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno,
                   c.vo_param, self.explicit_attention)
@@ -433,18 +404,14 @@ class Bamboo(nn.Module):
         init_stack(self.blocks, residual_depth=c.depth)
 
     def build_head(self, c):
-        self.cls_token = (
-            nn.Parameter(torch.zeros(1, 1, c.width)) if c.is_image and c.pool == "cls" else None
-        )
+        with_cls = c.is_image and c.pool == "cls"
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if with_cls else None
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=0.02)
-        if (
-            c.objective == "cls"
-        ):  # MAE's fine-tuning head: pool, a fresh LayerNorm, a linear classifier
+        if c.objective == "cls":  # MAE's fine-tuning head: pool, a fresh LayerNorm, a classifier
             self.fc_norm = nn.LayerNorm(c.width)
             self.head = nn.Linear(c.width, c.num_classes)
-            # MAE's fine-tuning init: near-zero logits at first
-            nn.init.normal_(self.head.weight, std=2e-5)
+            nn.init.normal_(self.head.weight, std=2e-5)  # MAE's init: near-zero logits at first
             nn.init.zeros_(self.head.bias)
             return
         # the encoder's final norm; a fine-tuned classifier drops it
@@ -453,23 +420,21 @@ class Bamboo(nn.Module):
             self.decoder_embed = nn.Linear(c.width, c.decoder_width)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_width))
             grid = c.image_size // c.patch_size
-            self.register_buffer(
-                "decoder_pos_embed", sincos_2d(c.decoder_width, grid), persistent=False
-            )
+            self.register_buffer("decoder_pos_embed", sincos_2d(c.decoder_width, grid),
+                                 persistent=False)
             self.decoder_blocks = nn.ModuleList(
                 Block(c.decoder_width, c.decoder_heads, c.mlp_ratio,
                       explicit_attention=self.explicit_attention)
                 for _ in range(c.decoder_depth)
             )
             self.decoder_norm = nn.LayerNorm(c.decoder_width)
-            self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size**2 * c.channels)
+            self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size ** 2 * c.channels)
             nn.init.normal_(self.mask_token, std=0.02)
             init_stack(self.decoder_embed, self.decoder_pred)
             init_stack(self.decoder_blocks, residual_depth=c.decoder_depth)
         elif c.objective == "mlm":  # BERT's transform before the tied output embedding
-            self.mlm_transform = nn.Sequential(
-                nn.Linear(c.width, c.width), nn.GELU(), nn.LayerNorm(c.width)
-            )
+            self.mlm_transform = nn.Sequential(nn.Linear(c.width, c.width), nn.GELU(),
+                                               nn.LayerNorm(c.width))
             self.mlm_bias = nn.Parameter(torch.zeros(c.vocab_size))
             init_stack(self.mlm_transform)
 
@@ -485,29 +450,24 @@ class Bamboo(nn.Module):
         c = self.config
         if c.is_image:
             if x.dim() != 4 or x.shape[1:] != (c.channels, c.image_size, c.image_size):
-                raise ValueError(
-                    f"expected images (B, {c.channels}, {c.image_size}, {c.image_size}), "
-                    f"got {tuple(x.shape)}"
-                )
+                raise ValueError(f"expected images (B, {c.channels}, "
+                                 f"{c.image_size}, {c.image_size}), "
+                                 f"got {tuple(x.shape)}")
             patches = patchify(x, c.patch_size)  # (B, L, p*p*C)
             pos = self.pos_embed.expand(x.shape[0], -1, -1)  # (B, L, D)
             mask = ids_restore = None
-            if (
-                mask_ratio > 0
-            ):  # mask first: the stem, too, embeds only the patches the encoder sees
-                ids_keep, mask, ids_restore = random_masking(
-                    x.shape[0], patches.shape[1], mask_ratio, noise, x.device
-                )
+            # mask first: the stem, too, embeds only the patches the encoder sees
+            if mask_ratio > 0:
+                ids_keep, mask, ids_restore = random_masking(x.shape[0], patches.shape[1],
+                                                             mask_ratio, noise, x.device)
                 patches, pos = take_tokens(patches, ids_keep), take_tokens(pos, ids_keep)
             h = self.patch_embed(patches) + pos  # (B, L or visible, D)
             if self.cls_token is not None:
                 h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
         else:
             if x.dim() != 2 or x.dtype != torch.long or x.shape[1] > c.seq_len:
-                raise ValueError(
-                    f"expected tokens (B, T<={c.seq_len}) of dtype long, got {tuple(x.shape)}"
-                    f" {x.dtype}"
-                )
+                raise ValueError(f"expected tokens (B, T<={c.seq_len}) of dtype long, got "
+                                 f"{tuple(x.shape)} {x.dtype}")
             h, mask, ids_restore = self.tok_embed(x) + self.pos_embed[:, : x.shape[1]], None, None
         return self.embed_drop(h), mask, ids_restore
 
@@ -614,8 +574,7 @@ class Bamboo(nn.Module):
         return inputs, tokens.masked_fill(~chosen, -100)
 
     def output_embedding(self):
-        """The tied output weights (vocab, width): the real vocabulary only ([MASK] is never
-        predicted)."""
+        """The tied output weights (vocab, width), the real vocabulary only: [MASK] has no row."""
         return self.tok_embed.weight[: self.config.vocab_size]
 
     def token_logits(self, h):
@@ -626,32 +585,25 @@ class Bamboo(nn.Module):
             positions = self.choose_positions(tokens)
             inputs, _ = self.mask_tokens(tokens, positions)
             h, _, _ = self.run_blocks(self.embed(inputs)[0])
-            h, targets = (take_tokens(h, positions).flatten(0, 1),
-                          tokens.gather(1, positions).flatten())
+            h = take_tokens(h, positions).flatten(0, 1)  # (N, D) at the chosen positions
+            targets = tokens.gather(1, positions).flatten()
         else:  # corrupted tokens and their targets given (-100 where ignored)
             h, _, _ = self.run_blocks(self.embed(tokens)[0])
             chosen = y != -100
             h, targets = h[chosen], y[chosen]
         # The vocabulary projection only where the loss looks: 15% of the positions, the same loss.
-        # (N, vocab), row-major
-        logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias
+        logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias  # (N, vocab)
         # A sum over chosen positions / their count: no NaN when given targets choose none.
         loss = F.cross_entropy(logits, targets, reduction="sum")
         return logits, loss / max(1, len(targets))
 
     def next_token_features(self, tokens, y=None):
-        """The final-norm features (B, T, D) and their targets: x[:, 1:] by default, or y,
-        nanoGPT-style."""
-        if y is None and (
-            tokens.dim() != 2
-            or tokens.dtype != torch.long
-            or not 2 <= tokens.shape[1] <= self.config.seq_len + 1
-        ):
-            raise ValueError(
-                "expected token windows (B, T) of dtype long with 2 <= T <= seq_len + 1 = "
-                f"{self.config.seq_len + 1} (the last token is only a target, or pass targets y), "
-                f"got {tuple(tokens.shape)} {tokens.dtype}"
-            )
+        """The final-norm features (B, T, D) and their targets: x[:, 1:], or y (nanoGPT-style)."""
+        if y is None and (tokens.dim() != 2 or tokens.dtype != torch.long or
+                          not 2 <= tokens.shape[1] <= self.config.seq_len + 1):
+            raise ValueError(f"expected token windows (B, T) of dtype long with 2 <= T <= seq_len "
+                             f"+ 1 = {self.config.seq_len + 1} (the last token is only a target, "
+                             f"or pass targets y), got {tuple(tokens.shape)} {tokens.dtype}")
         inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
         return self.ln_f(h), targets
@@ -660,8 +612,7 @@ class Bamboo(nn.Module):
         return self.next_token_loss(*self.next_token_features(tokens, y))
 
     def next_token_loss(self, h, targets):
-        """Logits (B, T, vocab) of the features h (B, T, D) and their mean cross-entropy against
-        targets."""
+        """Logits (B, T, vocab) of the features h (B, T, D), and their mean cross-entropy."""
         logits = self.token_logits(h)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
@@ -678,11 +629,8 @@ class Bamboo(nn.Module):
             decay = p.dim() >= 2 and not name.endswith(no_decay)
             lr_scale = layer_decay ** (depth + 1 - layer_id(name, depth))
             # One group per setting: 2 without layer decay, so one fused kernel call each.
-            group = groups.setdefault(
-                (decay, lr_scale),
-                {"params": [], "lr_scale": lr_scale,
-                 "weight_decay": weight_decay if decay else 0.0},
-            )
+            group = groups.setdefault((decay, lr_scale), {
+                "params": [], "lr_scale": lr_scale, "weight_decay": weight_decay if decay else 0.0})
             group["params"].append(p)
         return torch.optim.AdamW(list(groups.values()), lr=lr, betas=(0.9, beta2), fused=fused)
 

@@ -19,7 +19,6 @@ of what to compare in the same run.
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
 """
-
 import argparse
 import functools
 import json
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
-from checkpoint import atomic_write, check_output_path
+from checkpoint import atomic_write, check_output_path, unwritable
 from fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
@@ -43,30 +42,23 @@ LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 def parse_spec(spec):
     objective, sep, rest = spec.partition(":")
     if not sep:
-        raise ValueError(
-            f"bad spec {spec!r}; write OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b"
-        )
+        raise ValueError(f"bad spec {spec!r}; write "
+                         f"OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
     return Config.from_spec(rest, objective=objective)
 
 
 def synthetic_batch(config, batch_size, device, generator):
     """Random images and labels, or random tokens, with the config's shapes."""
     if config.is_image:
-        x = torch.randn(
-            batch_size, config.channels, config.image_size, config.image_size, generator=generator
-        )
+        x = torch.randn(batch_size, config.channels, config.image_size, config.image_size,
+                        generator=generator)
         y = torch.randint(0, config.num_classes, (batch_size,), generator=generator)
         return x.to(device), y.to(device)
-    return (
-        torch.randint(0, config.vocab_size, (batch_size, config.seq_len), generator=generator).to(
-            device
-        ),
-        None,
-    )
+    return torch.randint(0, config.vocab_size, (batch_size, config.seq_len),
+                         generator=generator).to(device), None
 
 
 # -------------------------------------------------------------------- what users would pick instead
-
 
 def reference_model(config):
     """(name, model, loss_fn) of the usual library implementation of the same shape."""
@@ -125,13 +117,11 @@ def vit_pytorch_mae(c):
 
 # ----------------------------------------------------------------------------- one config
 
-
 class Runner:
     """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
 
-    def __init__(
-        self, config, args, device, dtype, compile_mode, reference=False, attention="auto"
-    ):
+    def __init__(self, config, args, device, dtype, compile_mode, reference=False,
+                 attention="auto"):
         torch.manual_seed(0)
         if reference:
             self.name, model, self.loss_fn = reference_model(config)
@@ -142,31 +132,25 @@ class Runner:
         self.config = config
         self.model = model.to(device).train()
         if reference:  # the library model compiled whole, as its users would
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=LEARNING_RATE, fused=fused_adamw(device)
-            )
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE,
+                                               fused=fused_adamw(device))
             self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
             kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
-            self.forward = (
-                torch.compile(self.model, **kwargs) if self.compiled != "off" else self.model
-            )
+            compiled = self.compiled != "off"
+            self.forward = torch.compile(self.model, **kwargs) if compiled else self.model
             self.attention = "library"
         else:  # exactly as train.py does
-            self.optimizer = self.model.configure_optimizer(
-                LEARNING_RATE, weight_decay=0.05, beta2=0.95, fused=fused_adamw(device)
-            )
-            self.forward, self.compiled, _ = fast.for_training(
-                self.model, device, dtype, compile_mode
-            )
+            self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05,
+                                                            beta2=0.95,
+                                                            fused=fused_adamw(device))
+            self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype,
+                                                               compile_mode)
             self.attention = "explicit" if explicit else "sdpa"
-        self.batch = synthetic_batch(
-            config, args.batch_size, device, torch.Generator().manual_seed(0)
-        )
-        self.autocast = (
-            torch.autocast(device.type, dtype=dtype, cache_enabled=self.compiled != "graphs")
-            if dtype != torch.float32
-            else nullcontext()
-        )
+        self.batch = synthetic_batch(config, args.batch_size, device,
+                                     torch.Generator().manual_seed(0))
+        self.autocast = torch.autocast(device.type, dtype=dtype,
+                                       cache_enabled=self.compiled != "graphs") \
+            if dtype != torch.float32 else nullcontext()
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         self.device = device
 
@@ -204,17 +188,15 @@ def peak_rss_mib():
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (
-        OSError,
-        StopIteration,
-    ):  # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
+    # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
+    except (OSError, StopIteration):
         try:
             import resource
         except ImportError:
             return None
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
-            2**20 if sys.platform == "darwin" else 2**10
-        )
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20
+                                                                     if sys.platform == "darwin"
+                                                                     else 2 ** 10)
 
 
 def cpu_peak_rss(args, entry, queue):
@@ -256,14 +238,12 @@ def peak_tflops(device, dtype):
         peak = gpu_peak_tflops(device)
         if peak is None:
             return None, f"{name} (peak unknown)"
-        return (
-            peak if dtype != torch.float32 else peak / 2
-        ), f"{name}, table peak"  # fp32 runs as TF32
+        # fp32 runs as TF32
+        return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"
     return measure_cpu_peak_tflops(dtype), "CPU, measured GEMM peak"
 
 
 # ----------------------------------------------------------------------------- the table
-
 
 def device_sync(device):
     """A call that waits for the device's queued work (CUDA runs asynchronously), or does nothing on
@@ -276,14 +256,10 @@ def build_runners(args, device):
     being the library's own), warmed up; the first step timed apart."""
     dtypes = [pick_dtype(name, device) for name in args.dtype.split(",")]
     attentions = args.attention.split(",")
-    entries = [
-        (spec, dtype, mode, reference, attention)
-        for spec in args.specs
-        for dtype in dtypes
-        for mode in args.compile.split(",")
-        for reference in ((False, True) if args.against else (False,))
-        for attention in (attentions[:1] if reference else attentions)
-    ]
+    entries = [(spec, dtype, mode, reference, attention) for spec in args.specs for dtype in dtypes
+               for mode in args.compile.split(",")
+               for reference in ((False, True) if args.against else (False,))
+               for attention in (attentions[:1] if reference else attentions)]
     runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
     sync = device_sync(device)
     for runner in runners:  # warm-up: allocator, compile, first-touch costs
@@ -304,7 +280,7 @@ def peak_memory(args, device, entries, runners):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             runner.step()
-            memory.append(torch.cuda.max_memory_allocated(device) / 2**20)
+            memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
         elif args.memory:
             ctx = multiprocessing.get_context("spawn")
             queue = ctx.Queue()
@@ -319,20 +295,16 @@ def peak_memory(args, device, entries, runners):
 
 def print_table(args, device, entries, runners, step_ms, memory, peaks):
     for dtype, (peak, source) in peaks.items():
-        print(
-            f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})"
-            if peak
-            else f"peak: {source}"
-        )
-    print(
-        f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} steps"
-        f" (fastest round), {torch.get_num_threads()} threads"
-    )
-    header = (
-        f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8}"
-        f" {'step ms':>9} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6}"
-        f" {'peak MiB':>9} {'1st s':>6} {'vs first':>8}"
-    )
+        print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak
+              else f"peak: {source}")
+    print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} "
+          f"steps (fastest round), "
+          f"{torch.get_num_threads()} threads")
+    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} "
+              f"{'params':>8} {'step ms':>9} "
+              f"{'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} "
+              f"{'peak MiB':>9} {'1st s':>6} "
+              f"{'vs first':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -343,21 +315,21 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         tflops = training_flops(c) * args.batch_size / step / 1e12
         peak = peaks[dtype][0]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
-        rows.append(
-            {"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
-             "compiled": runner.compiled, "attention": runner.attention, "step_ms": step * 1000,
-             "samples_s": args.batch_size / step, "tokens_s": args.batch_size * tokens / step,
-             "tflops": tflops, "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem,
-             "params_m": params, "first_step_s": runner.first_step_s}
-        )
+        rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
+                     "compiled": runner.compiled, "attention": runner.attention,
+                     "step_ms": step * 1000,
+                     "samples_s": args.batch_size / step,
+                     "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
+                     "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem,
+                     "params_m": params,
+                     "first_step_s": runner.first_step_s})
         r = rows[-1]
-        print(
-            f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {r['attention']:<8}"
-            f" {params:>7.2f}M {r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f}"
-            f" {tflops:>8.3f} {r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f}"
-            f" {mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f}"
-            f" {rows[0]['step_ms'] / r['step_ms']:>7.2f}x"
-        )
+        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} "
+              f"{r['attention']:<8} {params:>7.2f}M "
+              f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
+              f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
+              f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
+              f"{rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
     return rows
 
 
@@ -367,21 +339,18 @@ def run(args):
         torch.set_num_threads(args.threads)
     entries, runners, peaks = build_runners(args, device)
     step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds,
-                         args.steps, device_sync(device))
-    rows = print_table(
-        args, device, entries, runners, step_ms, peak_memory(args, device, entries, runners), peaks
-    )
+                         args.steps,
+                         device_sync(device))
+    rows = print_table(args, device, entries, runners, step_ms,
+                       peak_memory(args, device, entries, runners), peaks)
     if args.profile:
         for (spec, dtype, *_), runner in zip(entries, runners):
-            profile_step(
-                runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})", args.profile
-            )
+            profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})",
+                         args.profile)
     if args.json:
-        name = (
-            torch.cuda.get_device_name(device)
-            if device.type == "cuda"
-            else platform.processor() or device.type
-        )
+        name = platform.processor() or device.type
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
         report = {"device": name, "torch": torch.__version__, "batch_size": args.batch_size,
                   "rows": rows}
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
@@ -393,9 +362,8 @@ def profile_step(runner, title, rows):
     bottlenecks."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if runner.device.type == "cuda" else []
-    )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda"
+                                           else [])
     with profile(activities=activities) as prof:
         runner.step()
         device_sync(runner.device)()
@@ -463,10 +431,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing --json
-        print(
-            f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere",
-            file=sys.stderr,
-        )
+        print(f"error: {unwritable(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -9,7 +9,6 @@ and resumes with it; probe.py, bench.py and results/ rebuild models with model_f
 
 Run: python -c "import checkpoint; print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
 """
-
 import os
 import tempfile
 from dataclasses import asdict
@@ -32,20 +31,24 @@ def check_output_path(flag, path):
     computation."""
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
-        raise ValueError(
-            f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere"
-        )
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or "
+                         "write elsewhere")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+
+
+def unwritable(e):
+    """The one line for an OSError met while writing an output file (a full disk, a folder that
+    vanished)."""
+    return f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere"
 
 
 def atomic_write(path, write):
     """Call write(f) on a binary temp file unique to this process beside path, then rename it to
     path: a crash, a full disk or a second process writing the same path never leaves it
     half-written. On failure the temp file (ours) is removed, and an OSError names path."""
-    fd, tmp = tempfile.mkstemp(
-        dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path) + ".", suffix=".tmp"
-    )
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -63,11 +66,8 @@ def atomic_write(path, write):
 def training_state(run):
     """Everything a resume needs, as plain data: config, weights, optimizer, step, every rank's RNG.
     run is train.Run; under DDP this is a collective (every rank gives its random state)."""
-    cuda = (
-        torch.cuda.get_rng_state(run.device)
-        if run.device.type == "cuda"
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    cuda = (torch.cuda.get_rng_state(run.device) if run.device.type == "cuda"
+            else torch.empty(0, dtype=torch.uint8))
     own = {"torch": torch.get_rng_state(), "cuda": cuda}
     ranks = [own]
     if run.ddp:  # masks and dropout differ per rank, so a resume needs each rank's own state
@@ -75,8 +75,8 @@ def training_state(run):
         dist.all_gather_object(ranks, own)
     return {"config": run.model.config.to_dict(), "train": asdict(run.cfg),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "scaler": run.scaler.state_dict(), "step": run.step, "best": run.best,
-            "rng": {"data": run.generator.get_state(), "ranks": ranks}}
+            "scaler": run.scaler.state_dict(), "step": run.step,
+            "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks}}
 
 
 def save(path, state):
@@ -84,11 +84,10 @@ def save(path, state):
     try:
         atomic_write(path, lambda f: torch.save(state, f))
     except OSError as e:
-        raise CheckpointError(
-            f"could not write {path} ({e.strerror}); free space in "
-            f"{os.path.dirname(path) or '.'} or choose another --out_dir, then continue "
-            "with --resume"
-        ) from None
+        raise CheckpointError(f"could not write {path} ({e.strerror}); free space in "
+                              f"{os.path.dirname(path) or '.'} or choose another "
+                              f"--out_dir, then continue "
+                              "with --resume") from None
 
 
 # ----------------------------------------------------------------------------- load and resume
@@ -97,27 +96,19 @@ def save(path, state):
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
     if not os.path.isfile(path):
-        raise CheckpointError(
-            f"no checkpoint at {path}; check the path (train.py writes OUT_DIR/ckpt.pt)"
-        )
+        raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes "
+                              "OUT_DIR/ckpt.pt)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
-            "use another checkpoint or train again"
-        ) from None
-    if not (
-        isinstance(ckpt, dict)
-        and isinstance(ckpt.get("config"), dict)
-        and isinstance(ckpt.get("model"), dict)
-        and all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in ckpt["model"].items()
-        )
-    ):
-        raise CheckpointError(
-            f"{path} is not a bamboo checkpoint (no config dict and tensor weights inside)"
-        )
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
+                              "use another checkpoint or train again") from None
+    weights = ckpt.get("model") if isinstance(ckpt, dict) else None
+    tensors = isinstance(weights, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    if not (tensors and isinstance(ckpt.get("config"), dict)):
+        raise CheckpointError(f"{path} is not a bamboo checkpoint (no config dict and tensor "
+                              "weights inside)")
     return ckpt
 
 
@@ -128,10 +119,9 @@ def model_from_checkpoint(path, **options):
         model = Bamboo(Config.from_dict(ckpt["config"]), **options)
         model.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{path}: its weights do not fit its config ({str(e).splitlines()[0][:160]}); "
-            "it is damaged, train again"
-        ) from None
+        raise CheckpointError(f"{path}: its weights do not fit its config "
+                              f"({str(e).splitlines()[0][:160]}); "
+                              "it is damaged, train again") from None
     return model, ckpt
 
 
@@ -142,24 +132,21 @@ def restore(run, ckpt, path):
         run.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{path} does not match its own config ({' '.join(str(e).split())[:160]}); "
-            "it is damaged, train again"
-        ) from None
+        raise CheckpointError(f"{path} does not match its own config "
+                              f"({' '.join(str(e).split())[:160]}); "
+                              "it is damaged, train again") from None
     try:
         run.scaler.load_state_dict(ckpt["scaler"])
         run.step, run.best = int(ckpt["step"]), ckpt["best"]
         run.generator.set_state(ckpt["rng"]["data"])
         ranks = ckpt["rng"]["ranks"]
         if len(ranks) != run.world:
-            raise ValueError(
-                f"it was written by {len(ranks)} processes, this run has {run.world}; use as many"
-            )
+            raise ValueError(f"it was written by {len(ranks)} processes, this run has "
+                             f"{run.world}; use as many")
         torch.set_rng_state(ranks[run.rank]["torch"])
         if run.device.type == "cuda" and ranks[run.rank]["cuda"].numel():
             torch.cuda.set_rng_state(ranks[run.rank]["cuda"], run.device)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
-        raise CheckpointError(
-            f"{path} cannot be resumed ({' '.join(str(e).split())[:160]})"
-        ) from None
+        why = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"{path} cannot be resumed ({why})") from None
     run.saved_step = run.step

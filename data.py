@@ -15,10 +15,8 @@ Every failure a user can meet (no network, missing files) raises DataError with 
 what is missing, where to put it, and which flag points elsewhere.
 
 Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt',
-     'cache',
-     128).vocab_size)"
+     'cache', 128).vocab_size)"
 """
-
 import hashlib
 import io
 import os
@@ -35,9 +33,8 @@ IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
 # ImageFolder's
 IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-USER_AGENT = (  # the WikiText mirror answers 403 to urllib's default
-    "Mozilla/5.0 (X11; Linux x86_64) bamboo"
-)
+# the WikiText mirror answers 403 to urllib's default
+USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"
 
 
 class DataError(Exception):
@@ -45,7 +42,6 @@ class DataError(Exception):
 
 
 # ----------------------------------------------------------------------------- images
-
 
 def _cifar(name, data_dir, train):
     import torchvision
@@ -59,13 +55,12 @@ def _cifar(name, data_dir, train):
         if os.path.exists(archive) and not had_archive:
             # leave no half-written archive behind; never one that was there before
             os.remove(archive)
-        raise DataError(
-            f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
-            f"put {cls.base_folder}/ there by hand, or use --dataset folder --data_dir DIR "
-            "with an ImageFolder tree"
-        ) from None
-    return (torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets),
-            list(ds.classes))
+        raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
+                        f"put {cls.base_folder}/ there by hand, or use --dataset "
+                        f"folder --data_dir DIR "
+                        "with an ImageFolder tree") from None
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
+    return images, torch.tensor(ds.targets), list(ds.classes)
 
 
 def _decode(path, size):
@@ -77,14 +72,10 @@ def _decode(path, size):
             if im.size != (size, size):
                 im = im.resize((size, size), Image.BICUBIC)
             return np.asarray(im)
-    except (
-        OSError,
-        ValueError,
-        SyntaxError,
-    ) as e:  # PIL's errors for unreadable, truncated or non-image files
-        raise DataError(
-            f"cannot read image {path} ({type(e).__name__}: {e}); remove or replace that file"
-        ) from None
+    # PIL's errors for unreadable, truncated or non-image files
+    except (OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove "
+                        f"or replace that file") from None
 
 
 def _image_files(root):
@@ -93,32 +84,23 @@ def _image_files(root):
     classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
     folders (.ipynb_checkpoints) are not classes."""
     try:
-        classes = sorted(
-            e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
-        )
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir()
+                         and not e.name.startswith("."))
     except OSError as e:
-        raise DataError(
-            f"cannot list {root} ({e.strerror}); check its permissions or point --data_dir"
-            " elsewhere"
-        )
+        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point "
+                        f"--data_dir elsewhere")
     if not classes:
-        raise DataError(
-            f"{root} has no class folders; an image folder dataset needs {root}/<class>/<image>"
-        )
+        raise DataError(f"{root} has no class folders; an image folder dataset needs "
+                        f"{root}/<class>/<image>")
     samples = []
     for label, name in enumerate(classes):
         before = len(samples)
         for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            samples += [
-                (os.path.join(folder, f), label)
-                for f in sorted(files)
-                if f.lower().endswith(IMAGE_FILES)
-            ]
+            samples += [(os.path.join(folder, f), label) for f in sorted(files)
+                        if f.lower().endswith(IMAGE_FILES)]
         if len(samples) == before:
-            raise DataError(
-                f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
-                "add images to it or remove it"
-            )
+            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
+                            "add images to it or remove it")
     return samples, classes
 
 
@@ -126,23 +108,19 @@ def _folder(data_dir, split, image_size, limit=0):
     names = ("train",) if split == "train" else ("test", "val")
     roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
     if not roots:
-        raise DataError(
-            f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an image folder"
-            f" dataset needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg"
-            " (point --data_dir at such a tree)"
-        )
+        raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
+                        f"image folder dataset "
+                        f"needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg "
+                        "(point --data_dir at such a tree)")
     samples, classes = _image_files(roots[0])
     if limit:  # a fixed random subset (the same for every run), decoded alone
-        keep = (
-            torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[:limit]
-            .sort()
-            .values
-        )
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
+        keep = order[:limit].sort().values
         samples = [samples[i] for i in keep.tolist()]
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
     # (N, 3, H, W) uint8
-    images = (torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous())
+    images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()
     return images, torch.tensor([label for _, label in samples]), classes
 
 
@@ -151,21 +129,13 @@ def _load_split(name, data_dir, split, image_size, limit=0):
         return _folder(data_dir, split, image_size, limit)
     images, labels, classes = _cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
-        keep = (
-            torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:limit]
-            .sort()
-            .values
-        )
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+        keep = order[:limit].sort().values
         images, labels = images[keep], labels[keep]
     if images.shape[-1] != image_size:
-        images = (
-            torch.nn.functional.interpolate(
-                images.float(), size=image_size, mode="bicubic", antialias=True
-            )
-            .round()
-            .clamp(0, 255)
-            .to(torch.uint8)
-        )
+        resized = torch.nn.functional.interpolate(images.float(), size=image_size, mode="bicubic",
+                                                  antialias=True)
+        images = resized.round().clamp(0, 255).to(torch.uint8)
     return images, labels, classes
 
 
@@ -185,29 +155,22 @@ class ImageData:
         keeps a fixed random subset of the training split (the test split stays whole)."""
         if name == "folder":
             if not os.path.isdir(data_dir):
-                raise DataError(
-                    f"data directory {data_dir} does not exist; point --data_dir at an image folder"
-                    " tree with train/ and test/ inside"
-                )
+                raise DataError(f"data directory {data_dir} does not exist; point --data_dir "
+                                f"at an image folder "
+                                "tree with train/ and test/ inside")
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, classes = _load_split(name, data_dir, "test", image_size)
         self.train_x, self.train_y, train_classes = (
-            _load_split(name, data_dir, "train", image_size, train_samples)
-            if train
-            else (self.test_x[:0], self.test_y[:0], classes)
-        )
-        if (
-            train_classes != classes
-        ):  # labels are class indices: any difference would mislabel the test split
-            only_train, only_test = sorted(set(train_classes) - set(classes)), sorted(
-                set(classes) - set(train_classes)
-            )
-            raise DataError(
-                f"{data_dir}: the splits have different classes (only in training:"
-                f" {only_train[:5]}, only in test: {only_test[:5]}); give both the same class"
-                " folders"
-            )
+            _load_split(name, data_dir, "train", image_size, train_samples) if train
+            else (self.test_x[:0], self.test_y[:0], classes))
+        # labels are class indices: any difference would mislabel the test split
+        if train_classes != classes:
+            only_train = sorted(set(train_classes) - set(classes))
+            only_test = sorted(set(classes) - set(train_classes))
+            raise DataError(f"{data_dir}: the splits have different classes (only in "
+                            f"training: {only_train[:5]}, "
+                            f"only in test: {only_test[:5]}); give both the same class folders")
         self.num_classes = len(classes)
         if name == "folder":
             # ImageFolder lists images class by class: one fixed shuffle makes "the first N" fair.
@@ -216,17 +179,11 @@ class ImageData:
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
         # Per-channel statistics of the training pixels (test pixels without a train split).
-        flat = (
-            (self.train_x if train else self.test_x)[:10000]
-            .float()
-            .div(255)
-            .transpose(0, 1)
-            .flatten(1)
-        )
+        pixels = (self.train_x if train else self.test_x)[:10000].float().div(255)
+        flat = pixels.transpose(0, 1).flatten(1)  # (C, N * H * W)
         self.mean, self.std = flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
         # A channel that barely varies (a colour unused by the dataset, a single image) would divide
-        # by ~0 and make
-        # every input non-finite; such a channel is only centred. 1/255 is one grey level.
+        # by ~0 and make every input non-finite: it is only centred. 1/255 is one grey level.
         self.std = torch.where(self.std > 1 / 255, self.std, torch.ones_like(self.std))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
 
@@ -258,8 +215,8 @@ class ImageData:
 
 
 def random_crop_flip(x, offsets, flips, pad=4):
-    """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where flips
-    (B,).
+    """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where
+    flips (B,).
 
     One gather on x's device for the whole batch.
     """
@@ -281,10 +238,8 @@ WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging F
     "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw",
                     "wikitext-103-raw-v1"),
 }
-HF_PARQUET = (
-    "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
-    "{config}/{split}-{i:05d}-of-{n:05d}.parquet"
-)
+HF_PARQUET = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
+              "{config}/{split}-{i:05d}-of-{n:05d}.parquet")
 # parquet files per split on the hub; 1 where not listed
 HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}
 
@@ -316,13 +271,11 @@ def _from_hugging_face(config, target):
         n = HF_SHARDS.get(config, {}).get(name, 1)
         rows = []
         for i in range(n):
-            table = pq.read_table(
-                io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name, i=i, n=n)))
-            )
+            table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name,
+                                                                      i=i, n=n))))
             rows += table.column("text").to_pylist()
-        atomic_write(
-            os.path.join(target, f"{split}.txt"), lambda f: f.write("".join(rows).encode())
-        )
+        atomic_write(os.path.join(target, f"{split}.txt"),
+                     lambda f: f.write("".join(rows).encode()))
 
 
 def download_wikitext(name, data_dir):
@@ -343,16 +296,15 @@ def download_wikitext(name, data_dir):
             return target
         except Exception as e:  # network errors, HTTP errors, corrupt archives
             errors.append(f"{source}: {type(e).__name__}: {e}")
-    for (
-        leftover
-    ) in ours:  # nothing half-done survives a failed download; files that were there before stay
+    # nothing half-done survives a failed download; files that were there before stay
+    for leftover in ours:
         if os.path.exists(leftover):
             os.remove(leftover)
-    raise DataError(
-        f"could not download {name} ({'; '.join(errors)}); put {os.path.join(target, 'train.txt')} "
-        f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's wiki.train.raw and "
-        "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files"
-    )
+    raise DataError(f"could not download {name} ({'; '.join(errors)}); put "
+                    f"{os.path.join(target, 'train.txt')} "
+                    f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's "
+                    f"wiki.train.raw and "
+                    "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files")
 
 
 def get_tokenizer(name):
@@ -366,28 +318,25 @@ def get_tokenizer(name):
     try:
         return tiktoken.get_encoding(name)
     except ValueError:
-        raise DataError(
-            f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, r50k_base, "
-            "cl100k_base, ...) or bytes"
-        ) from None
+        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding "
+                        f"name (gpt2, r50k_base, "
+                        "cl100k_base, ...) or bytes") from None
     except Exception as e:
-        raise DataError(
-            f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without network set "
-            "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's ranks are r50k_base's), "
-            "or use --tokenizer bytes"
-        ) from None
+        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); "
+                        f"without network set "
+                        "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's "
+                        "ranks are r50k_base's), "
+                        "or use --tokenizer bytes") from None
 
 
 def tokenize_cached(path, tokenizer, cache_dir):
     """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
     stat = os.stat(path)
-    key = hashlib.sha1(
-        f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}".encode()
-    )
-    dtype = np.uint16 if tokenizer.n_vocab <= 2**16 else np.uint32
-    cache = os.path.join(
-        cache_dir, f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin"
-    )
+    fingerprint = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}"
+    key = hashlib.sha1(fingerprint.encode())
+    dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
+    cache = os.path.join(cache_dir,
+                         f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
     if not os.path.exists(cache):
         os.makedirs(cache_dir, exist_ok=True)
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -399,9 +348,8 @@ def tokenize_cached(path, tokenizer, cache_dir):
 class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
-    def __init__(
-        self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len, train=True
-    ):
+    def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len,
+                 train=True):
         """train=False reads the validation file only (the probe needs nothing else)."""
         self.tokenizer = get_tokenizer(tokenizer)
         if name in WIKITEXT:
@@ -412,22 +360,19 @@ class TextData:
         for file, flag in wanted + ((val_file, "--val_file"),):
             path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
-                raise DataError(
-                    f"missing text file {path}; put it there, or point --data_dir and {flag}"
-                    " elsewhere"
-                )
+                raise DataError(f"missing text file {path}; put it there, or point --data_dir "
+                                f"and {flag} elsewhere")
             if os.path.getsize(path) == 0:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size = self.tokenizer.n_vocab
         self.seq_len = seq_len
-        for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1 :]:
+        for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
             if len(tokens) <= seq_len:
-                raise DataError(
-                    f"{split} text has {len(tokens)} tokens, fewer than one window of"
-                    f" seq_len={seq_len}; use more text or a smaller --seq_len"
-                )
+                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of "
+                                f"seq_len={seq_len}; "
+                                "use more text or a smaller --seq_len")
 
     def sample(self, n, generator):
         """The random draws of one global batch: where each window starts."""
@@ -437,12 +382,8 @@ class TextData:
         """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no
         labels."""
         starts = draws["start"].tolist()
-        return (
-            torch.from_numpy(
-                np.stack([self.train[s : s + self.seq_len] for s in starts]).astype(np.int64)
-            ),
-            None,
-        )
+        return torch.from_numpy(np.stack([self.train[s: s + self.seq_len]
+                                          for s in starts]).astype(np.int64)), None
 
     def num_train(self):
         return len(self.train) - self.seq_len + 1
@@ -452,8 +393,6 @@ class TextData:
         n = (len(self.val) - 1) // self.seq_len
         n = n if limit is None else min(n, limit)
         for i in range(0, n, batch_size):
-            rows = [
-                self.val[k * self.seq_len : (k + 1) * self.seq_len]
-                for k in range(i, min(i + batch_size, n))
-            ]
+            rows = [self.val[k * self.seq_len: (k + 1) * self.seq_len]
+                    for k in range(i, min(i + batch_size, n))]
             yield torch.from_numpy(np.stack(rows).astype(np.int64)), None

@@ -31,19 +31,14 @@ results/gpu/README.md (GPU).
 Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(
      objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from bamboo import Block
 
-EXPLICIT_ATTENTION_MAX_TOKENS = (
-    256  # beyond this the (T, T) matrices cost more memory than the kernel saves
-)
-LOGITS_ROW_MULTIPLE = (
-    64  # columns: a row of bf16 logits then starts on a 128-byte boundary (nanoGPT pads so)
-)
+EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond, the (T, T) matrices cost more memory than they save
+LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-byte boundary
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -63,17 +58,15 @@ def pick_device(name, local_rank=0):
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(
-            f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
-        ) from None
+        raise ValueError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or "
+                         "mps") from None
     available = {"cpu": True, "cuda": torch.cuda.is_available(),
                  "mps": torch.backends.mps.is_available()}
     if not available.get(device.type, False):
         raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(
-            f"--device {name}: there are only {torch.cuda.device_count()} CUDA devices"
-        )
+        count = torch.cuda.device_count()
+        raise ValueError(f"--device {name}: there are only {count} CUDA devices")
     return device
 
 
@@ -91,11 +84,10 @@ def pick_dtype(name, device):
     """auto: bf16 on CUDA and on CPUs with native bf16, where it is faster than fp32 at the same
     loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
     if name == "auto":
-        bf16 = (
-            torch.cuda.is_bf16_supported()
-            if device.type == "cuda"
-            else device.type == "cpu" and cpu_has_bf16()
-        )
+        if device.type == "cuda":
+            bf16 = torch.cuda.is_bf16_supported()
+        else:
+            bf16 = device.type == "cpu" and cpu_has_bf16()
         name = "bfloat16" if bf16 else "float32"
     return getattr(torch, name)
 
@@ -120,9 +112,8 @@ def use_explicit_attention(asked, device, dtype, config):
     if asked != "auto":
         return asked == "explicit"
     tokens = config.num_patches() if config.is_image else config.seq_len
-    return (
-        device.type == "cpu" and dtype != torch.float32 and tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
-    )
+    short = tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
+    return device.type == "cpu" and dtype != torch.float32 and short
 
 
 # ----------------------------------------------------------------------------- the module to train
@@ -155,20 +146,15 @@ def compile_plan(asked, device, config, ddp):
         raise ValueError(f"--compile {asked!r}: choose one of {', '.join(COMPILE_MODES)}")
     if asked == "auto":
         if device.type != "cuda":
-            return (
-                "off",
-                (
-                    f"auto compiles on CUDA only; on {device.type} pass --compile blocks or model"
-                    " to compile"
-                ),
-            )
+            return "off", (f"auto compiles on CUDA only; on {device.type} pass --compile blocks or "
+                           "model to compile")
         asked = "graphs"
     if asked != "graphs":
         return asked, ""
     unsafe = graphs_unsafe(device, config, ddp)
-    return (
-        ("blocks", unsafe + "; compiling blocks without CUDA graphs") if unsafe else ("graphs", "")
-    )
+    if unsafe:
+        return "blocks", unsafe + "; compiling blocks without CUDA graphs"
+    return "graphs", ""
 
 
 def graphs_unsafe(device, config, ddp):
@@ -254,23 +240,17 @@ class CUDAGraphed(nn.Module):
         inputs = tuple(a for a in args if a is not None)
         shapes = [tuple(a.shape) for a in inputs]
         if self.graphed is None:
-            # warm-up draws must not shift a resumed run's masks
-            rng = torch.cuda.get_rng_state(inputs[0].device)
+            rng = torch.cuda.get_rng_state(inputs[0].device)  # warm-up draws must not shift masks
             self.loss_only = LossOnly(self.module, args)
-            self.graphed = torch.cuda.make_graphed_callables(
-                self.loss_only, inputs, allow_unused_input=True
-            )
-            # replays read the generator's state as it is now
-            torch.cuda.set_rng_state(rng, inputs[0].device)
+            self.graphed = torch.cuda.make_graphed_callables(self.loss_only, inputs,
+                                                             allow_unused_input=True)
+            torch.cuda.set_rng_state(rng, inputs[0].device)  # replays read the state as it is now
             self.shapes = shapes
         if shapes != self.shapes:
-            raise ValueError(
-                f"a CUDA graph replays the shapes it captured {self.shapes}, got {shapes}; "
-                "keep the batch size fixed or pass --compile blocks"
-            )
+            raise ValueError(f"a CUDA graph replays the shapes it captured {self.shapes}, got "
+                             f"{shapes}; keep the batch size fixed or pass --compile blocks")
         loss = self.graphed(*inputs)
-        # out: the captured run's tensor, which every replay refills
-        return (self.loss_only.out, loss)
+        return self.loss_only.out, loss  # out: the captured run's tensor, refilled by every replay
 
 
 class LossOnly(nn.Module):
@@ -289,8 +269,7 @@ class LossOnly(nn.Module):
 
 
 class ChunkedNextToken(nn.Module):
-    """model's next-token loss computed by ChunkedCrossEntropy: forward(tokens, y=None) -> (None,
-    loss).
+    """model's next-token loss by ChunkedCrossEntropy: forward(tokens, y=None) -> (None, loss).
 
     The features and targets are the model's own (Bamboo.next_token_features), so the loss is
     the same as model(tokens, y)[1] to rounding; only the logits are never all materialised.
@@ -304,9 +283,7 @@ class ChunkedNextToken(nn.Module):
     def forward(self, tokens, y=None):
         h, targets = self.model.next_token_features(tokens, y)
         weight = self.model.output_embedding()
-        if torch.is_autocast_enabled(
-            h.device.type
-        ):  # autocast does not reach into an autograd Function
+        if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
         return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
@@ -322,7 +299,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     to rounding.
     """
 
-    ELEMENTS_PER_CHUNK = 2**23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
+    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
 
     @staticmethod
     def forward(ctx, h, weight, targets):
@@ -336,12 +313,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, h.shape[0], rows):
             chunk = slice(i, i + rows)
-            # (rows, V)
-            log_probs = torch.log_softmax(h[chunk] @ weight.T, dim=-1, dtype=torch.float32)
+            log_probs = torch.log_softmax(h[chunk] @ weight.T, -1, dtype=torch.float32)  # (rows, V)
             total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
             grad = log_probs.exp_()  # softmax, in place
-            # minus the one-hot
-            grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))
+            minus_one = torch.full_like(grad[:, :1], -1.0)
+            grad.scatter_add_(1, safe[chunk], minus_one)  # softmax minus the one-hot
             grad = grad.to(h.dtype)
             grad_h[chunk] = (grad @ weight) * valid[chunk, None]
             grad_w += grad.T @ h_valid[chunk]

@@ -24,7 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
     """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
 
@@ -69,7 +68,7 @@ class EigenValueOutput(nn.Module):
         self.bias = nn.Parameter(torch.zeros(width))
 
     def eigenvalues(self):
-        square = self.psi**2  # (nh, hs)
+        square = self.psi ** 2  # (nh, hs)
         return square if self.mode == "smooth" else -square.clamp(1e-4, 1.0)
 
     def orthonormal(self):

@@ -35,7 +35,6 @@ Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sh
        --dataset folder \
        --data_dir ../shared/data/cifar10-jpeg --samples 64 --json p.json --plot p.png
 """
-
 import argparse
 import json
 import math
@@ -44,7 +43,8 @@ import sys
 import torch
 
 from bamboo import Bamboo, Config
-from checkpoint import CheckpointError, atomic_write, check_output_path, model_from_checkpoint
+from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
+                        unwritable)
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
 from fast import pick_device
 
@@ -56,7 +56,6 @@ COLLAPSED = 1e-5  # relative token norm below which a direction is float32 round
 
 
 # ----------------------------------------------------------------------------- the metrics
-
 
 def mean_pairwise_cos(h, scale, absolute=False):
     """Per sample, the mean (absolute) cosine over pairs i != j of (B, T, D) tokens.
@@ -92,14 +91,12 @@ def token_metrics_per_sample(h):
     scale = h.pow(2).sum(-1).mean(-1).sqrt()  # (B,) RMS token norm
     s = singular_values(h)  # (B, min(T, D)), not centred (Roy & Vetterli)
     p = s / s.sum(-1, keepdim=True).clamp_min(1e-300)
+    hc = centered.flatten(1).norm(dim=1)  # ||h - hbar||_F: everything but the token mean
     return {
         "std": centered.pow(2).sum(1).div(T - 1).sqrt().mean(-1),
         "cos": mean_pairwise_cos(h, scale),
         "abs_cos_centered": mean_pairwise_cos(centered, scale, absolute=True),
-        "hc_dc": (
-            centered.flatten(1).norm(dim=1)
-            / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300)
-        ),
+        "hc_dc": hc / (math.sqrt(T) * mean.flatten(1).norm(dim=1)).clamp_min(1e-300),
         "erank": torch.exp(-(p * p.clamp_min(1e-300).log()).sum(-1)),
     }
 
@@ -125,9 +122,8 @@ def attention_entropy(probs):
 def attention_similarity(before, after):
     """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, averaged over
     heads."""
-    return torch.nn.functional.cosine_similarity(
-        before.flatten(2).double(), after.flatten(2).double(), dim=-1
-    ).mean(1)
+    return torch.nn.functional.cosine_similarity(before.flatten(2).double(),
+                                                 after.flatten(2).double(), dim=-1).mean(1)
 
 
 def layer_metrics_per_sample(hiddens, attns):
@@ -153,11 +149,8 @@ def head_value_output(block):
     diag(g) W_V,h W_O,h, the head's value-output product with the LayerNorm gain g folded in
     (eig(AB) = eig(BA) for the non-zero part), at a fraction of the cost."""
     w = block.attn.weights()
-    gain = (
-        block.ln1.weight.detach()
-        if block.ln1.weight is not None
-        else w["v"].new_ones(w["v"].shape[1])
-    )
+    gain = block.ln1.weight  # smooth/sharpen blocks have no LayerNorm gain: 1
+    gain = gain.detach() if gain is not None else w["v"].new_ones(w["v"].shape[1])
     return w["o"].double() @ (gain.double()[None, :, None] * w["v"].double())  # (nh, hs, hs)
 
 
@@ -195,16 +188,14 @@ def beta(model, reference):
 
 # ----------------------------------------------------------------------------- models and data
 
-
 def load_model(spec, dataset):
     """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
     are equal)."""
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
-    config = Config.from_spec(
-        spec[len("init:") :], objective="cls" if dataset in IMAGE_DATASETS else "next"
-    )
+    config = Config.from_spec(spec[len("init:"):],
+                              objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
     return Bamboo(config).eval(), {}
 
@@ -215,22 +206,20 @@ def load_samples(args, model, train_cfg):
     dataset = args.dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
     data_dir = args.data_dir or train_cfg.get("data_dir") or "./data"
     if c.is_image != (dataset in IMAGE_DATASETS):
-        raise ValueError(
-            f"a {'image' if c.is_image else 'text'} model ({c.objective}) cannot be probed with"
-            f" --dataset {dataset}; use"
-            f" {' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}"
-        )
+        raise ValueError(f"a {'image' if c.is_image else 'text'} model ({c.objective}) "
+                         f"cannot be probed with "
+                         f"--dataset {dataset}; use "
+                         f"{' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}")
     if c.is_image:
         data = ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
     else:
-        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
-                        args.val_file or train_cfg.get("val_file", "val.txt"),
+        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
+                        "", args.val_file or train_cfg.get("val_file", "val.txt"),
                         train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
         if data.vocab_size > c.vocab_size:
-            raise ValueError(
-                f"tokenizer has {data.vocab_size} ids but the model knows {c.vocab_size}; "
-                "pass the --tokenizer it was trained with"
-            )
+            raise ValueError(f"tokenizer has {data.vocab_size} ids but the model "
+                             f"knows {c.vocab_size}; "
+                             "pass the --tokenizer it was trained with")
     return torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
 
 
@@ -243,42 +232,31 @@ def probe_model(model, samples, batch_size, mask=False):
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
     device = next(model.parameters()).device
     for i in range(0, len(samples), batch_size):
-        x = samples[i : i + batch_size].to(device)
-        noise = (
-            torch.rand(len(x), model.config.num_patches(), generator=noise_gen).to(device)
-            if mask
-            else None
-        )
-        hiddens, attns = model.hidden_states(
-            x, need_weights=True, noise=noise, mask_ratio=model.config.mask_ratio if mask else 0.0
-        )
+        x = samples[i:i + batch_size].to(device)
+        noise = torch.rand(len(x), model.config.num_patches(),
+                           generator=noise_gen).to(device) if mask else None
+        hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
+                                             mask_ratio=model.config.mask_ratio if mask else 0.0)
         finite = torch.stack([h.isfinite().all() for h in hiddens])
-        if (
-            not finite.all()
-        ):  # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
+        # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
+        if not finite.all():
             bad = finite.logical_not().nonzero()[0].item()
-            raise ValueError(
-                f"layer {bad}'s hidden states are not finite on samples {i} to {i + len(x) - 1}; "
-                "check the data (a channel or token that breaks normalisation) or the checkpoint"
-            )
+            raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} "
+                             f"to {i + len(x) - 1}; "
+                             "check the data (a channel or token that breaks "
+                             "normalisation) or the checkpoint")
         for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
             for name, values in metrics.items():  # summed on the device, read once at the end
                 sums[name, layer] = sums.get((name, layer), 0.0) + values.sum()
     layers = model.config.depth + 1
-    result = {
-        name: [
-            sums[name, layer].item() / len(samples) if (name, layer) in sums else None
-            for layer in range(layers)
-        ]
-        for name in TOKEN_METRICS + LAYER_METRICS
-    }
+    result = {name: [sums[name, layer].item() / len(samples) if (name, layer) in sums else None
+                     for layer in range(layers)] for name in TOKEN_METRICS + LAYER_METRICS}
     dominant, positive = vo_spectrum(model)
     result["vo_dominant"], result["vo_positive"] = [None] + dominant, [None] + positive
     return result
 
 
 # ----------------------------------------------------------------------------- report
-
 
 def pad(values, length):
     return list(values) + [None] * (length - len(values))
@@ -293,12 +271,8 @@ def print_table(report):
         print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
         for layer in range(depth + 1):
             cells = [report["metrics"][n][label][layer] for n in names]
-            print(
-                f"{layer:>5} "
-                + " ".join(
-                    f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}" for c, w in zip(cells, widths)
-                )
-            )
+            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
+                                            for c, w in zip(cells, widths)))
 
 
 def plot(report, path, relative):
@@ -308,22 +282,17 @@ def plot(report, path, relative):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = [
-        n
-        for n in report["metrics"]
-        if any(v is not None for vs in report["metrics"][n].values() for v in vs)
-    ]
+    names = [n for n in report["metrics"]
+             if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
     cols = 3
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         for label in report["labels"]:
             depth = report["depth"][label]
-            pairs = [
-                (layer / depth if relative else layer, v)
-                for layer, v in enumerate(report["metrics"][name][label][: depth + 1])
-                if v is not None
-            ]
+            values = report["metrics"][name][label][: depth + 1]
+            pairs = [(layer / depth if relative else layer, v)
+                     for layer, v in enumerate(values) if v is not None]
             if pairs:
                 ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
         ax.set_title(name)
@@ -332,7 +301,7 @@ def plot(report, path, relative):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names) :]:
+    for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
@@ -344,9 +313,8 @@ def plot(report, path, relative):
 def run(args):
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
-        raise ValueError(
-            f"--labels needs {len(args.checkpoints)} distinct names, one per checkpoint"
-        )
+        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct "
+                         f"names, one per checkpoint")
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
               "metrics": {}}
     reference, raw, sample_sets = None, {}, {}
@@ -356,28 +324,22 @@ def run(args):
         c = model.config
         key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
                train_cfg.get("data_dir"))
-        if (
-            key not in sample_sets
-        ):  # decode or tokenize each dataset once, however many checkpoints share it
+        # decode or tokenize each dataset once, however many checkpoints share it
+        if key not in sample_sets:
             sample_sets[key] = load_samples(args, model, train_cfg)
         raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
         if reference is None:
             reference = model
         raw[label]["beta_qk"], raw[label]["beta_v"] = (
-            [None] + values if values is not None else [] for values in beta(model, reference)
-        )
+            [None] + values if values is not None else [] for values in beta(model, reference))
         report["depth"][label] = model.config.depth
         report["source"][label] = spec
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
     order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
-    report["metrics"] = {
-        name: {
-            label: [None if v is None else round(v, 6) for v in pad(raw[label][name], layers)]
-            for label in labels
-        }
-        for name in order
-    }
+    report["metrics"] = {name: {label: [None if v is None else round(v, 6)
+                                        for v in pad(raw[label][name], layers)]
+                                for label in labels} for name in order}
     print_table(report)
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
@@ -423,10 +385,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder that vanished while writing the outputs
-        print(
-            f"error: could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere",
-            file=sys.stderr,
-        )
+        print(f"error: {unwritable(e)}", file=sys.stderr)
         return 2
     return 0
 

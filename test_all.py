@@ -8,7 +8,6 @@
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
 Run: python -m pytest -q test_all.py results
 """
-
 import io
 import json
 import math
@@ -29,15 +28,14 @@ from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, take_token
 from neutreno import Attention, explicit_attention
 
 # The suite's models are tiny: splitting their ops over two threads costs more in hand-offs than it
-# saves on a 2-core machine, and one thread leaves the other core to the torchrun and signal tests'
-# subprocesses.
+# saves on a 2-core machine, and one thread leaves the other core to the subprocesses of the tests.
 torch.set_num_threads(1)
+
 
 
 # ==================================================================================================
 # 0. Shared helpers: tiny configs and batches, the tiny data, the training CLI as users run it
 # ==================================================================================================
-
 
 def tiny(objective, **overrides):
     """A config small enough to train in a second on CPU."""
@@ -69,8 +67,8 @@ def mean_cos(h):
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_size", "16",
-                    "--patch_size", "4", "--decoder_depth", "1", "--decoder_width", "32",
-                    "--decoder_heads", "2"]
+                    "--patch_size", "4",
+                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2"]
 TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32",
                    "--tokenizer", "bytes"]
 
@@ -83,9 +81,8 @@ def run_train(*flags, out_dir):
 
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
-        code = train.main(
-            [str(f) for f in flags] + ["--out_dir", str(out_dir), "--log_interval", "1"]
-        )
+        code = train.main([str(f) for f in flags] + ["--out_dir", str(out_dir), "--log_interval",
+                                                     "1"])
     log = out_dir / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return code, printed.getvalue(), records
@@ -99,22 +96,22 @@ def image_flags(tiny_data, objective, *extra):
     # the tiny MAE needs a higher lr to learn in 40 steps
     lr = "1e-2" if objective == "mae" else "3e-3"
     return ["--objective", objective, "--dataset", "folder", "--data_dir",
-            str(tiny_data / "images"), *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr,
-            "--warmup", "2", *extra]
+            str(tiny_data / "images"),
+            *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr, "--warmup", "2", *extra]
 
 
 def text_flags(tiny_data, objective, *extra):
     return ["--objective", objective, "--dataset", "text", "--data_dir", str(tiny_data / "text"),
             "--cache_dir", str(tiny_data / "cache"), *TINY_TEXT_FLAGS, "--batch_size", "16", "--lr",
-            "3e-3", "--warmup", "2", *extra]
+            "3e-3",
+            "--warmup", "2", *extra]
 
 
 def trained_checkpoint(tiny_data, objective, out_dir, steps=1, *extra):
     """Train a tiny `objective` model on the tiny data for `steps` steps (evaluated and saved at the
     last); returns the path of its checkpoint."""
     flags = (image_flags if objective in ("mae", "cls") else text_flags)(
-        tiny_data, objective, "--max_iters", str(steps), "--eval_interval", str(steps), *extra
-    )
+        tiny_data, objective, "--max_iters", str(steps), "--eval_interval", str(steps), *extra)
     code, out, _ = run_train(*flags, out_dir=out_dir)
     assert code == 0, out
     return out_dir / "ckpt.pt"
@@ -124,15 +121,10 @@ def run_torchrun(*flags, out_dir):
     """train.py under a 2-process gloo DDP group, logging every step unless flags say otherwise;
     returns (exit code, output, log records)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "train.py", "--log_interval", "1", *flags, "--out_dir", str(out_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2",
+                           "train.py", "--log_interval", "1", *flags, "--out_dir", str(out_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     log = out_dir / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, records
@@ -171,9 +163,8 @@ def tiny_data(tmp_path_factory):
                 Image.fromarray(pixels).save(folder / f"{i}.png")
     text = root / "text"
     text.mkdir()
-    words = (
-        "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat".split()
-    )
+    words = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
+    words = words.split()
     for name, n in (("train.txt", 3000), ("val.txt", 600)):
         (text / name).write_text(" ".join(words[i % len(words)] for i in range(n)))
     return root
@@ -183,7 +174,6 @@ def tiny_data(tmp_path_factory):
 # 1. The model: trunk, NeuTRENO, MAE, MLM, configs and presets, overfitting, same-init trunks
 # ==================================================================================================
 
-
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_objective_shapes_loss_and_gradients(objective):
     torch.manual_seed(0)
@@ -191,19 +181,17 @@ def test_objective_shapes_loss_and_gradients(objective):
     model = Bamboo(c)
     x, y = batch(c)
     out, loss = model(x, y)  # logits for every objective, with or without gradients
-    expected = {"mae": (4, c.num_patches(), c.patch_size**2 * c.channels),
-                "cls": (4, c.num_classes), "mlm": (out.shape[0], c.vocab_size),
+    expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels),
+                "cls": (4, c.num_classes),
+                "mlm": (out.shape[0], c.vocab_size),
                 "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
     assert out.shape == expected
     assert torch.isfinite(loss)
     loss.backward()
-    missing = [
-        n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0
-    ]
-    if objective in (
-        "mlm",
-        "next",
-    ):  # positions beyond the window and the [MASK] row may get nothing
+    missing = [n for n, p in model.named_parameters() if p.grad is None
+               or not p.grad.abs().sum() > 0]
+    # positions beyond the window and the [MASK] row may get nothing
+    if objective in ("mlm", "next"):
         missing = [n for n in missing if n not in ("pos_embed", "tok_embed.weight")]
     assert missing == []
 
@@ -254,12 +242,10 @@ def test_fast_turns_on_explicit_attention_only_for_cpu_half_precision_short_sequ
     import fast
 
     def explicit(config, device, dtype):
-        model = Bamboo(
-            config,
-            explicit_attention=fast.use_explicit_attention(
-                "auto", torch.device(device), dtype, config
-            ),
-        )
+        model = Bamboo(config,
+                       explicit_attention=fast.use_explicit_attention("auto", torch.device(device),
+                                                                      dtype,
+                                                                             config))
         return {m.explicit for m in model.modules() if isinstance(m, Attention)}
 
     assert explicit(tiny("mae"), "cpu", torch.bfloat16) == {True}  # the decoder's blocks too
@@ -273,12 +259,10 @@ def test_bench_can_ask_for_either_attention_whatever_auto_would_choose():
 
     def explicit(asked, device, dtype):
         config = tiny("cls")
-        model = Bamboo(
-            config,
-            explicit_attention=fast.use_explicit_attention(
-                asked, torch.device(device), dtype, config
-            ),
-        )
+        model = Bamboo(config,
+                       explicit_attention=fast.use_explicit_attention(asked, torch.device(device),
+                                                                      dtype,
+                                                                             config))
         return {m.explicit for m in model.modules() if isinstance(m, Attention)}
 
     assert explicit("sdpa", "cpu", torch.bfloat16) == {False}  # where auto would pick explicit
@@ -297,27 +281,24 @@ def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypat
                         lambda *a, **k: fused_calls.append(1) or sdpa(*a, **k))
     torch.manual_seed(0)
     for causal in (False, True):
-        attns = {
-            path: Attention(128, 2, causal=causal, neutreno=0.6, explicit=path == "explicit")
-            for path in ("fused", "explicit")
-        }
+        attns = {path: Attention(128, 2, causal=causal, neutreno=0.6, explicit=path == "explicit")
+                 for path in ("fused", "explicit")}
         attns["explicit"].load_state_dict(attns["fused"].state_dict())
         x, v0 = torch.randn(4, 64, 128, requires_grad=True), torch.randn(4, 2, 64, 64)
         reference = attns["fused"](x, v0)[0]  # fp32: the fused kernel
-        (grad_ref,) = torch.autograd.grad(reference.sum(), x)
+        grad_ref, = torch.autograd.grad(reference.sum(), x)
         errors = {}
         for path, attn in attns.items():
             fused_calls.clear()
             with torch.autocast("cpu", torch.bfloat16):
                 out = attn(x, v0)[0].float()
-            (grad,) = torch.autograd.grad(out.sum(), x)
+            grad, = torch.autograd.grad(out.sum(), x)
             assert len(fused_calls) == (1 if path == "fused" else 0)
-            errors[path] = [
-                ((a - b).norm() / b.norm()).item() for a, b in ((out, reference), (grad, grad_ref))
-            ]
+            errors[path] = [((a - b).norm() / b.norm()).item()
+                            for a, b in ((out, reference), (grad, grad_ref))]
         for explicit, fused in zip(errors["explicit"], errors["fused"]):
             # bf16 rounding, no worse than the fused kernel's
-            assert (explicit < 0.01 and explicit < 1.5 * fused)
+            assert explicit < 0.01 and explicit < 1.5 * fused
 
 
 def test_causal_outputs_ignore_the_future():
@@ -327,16 +308,15 @@ def test_causal_outputs_ignore_the_future():
         x, _ = batch(model.config)
         t = 7
         changed = x.clone()
-        changed[:, t + 1 :] = (changed[:, t + 1 :] + 5) % 64
+        changed[:, t + 1:] = (changed[:, t + 1:] + 5) % 64
         a, b = model.hidden_states(x), model.hidden_states(changed)
         for ha, hb in zip(a, b):
             assert torch.equal(ha[:, : t + 1], hb[:, : t + 1])
         # the change did reach later tokens
-        assert not torch.equal(a[-1][:, t + 1 :], b[-1][:, t + 1 :])
+        assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])
 
 
-# ----------------------------------------------------------------------------- NeuTRENO
-
+# ---------------------------------------------------------------- NeuTRENO
 
 def test_neutreno_zero_lambda_is_plain_attention_exactly():
     torch.manual_seed(0)
@@ -372,7 +352,7 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     x, _ = batch(model.config)
     model.hidden_states(x)[-1].pow(2).sum().backward()
     width = model.config.width
-    with_term = model.blocks[0].attn.qkv.weight.grad[2 * width :].clone()  # W_V rows of layer 0
+    with_term = model.blocks[0].attn.qkv.weight.grad[2 * width:].clone()  # W_V rows of layer 0
     model.zero_grad()
     # The same loss with the later layers' V0 cut off from layer 0: layer 0's W_V gradient changes.
     h = model.embed(x)[0]
@@ -386,8 +366,8 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)
     plain = Bamboo(tiny("cls", depth=3))
     # without NeuTRENO no layer hands its values on
-    assert (plain.blocks[0](plain.embed(x)[0])[1] is None)
-    assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width :])
+    assert plain.blocks[0](plain.embed(x)[0])[1] is None
+    assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 
 @pytest.mark.parametrize("objective", ["cls", "mlm"])
@@ -396,18 +376,15 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
     cos = {}
     for lam in (0.0, 0.6):
         torch.manual_seed(0)
-        model = Bamboo(
-            Config(objective=objective, depth=24, width=64, heads=1, neutreno=lam, vocab_size=256,
-                   seq_len=64)
-        ).eval()
+        model = Bamboo(Config(objective=objective, depth=24, width=64, heads=1, neutreno=lam,
+                              vocab_size=256, seq_len=64)).eval()
         x, _ = batch(model.config, B=8, seed=1)
         with torch.no_grad():
             cos[lam] = mean_cos(model.hidden_states(x)[-1])
     assert cos[0.6] < cos[0.0]
 
 
-# ----------------------------------------------------------------------------- MAE
-
+# ---------------------------------------------------------------- MAE
 
 def test_mae_masking_keeps_the_right_number_and_restores_order():
     torch.manual_seed(0)
@@ -423,7 +400,7 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
         shuffled = x.gather(1, ids_shuffle[..., None].expand(-1, -1, 8))
         assert torch.equal(shuffled.gather(1, ids_restore[..., None].expand(-1, -1, 8)), x)
         assert torch.equal(shuffled[:, :keep], visible)
-        kept = mask == 0
+        kept = (mask == 0)
         assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
 
 
@@ -471,8 +448,7 @@ def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
         assert not torch.allclose(model.forward_mae(visible_changed, noise=noise)[0], pred)
 
 
-# ----------------------------------------------------------------------------- MLM
-
+# ---------------------------------------------------------------- MLM
 
 def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     torch.manual_seed(0)
@@ -489,9 +465,8 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     # "random" can land on the original id with probability 1/1000; it counts as unchanged here
     assert abs(unchanged.sum().item() / n - 0.10) < 0.015
     assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
-    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(
-        targets[chosen], tokens[chosen]
-    )
+    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen],
+                                                                         tokens[chosen])
     # positions anywhere in the window are as likely (about 4,900 chosen per half: ~5 sigma is 0.01)
     first, second = chosen[:, :512].float().mean().item(), chosen[:, 512:].float().mean().item()
     assert abs(first - second) < 0.01 and chosen.any(0).float().mean() > 0.99
@@ -499,15 +474,13 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
 
 
-# ----------------------------------------------------------------------------- presets and configs
-
+# ---------------------------------------------------------------- presets and configs
 
 def test_table1_comparable_compute():
     def size(name):
         with torch.device("meta"):  # shapes only: no memory, no init time
-            model = Bamboo(
-                Config.from_preset(name, image_size=224, patch_size=16, num_classes=1000)
-            )
+            model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16,
+                                              num_classes=1000))
         return model.num_params(trunk_only=True), model.flops_per_sample()
 
     (p_base, f_base), (p_bam, f_bam) = size("base-12x768"), size("bamboo-b")
@@ -523,12 +496,11 @@ def test_training_flops_count_the_mlm_head_only_where_it_runs():
 
     shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
     # minus next's head
-    trunk = (training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000)
+    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
     # transform + vocabulary at round(15% of 32) = 5 positions
-    head = (3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000))
-    assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(
-        trunk + head
-    )
+    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
+    assert training_flops(Config(objective="mlm", mlm_prob=0.15,
+                                 **shape)) == pytest.approx(trunk + head)
 
 
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
@@ -538,7 +510,7 @@ def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
     model = Bamboo(Config.from_preset("bamboo-b", objective=objective, vocab_size=1000))
     assert 84e6 < model.num_params(trunk_only=True) < 86e6
     # small: 48 blocks
-    x = (torch.rand(2, 3, 32, 32) if model.config.is_image else torch.randint(0, 1000, (2, 64)))
+    x = torch.rand(2, 3, 32, 32) if model.config.is_image else torch.randint(0, 1000, (2, 64))
     y = torch.randint(0, 10, (2,)) if objective == "cls" else None
     _, loss = model(x, y)
     loss.backward()
@@ -551,14 +523,13 @@ def test_every_preset_builds_a_valid_config():
         assert c.width % c.heads == 0 and c.width // c.heads in (32, 64, 80, 96)
 
 
-@pytest.mark.parametrize(
-    "field,value",
-    [("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
-     ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
-     ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
-     ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
-     ("channels", 0)],
-)
+@pytest.mark.parametrize("field,value", [
+    ("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
+    ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
+    ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
+    ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
+                                         ("channels", 0),
+])
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}="):
         Config(**{field: value})
@@ -577,20 +548,17 @@ def test_wrong_input_shape_is_a_clear_error():
         model(torch.rand(2, 3, 32, 32))
     text = Bamboo(tiny("next"))  # seq_len 16: 16 inputs, and a 17th token that is only a target
     for wrong in (torch.randint(0, 64, (2, 18)), torch.rand(2, 9), torch.randint(0, 64, (2, 1))):
-        with pytest.raises(
-            ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + re.escape(str(tuple(wrong.shape)))
-        ):
+        shape = re.escape(str(tuple(wrong.shape)))
+        with pytest.raises(ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + shape):
             text(wrong)  # the shape the caller passed, not the shifted inputs
     assert text(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 64)
 
 
-# ---------------------------------------------------------------------------- overfitting one batch
+# ---------------------------------------------------------------- overfitting one batch
 
-
-@pytest.mark.parametrize(
-    "objective,steps,lr",
-    [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3), ("next", 150, 3e-3)],
-)
+@pytest.mark.parametrize("objective,steps,lr",
+                         [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3),
+                                                ("next", 150, 3e-3)])
 def test_tiny_model_overfits_one_batch(objective, steps, lr):
     torch.manual_seed(0)
     c = tiny(objective, width=64, depth=2, decoder_width=64, vocab_size=32)
@@ -613,8 +581,7 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
     assert final < 0.1 * first, f"{objective}: loss {first:.3f} -> {final:.3f}"
 
 
-# ----------------------------------------------------------------------------- fine-tuning from MAE
-
+# ---------------------------------------------------------------- fine-tuning from MAE
 
 def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
     torch.manual_seed(0)
@@ -622,9 +589,8 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
     cls = Bamboo(tiny("cls"))
     loaded, skipped = cls.load_encoder(mae.state_dict())
     assert loaded and all(n.startswith(("blocks.", "patch_embed")) for n in loaded)
-    assert {"ln_f.weight", "ln_f.bias"} <= set(skipped) and any(
-        n.startswith("decoder_") for n in skipped
-    )
+    assert {"ln_f.weight",
+            "ln_f.bias"} <= set(skipped) and any(n.startswith("decoder_") for n in skipped)
     own = cls.state_dict()
     assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
     assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight",
@@ -643,21 +609,18 @@ def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning()
         assert torch.allclose(model(x)[0], expected, atol=1e-6)
 
 
-# ------------------------------------------------------------- the same weights for every objective
-
+# ---------------------------------------------------------- the same weights for every objective
 
 def trunk_state(model):
-    return {
-        k: v
-        for k, v in model.state_dict().items()
-        if k.startswith(("blocks.", "patch_embed", "tok_embed", "pos_embed"))
-    }
+    return {k: v for k, v in model.state_dict().items()
+            if k.startswith(("blocks.", "patch_embed", "tok_embed",
+                                                                          "pos_embed"))}
 
 
 @pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
-@pytest.mark.parametrize(
-    "options", [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7}, {"neutreno": 0.6}]
-)
+@pytest.mark.parametrize("options",
+                         [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7},
+                          {"neutreno": 0.6}])
 def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, options):
     states = []
     for i, objective in enumerate(pair):
@@ -678,16 +641,10 @@ def test_vo_param_changes_the_blocks_but_not_the_stem():
 def test_residual_projections_get_the_depth_scaled_init():
     torch.manual_seed(0)
     model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
-    encoder = torch.cat(
-        [p.flatten() for n, p in model.blocks.named_parameters() if n.endswith("proj.weight")]
-    )
-    decoder = torch.cat(
-        [
-            p.flatten()
-            for n, p in model.decoder_blocks.named_parameters()
-            if n.endswith("proj.weight")
-        ]
-    )
+    encoder = torch.cat([p.flatten() for n, p in model.blocks.named_parameters()
+                         if n.endswith("proj.weight")])
+    decoder = torch.cat([p.flatten() for n, p in model.decoder_blocks.named_parameters()
+                         if n.endswith("proj.weight")])
     assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
     assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
     assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -705,7 +662,7 @@ def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
         assert qk == [1.0] * 4 and v == [1.0] * 4
 
 
-# --------------------------------------------------------------------- training (data.py, train.py)
+# ---------------------------------------------------------------- training (data.py, train.py)
 
 
 def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
@@ -720,7 +677,6 @@ def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
 # ==================================================================================================
 # 2. The W_V W_O eigen-parameterization (Dovonon et al.): spectra by construction, before and after
 # ==================================================================================================
-
 
 def assert_spectra(model, mode):
     from probe import head_value_output
@@ -792,14 +748,13 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_every_token_metric(
 # 3. Training as users run it: every objective through the CLI, resume, fine-tuning, DDP, errors
 # ==================================================================================================
 
-
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, objective):
     flags = (image_flags if objective in ("mae", "cls") else text_flags)(tiny_data, objective)
     steps = 120 if objective == "mae" else 40  # the tiny MAE needs more steps to fall by a fifth
-    code, out, records = run_train(
-        *flags, "--max_iters", str(steps), "--eval_interval", str(steps // 2), out_dir=tmp_path
-    )
+    code, out, records = run_train(*flags, "--max_iters", str(steps), "--eval_interval",
+                                   str(steps // 2),
+                                   out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps
@@ -809,13 +764,10 @@ def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, obje
     headline = {"mae": "val_loss", "cls": "top1", "mlm": "mlm_acc", "next": "ppl"}[objective]
     assert all(math.isfinite(r[headline]) for r in evals) and "done: " in out
     # not a terminal: no progress bar, one line per evaluation
-    assert ("it/s" not in out and "s/it" not in out)
+    assert "it/s" not in out and "s/it" not in out
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert (
-        ckpt["step"] == steps
-        and ckpt["config"]["objective"] == objective
-        and isinstance(ckpt["config"], dict)
-    )
+    assert ckpt["step"] == steps and isinstance(ckpt["config"], dict)
+    assert ckpt["config"]["objective"] == objective
 
 
 def test_resume_continues_exactly(tiny_data, tmp_path):
@@ -832,13 +784,11 @@ def test_resume_continues_exactly(tiny_data, tmp_path):
     assert final["val_loss"] == [r for r in whole if r.get("eval")][-1]["val_loss"]
 
 
-def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(
-    tiny_data, tmp_path, monkeypatch
-):
+def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data, tmp_path,
+                                                                      monkeypatch):
     """A GPU only queues the steps between two reads of the loss, and the read waits for them: the
     speed in the last line must count that wait (a 50 ms sleep in every read stands in for it here;
-    run_train reads every step).
-    """
+    run_train reads every step)."""
     import train
 
     read_loss = train.read_loss
@@ -848,27 +798,20 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(
         return read_loss(run, total)
 
     monkeypatch.setattr(train, "read_loss", waiting_read)
-    code, out, _ = run_train(
-        *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "3"), out_dir=tmp_path
-    )
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
+                                          "3"),
+                             out_dir=tmp_path)
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)
     # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded
-    code, out, _ = run_train(
-        *image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1"),
-        "--init_from",
-        str(tmp_path / "mae" / "ckpt.pt"),
-        "--lr",
-        "0",
-        "--min_lr",
-        "0",
-        "--layer_decay",
-        "0.65",
-        out_dir=tmp_path / "cls",
-    )
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval",
+                                          "1"),
+                             "--init_from", str(tmp_path / "mae" / "ckpt.pt"), "--lr", "0",
+                             "--min_lr", "0",
+                             "--layer_decay", "0.65", out_dir=tmp_path / "cls")
     assert code == 0, out
     match = re.search(r"loaded (\d+) tensors, skipped (\d+)", out)
     assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, out
@@ -884,29 +827,22 @@ def test_layer_decay_scales_each_layer():
 
     model = Bamboo(tiny("cls", depth=3))
     cfg = train.schedule_defaults(train.TrainConfig(layer_decay=0.5), depth=3)
-    groups = model.configure_optimizer(
-        cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay
-    ).param_groups
+    groups = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
+                                       cfg.layer_decay).param_groups
     scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     assert scale[id(model.head.weight)] == 1.0 and scale[id(model.blocks[2].mlp.fc.weight)] == 0.5
-    assert (
-        scale[id(model.blocks[0].mlp.fc.weight)] == 0.125
-        and scale[id(model.patch_embed.weight)] == 0.0625
-    )
+    assert scale[id(model.blocks[0].mlp.fc.weight)] == 0.125
+    assert scale[id(model.patch_embed.weight)] == 0.0625
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-    assert (
-        decays[id(model.blocks[0].ln1.weight)] == 0 and decays[id(model.blocks[0].mlp.fc.bias)] == 0
-    )
+    assert decays[id(model.blocks[0].ln1.weight)] == 0
+    assert decays[id(model.blocks[0].mlp.fc.bias)] == 0
     assert decays[id(model.blocks[0].mlp.fc.weight)] == cfg.weight_decay
     smooth = Bamboo(tiny("cls", vo_param="smooth"))
-    groups = smooth.configure_optimizer(
-        cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay
-    ).param_groups
+    groups = smooth.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
+                                        cfg.layer_decay).param_groups
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-    assert (
-        decays[id(smooth.blocks[0].attn.vo.psi)] == 0
-        and decays[id(smooth.blocks[0].attn.vo.basis)] == 0
-    )
+    assert decays[id(smooth.blocks[0].attn.vo.psi)] == 0
+    assert decays[id(smooth.blocks[0].attn.vo.basis)] == 0
 
 
 def test_fused_adamw_matches_the_reference_adamw():
@@ -919,17 +855,12 @@ def test_fused_adamw_matches_the_reference_adamw():
     cfg = train.schedule_defaults(train.TrainConfig(), depth=2)
     fused = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, fused=True)
     # decay / no decay, nothing else
-    assert (fused.defaults["fused"] and len(fused.param_groups) == 2)
+    assert fused.defaults["fused"] and len(fused.param_groups) == 2
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
-    plain = torch.optim.AdamW(
-        [
-            {"params": [twin[id(p)] for p in g["params"]], "weight_decay": g["weight_decay"]}
-            for g in fused.param_groups
-        ],
-        lr=cfg.lr,
-        betas=(0.9, cfg.beta2),
-        foreach=False,
-    )
+    plain = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]],
+                                "weight_decay": g["weight_decay"]}
+                               for g in fused.param_groups], lr=cfg.lr, betas=(0.9, cfg.beta2),
+                              foreach=False)
     x, y = batch(model.config)
     for _ in range(5):
         for m, opt in ((model, fused), (reference, plain)):
@@ -951,11 +882,9 @@ def test_get_lr_warms_up_then_decays():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
 
 
-@pytest.mark.parametrize(
-    "preset",
-    ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b", "base-96x256",
-     "wikitext-deep"],
-)
+@pytest.mark.parametrize("preset",
+                         ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
+                                    "base-96x256", "wikitext-deep"])
 def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
     import train
 
@@ -982,24 +911,19 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
 
     def clip_then_measure(params, max_norm, *args, **kwargs):
         before = clip(params, max_norm, *args, **kwargs)
-        after = torch.linalg.vector_norm(
-            torch.stack([p.grad.norm() for p in runs[0].model.parameters()])
-        )
+        after = torch.linalg.vector_norm(torch.stack([p.grad.norm()
+                                                      for p in runs[0].model.parameters()]))
         norms.append((before.item(), after.item()))
         return before
 
     monkeypatch.setattr(train, "setup", setup_and_keep)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
-    code, out, _ = run_train(
-        *image_flags(
-            tiny_data, "cls", "--max_iters", "3", "--grad_clip", "0.01", "--dtype", "float32"
-        ),
-        out_dir=tmp_path,
-    )
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip",
+                                          "0.01",
+                                          "--dtype", "float32"), out_dir=tmp_path)
     assert code == 0, out
-    assert len(norms) == 3 and all(
-        before > 0.01 and after < 0.01 * 1.001 for before, after in norms
-    ), norms
+    assert len(norms) == 3 and all(before > 0.01 and after < 0.01 * 1.001
+                                   for before, after in norms), norms
 
 
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
@@ -1007,18 +931,18 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
     the defaults' rate and warmup for a batch of 256 (the flagship's), on batches of 8 (far noisier
     than 256), 80 steps past the warmup's peak, with the default clip and AdamW. In float32: the
     schedule is under test here, and bf16 made these steps about 1.7x slower on the development CPU
-    (results/gpu.sh runs the full width in bf16 on a GPU).
-    """
+    (results/gpu.sh runs the full width in bf16 on a GPU)."""
     import train
 
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
     steps = cfg.warmup + 80
     code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16",
-                                   "--heads", "1", "--image_size", "32", "--patch_size", "8",
-                                   "--dataset", "folder", "--data_dir", tiny_data / "images",
-                                   "--batch_size", "8", "--max_iters", steps, "--eval_interval",
-                                   steps, "--dtype", "float32", "--lr", cfg.lr, "--warmup",
-                                   cfg.warmup, out_dir=tmp_path)
+                                   "--heads", "1",
+                                   "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
+                                   "--data_dir", tiny_data / "images", "--batch_size", "8",
+                                   "--max_iters", steps,
+                                   "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr,
+                                   "--warmup", cfg.warmup, out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
@@ -1033,7 +957,8 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
     nothing about DDP.
     """
     flags = image_flags(tiny_data, "cls", "--max_iters", "4", "--eval_interval", "4",
-                        "--batch_size", "8", "--dtype", "float32", "--grad_accum", "2")
+                        "--batch_size", "8",
+                        "--dtype", "float32", "--grad_accum", "2")
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
     assert code == 0, out
     assert "2 x 2 x 2" in out
@@ -1046,15 +971,14 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
 def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     """MAE draws its masks from each rank's own RNG; an interrupted, resumed run must repeat them
     exactly. The ranks agree to stop only at steps that log the loss (a host sync each): a time
-    limit met at step 1 stops at step 2.
-    """
+    limit met at step 1 stops at step 2."""
     flags = image_flags(tiny_data, "mae", "--eval_interval", "4", "--batch_size", "8", "--dtype",
-                        "float32", "--grad_accum", "2", "--max_iters", "4")
+                        "float32",
+                        "--grad_accum", "2", "--max_iters", "4")
     code, out, whole = run_torchrun(*flags, out_dir=tmp_path / "whole")
     assert code == 0, out
-    code, out, _ = run_torchrun(
-        *flags, "--time_limit", "1e-9", "--log_interval", "2", out_dir=tmp_path / "parts"
-    )
+    code, out, _ = run_torchrun(*flags, "--time_limit", "1e-9", "--log_interval", "2",
+                                out_dir=tmp_path / "parts")
     assert code == 0 and "time limit reached at step 2" in out, out
     assert len(torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["rng"]["ranks"]) == 2
     code, out, parts = run_torchrun("--resume", out_dir=tmp_path / "parts")
@@ -1063,8 +987,7 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
-# ----------------------------------------------------------------------------- one-line errors
-
+# ---------------------------------------------------------------- one-line errors
 
 def test_error_missing_data_directory(capsys, tmp_path):
     err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"),
@@ -1081,7 +1004,8 @@ def test_error_download_without_network(capsys, tmp_path, monkeypatch):
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path))
+                    str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path))
     assert "could not download wikitext2" in err and "--dataset text" in err
     # nothing half-written left behind
     assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]
@@ -1092,22 +1016,19 @@ def test_error_download_without_network(capsys, tmp_path, monkeypatch):
 
 
 def test_error_objective_dataset_mismatch(capsys, tmp_path):
-    err = cli_error(
-        capsys, "--objective", "next", "--dataset", "cifar10", "--out_dir", str(tmp_path)
-    )
+    err = cli_error(capsys, "--objective", "next", "--dataset", "cifar10", "--out_dir",
+                    str(tmp_path))
     assert "--objective next needs a text dataset" in err
 
 
 def test_error_bad_model_flag(capsys, tiny_data, tmp_path):
-    err = cli_error(
-        capsys, *image_flags(tiny_data, "cls"), "--heads", "3", "--out_dir", str(tmp_path)
-    )
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--heads", "3", "--out_dir",
+                    str(tmp_path))
     assert "Config.heads=3" in err
 
 
-def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(
-    capsys, tiny_data, tmp_path
-):
+def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(capsys, tiny_data,
+                                                                                tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path)
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), "--objective", "cls")
     assert "objective='mae'" in err and "--init_from" in err
@@ -1129,7 +1050,7 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
     again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
     assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
     # the test split stays whole
-    assert (first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32)
+    assert first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32
     assert set(first.train_y.tolist()) == {0, 1}
 
 
@@ -1137,30 +1058,25 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
 # 4. Bad input and faults: one line that says how to fix it, never a traceback, never lost work
 # ==================================================================================================
 
-
-@pytest.mark.parametrize(
-    "resume_flags,message",
-    [
-        # --resume may raise the iterations and change the rate: here to one that diverges at once
-        (["--max_iters", "50", "--eval_interval", "100", "--lr", "1e30"], "loss is"),
-        # step 3's loss is still finite; its update is not, and step 3 is an evaluation step
-        (["--max_iters", "3", "--lr", "1e30", "--min_lr", "1e30"], "non-finite at step 3"),
-    ],
-)
-def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(
-    capsys, tiny_data, tmp_path, resume_flags, message
-):
-    code, out, _ = run_train(
-        *image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1"), out_dir=tmp_path
-    )
+@pytest.mark.parametrize("resume_flags,message", [
+    # --resume may raise the iterations and change the rate: here to one that diverges at once
+    (["--max_iters", "50", "--eval_interval", "100", "--lr", "1e30"], "loss is"),
+    # step 3's loss is still finite; its update is not, and step 3 is an evaluation step
+    (["--max_iters", "3", "--lr", "1e30", "--min_lr", "1e30"], "non-finite at step 3"),
+])
+def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, tiny_data, tmp_path,
+                                                                        resume_flags,
+                                                                         message):
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval",
+                                          "1"),
+                             out_dir=tmp_path)
     assert code == 0, out
     good = (tmp_path / "ckpt.pt").read_bytes()
-    err = cli_error(
-        capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip", "0"
-    )
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip",
+                    "0")
     assert message in err and "still holds step 2" in err
     # clipping was off here, so it is advised
-    assert ("lengthen --warmup" in err and "--grad_clip 1.0" in err)
+    assert "lengthen --warmup" in err and "--grad_clip 1.0" in err
     assert (tmp_path / "ckpt.pt").read_bytes() == good
 
 
@@ -1172,27 +1088,24 @@ def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_wh
 
 
 def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
-    err = cli_error(
-        capsys,
-        *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100", "--grad_clip",
-                     "0", "--warmup", "0", "--lr", "1e30", "--min_lr", "1e30"),
-        "--out_dir",
-        str(tmp_path),
-    )
+    err = cli_error(capsys,
+                    *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
+                                         "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
+                                 "--min_lr", "1e30"),
+                    "--out_dir", str(tmp_path))
     assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
 
 
-def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(
-    capsys, tiny_data, tmp_path, monkeypatch
-):
+def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data,
+                                                                             tmp_path,
+                                                                             monkeypatch):
     import train
 
     calls = {"n": 0}
     dumps = train.json.dumps
 
-    def disk_fills_at_step_2(
-        *args, **kwargs
-    ):  # step 1's log line and evaluation, then the disk is full
+    # step 1's log line and evaluation, then the disk is full
+    def disk_fills_at_step_2(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] > 2:
             raise OSError(28, "No space left on device")
@@ -1203,9 +1116,8 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(
                     *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "1"),
                     "--log_interval", "1", "--out_dir", str(tmp_path))
     monkeypatch.undo()
-    assert (
-        "(No space left on device); the last checkpoint is as it was" in err and "--resume" in err
-    )
+    assert "(No space left on device); the last checkpoint is as it was" in err
+    assert "--resume" in err
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
     code, out, _ = run_train("--resume", out_dir=tmp_path)
     assert code == 0 and "resumed from" in out and "at step 1" in out, out
@@ -1225,9 +1137,8 @@ def test_a_fresh_run_refuses_another_runs_out_dir_unless_told(capsys, tiny_data,
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
 
 
-def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(
-    tmp_path, monkeypatch
-):
+def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path,
+                                                                                   monkeypatch):
     import errno
 
     import checkpoint
@@ -1254,18 +1165,12 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path, sig):
     flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *flags, "--out_dir", str(tmp_path), "--log_interval", "1"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out_dir", str(tmp_path),
+                             "--log_interval", "1"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
-    while (
-        not ((tmp_path / "log.jsonl").exists() and (tmp_path / "log.jsonl").read_text())
-        and time.time() < deadline
-    ):
+    while not ((tmp_path / "log.jsonl").exists()
+               and (tmp_path / "log.jsonl").read_text()) and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
@@ -1291,9 +1196,8 @@ def test_the_log_reaches_the_disk_line_by_line_while_the_run_goes(tiny_data, tmp
     assert code == 0 and lines_on_disk == [0, 1, 2], (lines_on_disk, out)
 
 
-def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(
-    capsys, tiny_data, tmp_path
-):
+def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
+                                                                            tmp_path):
     import shutil
 
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
@@ -1301,9 +1205,8 @@ def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(
     assert code == 0, out
     moved = tmp_path / "moved"
     shutil.copytree(tiny_data / "images", moved)
-    code, out, records = run_train(
-        "--resume", "--max_iters", "4", "--data_dir", str(moved), out_dir=tmp_path / "run"
-    )
+    code, out, records = run_train("--resume", "--max_iters", "4", "--data_dir", str(moved),
+                                   out_dir=tmp_path / "run")
     assert code == 0 and "resumed" in out, out
     assert max(train_losses(records)) == 4
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
@@ -1330,13 +1233,10 @@ def test_fine_tuning_refuses_a_checkpoint_whose_trunk_does_not_fit(capsys, tiny_
     mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae")
     cls = image_flags(tiny_data, "cls", "--max_iters", "1")
     err = cli_error(capsys, *cls, "--init_from", str(text_trunk), "--out_dir", str(tmp_path / "a"))
-    assert (
-        "does not hold this model's trunk: 2 tensors" in err
-        and "patch_embed.weight, patch_embed.bias)" in err
-    )
-    err = cli_error(
-        capsys, *cls, "--init_from", str(mae), "--width", "64", "--out_dir", str(tmp_path / "b")
-    )
+    assert "does not hold this model's trunk: 2 tensors" in err
+    assert "patch_embed.weight, patch_embed.bias)" in err
+    err = cli_error(capsys, *cls, "--init_from", str(mae), "--width", "64", "--out_dir",
+                    str(tmp_path / "b"))
     assert "blocks.0.ln1.weight, ...); fine-tune" in err and "--width" in err
     code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
     assert code == 0 and "loaded" in out, out  # fewer blocks than pretrained: the first one is used
@@ -1349,9 +1249,8 @@ def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
     assert "--out_dir '' must name a folder" in cli_error(capsys, *missing_data, "--out_dir", "")
 
 
-def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(
-    capsys, tmp_path, monkeypatch
-):
+def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys, tmp_path,
+                                                                         monkeypatch):
     monkeypatch.delattr(torch.compiler, "set_stance")  # as in torch 2.5 and older
     err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), "--out_dir",
                     str(tmp_path / "out"))
@@ -1359,18 +1258,17 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    "flags,message",
-    [(["--log_interval", "0"], "--log_interval 0 must be at least 1"),
-     (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
-     (["--device", "gpu0"], "--device 'gpu0' is not a device"),
-     (["--lr", "nan"], "--lr nan must be a finite number"),
-     (["--warmup", "-2"], "--warmup -2 must be >= 0, or -1"),
-     (["--base_lr", "-0.001"], "--base_lr -0.001 must be a finite number >= 0"),
-     (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
-     (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
-     (["--resume", "--overwrite"], "choose one")],
-)
+@pytest.mark.parametrize("flags,message", [
+    (["--log_interval", "0"], "--log_interval 0 must be at least 1"),
+    (["--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
+    (["--device", "gpu0"], "--device 'gpu0' is not a device"),
+    (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--warmup", "-2"], "--warmup -2 must be >= 0, or -1"),
+    (["--base_lr", "-0.001"], "--base_lr -0.001 must be a finite number >= 0"),
+    (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
+    (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
+    (["--resume", "--overwrite"], "choose one"),
+])
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
     assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
                                 "--out_dir", str(tmp_path / "out"))
@@ -1410,35 +1308,28 @@ def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_
     import probe
     from data import ImageData
 
-    images = write_folder(
-        tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]}, blue=False
-    )
+    images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
+                          blue=False)
     data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
     x, _ = next(data.eval_batches(8))
     # the constant channel is centred, not divided by 0
-    assert (x.isfinite().all() and x[:, 2].eq(0).all())
+    assert x.isfinite().all() and x[:, 2].eq(0).all()
     code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
-                                   "--max_iters", "3", out_dir=tmp_path / "o")
-    assert code == 0 and all(
-        torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r
-    ), out
-    assert (
-        probe.main(
-            ["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir", str(images),
-             "--samples", "8"]
-        )
-        == 0
-    ), capsys.readouterr().err
+                                   "--max_iters", "3",
+                                   out_dir=tmp_path / "o")
+    assert code == 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records
+                             if "loss" in r), out
+    assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
+                       str(images),
+                       "--samples", "8"]) == 0, capsys.readouterr().err
 
 
-def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(
-    capsys, tiny_data, tmp_path
-):
+def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(capsys, tiny_data,
+                                                                                tmp_path):
     """Labels are class indices: test/ with other classes than train/ would be scored against the
     wrong labels."""
-    mismatch = write_folder(
-        tmp_path / "mismatch", {"train": ["cat", "dog"], "test": ["dog", "emu"]}
-    )
+    mismatch = write_folder(tmp_path / "mismatch",
+                            {"train": ["cat", "dog"], "test": ["dog", "emu"]})
     err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(mismatch),
                     "--out_dir", str(tmp_path / "a"))
     assert "different classes (only in training: ['cat'], only in test: ['emu'])" in err
@@ -1446,18 +1337,15 @@ def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(
     err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(single), "--out_dir",
                     str(tmp_path / "b"))
     assert "num_classes=1 must be at least 2 for cls" in err
-    code, out, _ = run_train(
-        *image_flags(tiny_data, "mae", "--max_iters", "1"),
-        "--data_dir",
-        single,
-        out_dir=tmp_path / "c",
-    )  # self-supervised: an unlabelled folder of one class is enough
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
+                             single,
+                             # self-supervised: an unlabelled folder of one class is enough
+                             out_dir=tmp_path / "c")
     assert code == 0, out
 
 
 def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_are_not_classes(
-    capsys, tiny_data, tmp_path
-):
+        capsys, tiny_data, tmp_path):
     flags = image_flags(tiny_data, "cls")
     no_classes = write_folder(tmp_path / "no_classes", {"test": ["a", "b"]})
     (no_classes / "train").mkdir()
@@ -1481,7 +1369,8 @@ def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
     (tmp_path / "train.txt").write_text("")
     (tmp_path / "val.txt").write_text("some held-out words " * 50)
     err = cli_error(capsys, "--objective", "next", "--dataset", "text", "--data_dir", str(tmp_path),
-                    "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir",
+                    "--tokenizer",
+                    "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir",
                     str(tmp_path / "o"))
     assert f"text file {tmp_path / 'train.txt'} is empty; give --train_file a file" in err
 
@@ -1496,9 +1385,8 @@ def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_dat
         assert str(tmp_path / "ckpt.pt") in err, err
 
 
-def test_wikitext_download_failure_never_deletes_files_it_did_not_write(
-    capsys, tmp_path, monkeypatch
-):
+def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
+                                                                        monkeypatch):
     import data
 
     def offline(url, timeout=30):
@@ -1509,15 +1397,18 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
     err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+                    str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
     assert str(target / "train.txt") in err and str(target / "valid.txt") in err
     assert (target / "train.txt").read_text() == "the user's own file"
     # following the message: now it trains, offline
     (target / "valid.txt").write_text("word " * 5000)
     code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                             str(tmp_path / "d"), "--tokenizer", "bytes", "--cache_dir",
-                             str(tmp_path / "cache"), *TINY_TEXT_FLAGS[:6], "--seq_len", "16",
-                             "--max_iters", "1", "--eval_interval", "1", "--batch_size", "2",
+                             str(tmp_path / "d"),
+                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
+                             *TINY_TEXT_FLAGS[:6],
+                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
+                             "--batch_size", "2",
                              out_dir=tmp_path / "o")
     assert code == 0, out
 
@@ -1533,27 +1424,23 @@ def test_bench_spec_booleans_are_strict(capsys):
 def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
     import probe
 
-    code = probe.main(
-        ["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
-         "--json", str(tmp_path / "missing" / "p.json")]
-    )
+    code = probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                       str(tmp_path / "no-data"),
+                       "--json", str(tmp_path / "missing" / "p.json")])
     err = capsys.readouterr().err
     assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1
     (tmp_path / "out").mkdir()
-    assert (
-        probe.main(
-            ["init:cifar-tiny", "--dataset", "folder", "--data_dir", str(tmp_path / "no-data"),
-             "--plot", str(tmp_path / "out")]
-        )
-        == 2
-    )
+    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                       str(tmp_path / "no-data"),
+                       "--plot", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
 
 
-def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(
-    capsys, tiny_data, tmp_path, monkeypatch
-):
+def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,
+                                                                                   tiny_data,
+                                                                                   tmp_path,
+                                                                                   monkeypatch):
     import json
 
     import probe
@@ -1564,15 +1451,14 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
         raise OSError(28, "No space left on device")
 
     argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
-            str(tiny_data / "images"), "--samples", "2", "--json", str(tmp_path / "p.json")]
+            str(tiny_data / "images"),
+            "--samples", "2", "--json", str(tmp_path / "p.json")]
     monkeypatch.setattr(probe.json, "dumps", full_disk)
     assert probe.main(argv) == 2
     monkeypatch.undo()
     err = capsys.readouterr().err
-    assert (
-        f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
-        and err.count("\n") == 1
-    )
+    assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
+    assert err.count("\n") == 1
     # the temp file is gone, the old report kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
     assert (tmp_path / "p.json").read_text() == "the previous report"
@@ -1583,7 +1469,6 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 # ==================================================================================================
 # 5. The probe: every metric on regimes whose answer is known, and the probe command line
 # ==================================================================================================
-
 
 def test_identical_tokens_are_fully_smoothed():
     from probe import token_metrics
@@ -1612,9 +1497,9 @@ def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     torch.manual_seed(0)
     T, d = 32, 1024
     rho = -1 / (T - 1)
-    s = math.sqrt((1 - rho**2) / d)
+    s = math.sqrt((1 - rho ** 2) / d)
     phi = 0.5 * (1 + math.erf(-rho / s / math.sqrt(2)))
-    expected = s * math.sqrt(2 / math.pi) * math.exp(-(rho**2) / (2 * s**2)) + rho * (1 - 2 * phi)
+    expected = s * math.sqrt(2 / math.pi) * math.exp(-rho ** 2 / (2 * s ** 2)) + rho * (1 - 2 * phi)
     # a shared offset: raw cos is high, centred is not
     m = token_metrics(torch.randn(16, T, d) + 5.0)
     assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
@@ -1634,9 +1519,8 @@ def attention_stack(x, depth, residual, seed=0):
     d = x.shape[-1]
     hiddens = [x]
     for _ in range(depth):
-        w_q, w_k = (
-            torch.randn(d, d, generator=g, dtype=x.dtype) * 2 / math.sqrt(d) for _ in range(2)
-        )
+        w_q, w_k = (torch.randn(d, d, generator=g, dtype=x.dtype) * 2 / math.sqrt(d)
+                    for _ in range(2))
         z = F.layer_norm(x, (d,)) if residual else x
         probs = torch.softmax((z @ w_q) @ (z @ w_k).transpose(1, 2) / math.sqrt(d), dim=-1)
         x = x + probs @ z if residual else probs @ z
@@ -1716,20 +1600,13 @@ def test_probe_reports_entropy_and_update_for_every_block():
     x, _ = batch(model.config)
     report = probe.probe_model(model, x, 2)
     T = model.config.num_patches()
-    assert (
-        report["update"][0] is None
-        and report["attn_entropy"][0] is None
-        and report["attn_sim"][:2] == [None] * 2
-    )
+    assert report["update"][0] is None and report["attn_entropy"][0] is None
+    assert report["attn_sim"][:2] == [None] * 2
     assert all(0 < e <= math.log(T) + 1e-9 for e in report["attn_entropy"][1:])
     with torch.no_grad():
         hiddens = model.hidden_states(x)
-    expected = np.mean(
-        [
-            (b - a).norm().item() / a.norm().item()
-            for a, b in zip(hiddens[1][:, None], hiddens[2][:, None])
-        ]
-    )  # block 2, sample by sample
+    expected = np.mean([(b - a).norm().item() / a.norm().item() for a, b in
+                        zip(hiddens[1][:, None], hiddens[2][:, None])])  # block 2, sample by sample
     assert report["update"][2] == pytest.approx(expected, rel=1e-5)
 
 
@@ -1762,9 +1639,8 @@ def test_metrics_in_batches_equal_one_sample_at_a_time():
     h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)
     whole = token_metrics(h)
     for name, value in whole.items():
-        assert value == pytest.approx(
-            np.mean([token_metrics(h[i : i + 1])[name] for i in range(6)]), rel=1e-9
-        )
+        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]),
+                                      rel=1e-9)
 
 
 def hand_built_block(gain):
@@ -1803,16 +1679,15 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
     with torch.no_grad():
         block.ln1.weight.normal_()
     small = head_value_output(block)
-    w_v, w_o, g = (block.attn.qkv.weight.detach().double()[64:],
-                   block.attn.proj.weight.detach().double(), block.ln1.weight.detach().double())
+    w_v = block.attn.qkv.weight.detach().double()[64:]
+    w_o, g = block.attn.proj.weight.detach().double(), block.ln1.weight.detach().double()
     for h in range(2):
         # (32, 32), rank 16
-        full = (torch.diag(g) @ w_v[16 * h : 16 * (h + 1)].T @ w_o[:, 16 * h : 16 * (h + 1)].T)
+        full = torch.diag(g) @ w_v[16 * h:16 * (h + 1)].T @ w_o[:, 16 * h:16 * (h + 1)].T
         big = torch.linalg.eigvals(full)
         big = big[big.abs().argsort(descending=True)][:16]
-        assert torch.allclose(
-            torch.linalg.eigvals(small[h]).abs().sort().values, big.abs().sort().values, atol=1e-8
-        )
+        assert torch.allclose(torch.linalg.eigvals(small[h]).abs().sort().values,
+                              big.abs().sort().values, atol=1e-8)
 
 
 def test_beta_of_a_model_against_itself_is_one():
@@ -1831,8 +1706,7 @@ def test_beta_of_a_model_against_itself_is_one():
     assert qk == pytest.approx([4.0] * 3) and v == pytest.approx([2.0] * 3)
 
 
-# ----------------------------------------------------------------------- probe.py: the command line
-
+# ---------------------------------------------------------------- probe.py: the command line
 
 @pytest.fixture(scope="module")
 def trained_checkpoints(tiny_data, tmp_path_factory):
@@ -1850,31 +1724,30 @@ def probe_cli(capsys, *argv):
     return code, capsys.readouterr()
 
 
-def test_probe_writes_json_and_png_and_repeats_exactly(
-    capsys, tiny_data, trained_checkpoints, tmp_path
-):
+def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints,
+                                                       tmp_path):
     argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
-            "--samples", "8", "--batch_size", "3"]
-    code, out = probe_cli(
-        capsys, *argv, "--json", tmp_path / "a.json", "--plot", tmp_path / "a.png"
-    )
+            "--samples", "8",
+            "--batch_size", "3"]
+    code, out = probe_cli(capsys, *argv, "--json", tmp_path / "a.json", "--plot",
+                          tmp_path / "a.png")
     assert code == 0, out.err
-    code, _ = probe_cli(
-        capsys, *argv, "--json", tmp_path / "b.json", "--relative", "--plot", tmp_path / "b.png"
-    )
+    code, _ = probe_cli(capsys, *argv, "--json", tmp_path / "b.json", "--relative", "--plot",
+                        tmp_path / "b.png")
     assert code == 0
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["labels"] == ["trained", "init"] and report["layers"] == [0, 1, 2, 3, 4]
     for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "update", "attn_entropy",
-                 "attn_sim", "vo_dominant", "vo_positive", "beta_qk", "beta_v"):
+                 "attn_sim",
+                 "vo_dominant", "vo_positive", "beta_qk", "beta_v"):
         for label in report["labels"]:
             assert len(report["metrics"][name][label]) == 5
     # itself; padded to 5
     assert report["metrics"]["beta_v"]["trained"] == [None, 1.0, 1.0, None, None]
     # depth 2 against depth 4: no pairs
-    assert (report["metrics"]["beta_v"]["init"][1:] == [None] * 4)
+    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
 
@@ -1897,19 +1770,16 @@ def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
     model = Bamboo(tiny("cls"))
     with torch.no_grad():
         model.blocks[1].mlp.proj.bias[0] = float("nan")  # finite through block 0, not after block 1
-    with pytest.raises(
-        ValueError, match="layer 2's hidden states are not finite on samples 0 to 3"
-    ):
+    with pytest.raises(ValueError,
+                       match="layer 2's hidden states are not finite on samples 0 to 3"):
         probe.probe_model(model, batch(model.config, B=6)[0], 4)
 
 
 def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_path):
     cases = [
-        (
-            [trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir",
-             tiny_data / "images"],
-            "cannot be probed with --dataset folder",
-        ),
+        ([trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir",
+          tiny_data / "images"],
+         "cannot be probed with --dataset folder"),
         ([tmp_path / "missing.pt"], "no checkpoint at"),
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
@@ -1918,18 +1788,13 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
     cases.append(([tmp_path / "corrupt.pt"], "corrupt or truncated"))
     for argv, message in cases:
         code, out = probe_cli(capsys, *argv)
-        assert (
-            code == 2
-            and message in out.err
-            and out.err.count("\n") == 1
-            and "Traceback" not in out.err
-        ), out.err
+        one_line = out.err.count("\n") == 1 and "Traceback" not in out.err
+        assert code == 2 and message in out.err and one_line, out.err
 
 
 # ==================================================================================================
 # 6. Speedups keep results: fast.py against the plain path, AdamW, checkpointing, bf16, bench.py
 # ==================================================================================================
-
 
 def test_mlm_head_on_chosen_positions_equals_the_full_head():
     torch.manual_seed(0)
@@ -1955,9 +1820,8 @@ def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path()
     torch.manual_seed(0)  # the same draws: positions, then the 80/10/10 roll and the random ids
     inputs, targets = model.mask_tokens(x)
     reference_logits, reference = model(inputs, targets)
-    assert torch.allclose(logits, reference_logits, atol=1e-6) and torch.allclose(
-        loss, reference, atol=1e-6
-    )
+    assert torch.allclose(logits, reference_logits, atol=1e-6) and torch.allclose(loss, reference,
+                                                                                  atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1983,7 +1847,7 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
         assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
     none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
     # nothing to predict: no NaN
-    assert (none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0)
+    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0
 
 
 def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
@@ -2008,14 +1872,11 @@ def test_fast_wraps_next_token_training_on_cpu_only():
     import fast
 
     model = Bamboo(tiny("next"))
-    assert isinstance(
-        fast.for_training(model, torch.device("cpu"), torch.float32)[0], fast.ChunkedNextToken
-    )
+    assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32)[0],
+                      fast.ChunkedNextToken)
     assert fast.for_training(model, torch.device("meta"), torch.float32)[0] is model
-    assert (
-        fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"), torch.float32)[0].__class__
-        is Bamboo
-    )
+    assert fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"),
+                             torch.float32)[0].__class__ is Bamboo
 
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
@@ -2023,9 +1884,8 @@ def test_activation_checkpointing_gives_the_same_gradients(objective):
     grads = {}
     for flag in (False, True):
         torch.manual_seed(0)
-        model = Bamboo(
-            tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1, checkpointing=flag)
-        )
+        model = Bamboo(tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1,
+                            checkpointing=flag))
         x, y = batch(model.config)
         torch.manual_seed(1)
         model(x, y)[1].backward()
@@ -2033,21 +1893,21 @@ def test_activation_checkpointing_gives_the_same_gradients(objective):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
-# ----------------------------------------------------------------------------- bench.py
-
+# ---------------------------------------------------------------- bench.py
 
 def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     import bench
 
-    args = bench.build_parser().parse_args(
-        ["cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64", "--batch_size",
-         "2", "--steps", "1", "--rounds", "2", "--warmup", "1", "--dtype", "float32,bfloat16",
-         "--compile", "off", "--no-memory"]
-    )
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
+                                            "next:cifar-tiny,seq_len=16,vocab_size=64",
+                                            "--batch_size", "2", "--steps", "1", "--rounds", "2",
+                                            "--warmup", "1",
+                                            "--dtype", "float32,bfloat16", "--compile", "off",
+                                            "--no-memory"])
     rows = bench.run(args)
     out = capsys.readouterr().out
-    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [("cls", "float32"),
-        ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
+    assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
+        ("cls", "float32"), ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
     for r in rows:
         assert r["step_ms"] > 0 and r["samples_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] < 100
         assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
@@ -2058,16 +1918,15 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
 def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
     import bench
 
-    args = bench.build_parser().parse_args(
-        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
-         "--warmup", "1", "--dtype", "float32", "--no-memory", "--attention", "sdpa,explicit",
-         "--json", str(tmp_path / "b.json")]
-    )
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
+                                            "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32",
+                                            "--no-memory",
+                                            "--attention", "sdpa,explicit", "--json",
+                                            str(tmp_path / "b.json")])
     rows = bench.run(args)
-    assert [r["attention"] for r in rows] == [
-        "sdpa",
-        "explicit",
-    ] and " explicit " in capsys.readouterr().out
+    assert [r["attention"] for r in rows] == ["sdpa", "explicit"]
+    assert " explicit " in capsys.readouterr().out
     written = json.loads((tmp_path / "b.json").read_text())
     assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
 
@@ -2080,21 +1939,21 @@ def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
     import bench
 
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
-    args = bench.build_parser().parse_args(
-        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
-         "--warmup", "1", "--dtype", "float32", "--no-memory"]
-    )
-    (row,) = bench.run(args)
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
+                                            "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32",
+                                            "--no-memory"])
+    row, = bench.run(args)
     assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
 
 
 def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
     import bench
 
-    args = bench.build_parser().parse_args(
-        ["cls:cifar-tiny,image_size=16", "--batch_size", "2", "--steps", "1", "--rounds", "1",
-         "--warmup", "1", "--profile", "5", "--dtype", "float32"]
-    )
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
+                                            "--steps", "1",
+                                            "--rounds", "1", "--warmup", "1", "--profile", "5",
+                                            "--dtype", "float32"])
     rows = bench.run(args)
     out = capsys.readouterr().out
     assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
@@ -2123,20 +1982,14 @@ def test_bench_rejects_bad_arguments(capsys):
     import bench
 
     assert bench.main(["cifar-tiny"]) == 2 and "OBJECTIVE:PRESET" in capsys.readouterr().err
-    assert (
-        bench.main(["cls:cifar-tiny", "--dtype", "float8"]) == 2
-        and "--dtype" in capsys.readouterr().err
-    )
-    assert (
-        bench.main(["cls:cifar-tiny", "--warmup", "0"]) == 2
-        and "--warmup" in capsys.readouterr().err
-    )
-    assert (
-        bench.main(["cls:cifar-tiny", "--attention", "fused"]) == 2
-        and "--attention" in capsys.readouterr().err
-    )
+    assert bench.main(["cls:cifar-tiny", "--dtype",
+                       "float8"]) == 2 and "--dtype" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--warmup",
+                       "0"]) == 2 and "--warmup" in capsys.readouterr().err
+    assert bench.main(["cls:cifar-tiny", "--attention",
+                       "fused"]) == 2 and "--attention" in capsys.readouterr().err
     # before any step is timed
-    assert (bench.main(["cls:cifar-tiny", "--json", "no/such/folder/b.json"]) == 2)
+    assert bench.main(["cls:cifar-tiny", "--json", "no/such/folder/b.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -2154,9 +2007,8 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
         return buffer.getvalue()
 
     seen = []
-    monkeypatch.setattr(
-        data, "_fetch", lambda url: seen.append(url) or fake_zip(["train", "valid", "test"])
-    )
+    monkeypatch.setattr(data, "_fetch",
+                        lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
     target = data.download_wikitext("wikitext2", str(tmp_path / "ok"))
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
@@ -2187,27 +2039,24 @@ def test_bf16_autocast_tracks_fp32_training():
     assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
-# ------------------------------------------------------------ compilation and CUDA graphs (fast.py)
+# ---------------------------------------------------------- compilation and CUDA graphs (fast.py)
 
-
-@pytest.mark.parametrize(
-    "asked,device,options,ddp,expected,why",
-    [("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
-     ("auto", "cuda", {}, False, "graphs", ""),
-     ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
-     ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
-     ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
-     ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
-     ("model", "cpu", {}, False, "model", ""), ("off", "cuda", {}, False, "off", "")],
-)
-def test_compile_plan_picks_graphs_only_where_safe_and_says_why(
-    asked, device, options, ddp, expected, why
-):
+@pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
+    ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
+    ("auto", "cuda", {}, False, "graphs", ""),
+    ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
+    ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
+    ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
+    ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
+    ("model", "cpu", {}, False, "model", ""),
+    ("off", "cuda", {}, False, "off", ""),
+])
+def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
+                                                                expected, why):
     import fast
 
-    mode, reason = fast.compile_plan(
-        asked, torch.device(device), tiny(options.pop("objective", "cls"), **options), ddp
-    )
+    mode, reason = fast.compile_plan(asked, torch.device(device),
+                                     tiny(options.pop("objective", "cls"), **options), ddp)
     assert mode == expected and why in reason and (reason == "") == (why == "")
     with pytest.raises(ValueError, match="choose one of"):
         fast.compile_plan("fast", torch.device(device), tiny("cls"), ddp)
@@ -2235,13 +2084,12 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
         torch.manual_seed(1)
         out, loss = module(x, y)
         loss.backward()
-        assert torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(
-            loss, eager_loss, atol=1e-6
-        )
+        assert torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(loss, eager_loss,
+                                                                            atol=1e-6)
         graphs[depth] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     # the decoder's blocks, or next's loss: one more
-    assert (graphs[3] == graphs[8] <= 2 + (objective != "cls"))
+    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")
 
 
 def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_models_loss_and_grads():
@@ -2311,16 +2159,15 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # ==================================================================================================
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "fast.py", "bench.py", "checkpoint.py")
+                   "fast.py",
+                   "bench.py", "checkpoint.py")
 
 
 def instance_attributes(model):
     """Every module's own attributes (its __dict__, less PyTorch's registries), by module name."""
     registries = {"_parameters", "_buffers", "_modules"}
-    return {
-        name: {key: value for key, value in vars(module).items() if key not in registries}
-        for name, module in model.named_modules()
-    }
+    return {name: {key: value for key, value in vars(module).items() if key not in registries}
+            for name, module in model.named_modules()}
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "model", "blocks", "graphs", "auto"])
@@ -2358,9 +2205,8 @@ def test_measurement_tools_do_not_import_the_trainer():
     """probe.py and bench.py load checkpoints, pick devices and build optimizers without
     train.py."""
     code = "import sys, probe, bench; print('train' in sys.modules)"
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
@@ -2391,7 +2237,8 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
     assert not long and lengths["train.py:train"] <= 80, (long, lengths["train.py:train"])
     loop = inspect.getsource(train.train)
     verbs = ["get_lr(", ".backward()", "clip_grad_norm_(", "scaler.step(", "zero_grad(",
-             "read_loss(", "evaluate(", "checkpoint.save("]
+             "read_loss(", "evaluate(",
+             "checkpoint.save("]
     where = [loop.find(verb) for verb in verbs]
     assert all(i >= 0 for i in where) and where == sorted(where), dict(zip(verbs, where))
 
@@ -2409,11 +2256,10 @@ if torch.cuda.is_available():
     def cuda_batch(config):
         return tuple(t.to(CUDA) if t is not None else None for t in batch(config))
 
-    @pytest.mark.parametrize(
-        "mode,objective",
-        [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"), ("blocks", "next"),
-         ("graphs", "next")],
-    )
+
+    @pytest.mark.parametrize("mode,objective",
+                             [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"),
+                                                ("blocks", "next"), ("graphs", "next")])
     def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
         torch.manual_seed(0)
         # next: logits padded to 128
@@ -2422,7 +2268,7 @@ if torch.cuda.is_available():
         eager_out, eager = model(x, y)
         eager_grads = torch.autograd.grad(eager, list(model.parameters()))
         # frees the eager autograd graph: a capture must not meet it
-        eager_out, eager = (eager_out.detach(), eager.detach())
+        eager_out, eager = eager_out.detach(), eager.detach()
         module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
         assert chosen == mode
         for _ in range(3):  # the first call warms up and captures; then replays
@@ -2432,6 +2278,7 @@ if torch.cuda.is_available():
         # logits too
         assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)
         assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
+
 
     def test_explicit_attention_under_cuda_graphs_gives_the_fused_kernels_loss():
         """bench.py --attention explicit on the GPU: matmul-softmax-matmul captured in the graph,
@@ -2445,10 +2292,10 @@ if torch.cuda.is_available():
         model = explicit
         module, chosen, _ = fast.for_training(model, CUDA, torch.float32, "graphs")
         losses = [module(x, y)[1].item() for _ in range(3)]  # warm-up and capture, then replays
-        assert chosen == "graphs" and all(
-            m.explicit for m in model.modules() if isinstance(m, Attention)
-        )
+        assert chosen == "graphs" and all(m.explicit for m in model.modules()
+                                          if isinstance(m, Attention))
         assert losses == pytest.approx([fused] * 3, rel=1e-4)
+
 
     @pytest.mark.parametrize("objective", ["mae", "mlm"])
     def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(objective):
@@ -2460,14 +2307,16 @@ if torch.cuda.is_available():
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             losses = [module(x, y)[1].item() for _ in range(5)]
             # a new mask (MAE) or corruption (MLM) every replay, not the captured one
-            assert (len(set(losses)) == 5)
+            assert len(set(losses)) == 5
             with pytest.raises(ValueError, match="replays the shapes it captured"):
                 # MLM corrupts inside the model: no targets passed
                 module(x[:1], None if y is None else y[:1])
 
+
     def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path):
         flags = image_flags(tiny_data, "mae", "--max_iters", "6", "--eval_interval", "3",
-                            "--compile", "graphs", "--dtype", "float32")
+                            "--compile", "graphs",
+                            "--dtype", "float32")
         code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
         assert code == 0 and "compile: graphs" in out, out
         code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
@@ -2475,9 +2324,9 @@ if torch.cuda.is_available():
         code, out, parts = run_train("--resume", "--compile", "graphs", out_dir=tmp_path / "parts")
         assert code == 0, out
         a, b = train_losses(parts), train_losses(whole)
-        assert a.keys() == b.keys() and all(
-            abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b
-        ), (a, b)
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
+                                            for k in b), (a, b)
+
 
     def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
         """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it

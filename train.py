@@ -10,7 +10,6 @@ fast.py as a visible wrapper. The commands are in README.md.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
-
 import argparse
 import inspect
 import json
@@ -68,12 +67,12 @@ class TrainConfig:
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
+
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
            "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
            "preset": ("",) + tuple(PRESETS)}
-# What --resume may change: length and learning rate, where the data lives, logging. The settings of
-# one invocation (machine, time limit) are never inherited from the checkpoint: they are given now
-# or default.
+# What --resume may change: length and learning rate, where the data lives, logging. The settings
+# of one invocation (machine, time limit) are never taken from the checkpoint: given now, or default.
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "log_interval", "data_dir", "cache_dir", "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
@@ -85,7 +84,6 @@ class TrainingError(Exception):
 
 # ----------------------------------------------------------------------------- settings
 
-
 def field_comments(cls):
     """The comment after each field of a dataclass: the --help text."""
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
@@ -94,9 +92,8 @@ def field_comments(cls):
 def build_parser():
     """Every TrainConfig and Config field as a flag. Flags not given stay unset, so that a preset,
     a pretrained trunk or a resumed checkpoint can fill them, and --resume knows what was asked."""
-    parser = argparse.ArgumentParser(
-        description="Train bamboo models.", formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description="Train bamboo models.",
+                                     formatter_class=argparse.RawTextHelpFormatter)
     for cls, title in ((TrainConfig, "training"),
                        (Config, "model (defaults shown; a --preset sets its own)")):
         group, comments = parser.add_argument_group(title), field_comments(cls)
@@ -163,7 +160,6 @@ def validate(cfg):
 
 # ----------------------------------------------------------------------------- the learning rate
 
-
 def get_lr(it, cfg):
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters."""
     if it < cfg.warmup:
@@ -174,7 +170,6 @@ def get_lr(it, cfg):
 
 # ----------------------------------------------------------------------------- evaluation
 
-
 @torch.no_grad()
 def evaluate(model, data, cfg, batch_size, device):
     """The metric each objective is judged by, on fixed held-out data with fixed masks.
@@ -184,14 +179,12 @@ def evaluate(model, data, cfg, batch_size, device):
     objective = model.config.objective
     was_training = model.training
     model.eval()
-    loss_sum, count, correct = (
-        torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)
-    )
+    loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device)
+                                for _ in range(3))
     # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
     # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
-    with torch.random.fork_rng(
-        devices=[device] if device.type == "cuda" else []
-    ), torch.compiler.set_stance("force_eager"):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
         for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
             x = x.to(device)
@@ -229,7 +222,6 @@ def selection_metric(objective):
 
 # ----------------------------------------------------------------------------- set-up
 
-
 def resume_config(args):
     """The saved run's TrainConfig, with the RESUMABLE flags given now; any other flag must
     agree."""
@@ -237,59 +229,50 @@ def resume_config(args):
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
     if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(TrainConfig)}:
-        raise checkpoint.CheckpointError(
-            f"{path} has no training state this version can resume; fine-tune from it with "
-            "--init_from instead"
-        )
+        raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
+                                         f"fine-tune from it with "
+                              "--init_from instead")
     now = flags_given(args, TrainConfig)
     for name, value in {**now, **flags_given(args, Config)}.items():
         before = saved.get(name, ckpt["config"].get(name))
         if name not in RESUMABLE + PER_INVOCATION and value != before:
             hint = " or fine-tune from it with --init_from" if name == "objective" else ""
             may = " ".join("--" + n for n in RESUMABLE[:-1])
-            raise TrainingError(
-                f"--resume: the run in {os.path.dirname(path)} has {name}={before!r}, not"
-                f" {value!r}; --resume may change only {may}; drop --{name}{hint}"
-            )
+            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
+                                f"{name}={before!r}, not {value!r}; "
+                                f"--resume may change only {may}; drop --{name}{hint}")
     # fields added since: defaults
     settings = {f.name: saved.get(f.name, f.default) for f in fields(TrainConfig)}
     for f in fields(TrainConfig):
         kinds = (int, float) if f.type is float else f.type
-        if not isinstance(settings[f.name], kinds) or (
-            f.type is not bool and isinstance(settings[f.name], bool)
-        ):
-            raise checkpoint.CheckpointError(
-                f"{path}: its training setting {f.name}={settings[f.name]!r} is damaged; train"
-                " again"
-            )
+        value = settings[f.name]
+        if not isinstance(value, kinds) or (f.type is not bool and isinstance(value, bool)):
+            raise checkpoint.CheckpointError(f"{path}: its training setting {f.name}={value!r} is "
+                                             "damaged; train again")
     settings.update({name: getattr(TrainConfig, name) for name in PER_INVOCATION})
-    settings.update(
-        {name: value for name, value in now.items() if name in RESUMABLE + PER_INVOCATION}
-    )
+    settings.update({k: v for k, v in now.items() if k in RESUMABLE + PER_INVOCATION})
     try:
         return TrainConfig(**settings), ckpt
     except TypeError as e:
-        raise checkpoint.CheckpointError(
-            f"{path}: its training settings are damaged ({e})"
-        ) from None
+        raise checkpoint.CheckpointError(f"{path}: its training settings are damaged ({e})") \
+            from None
 
 
 def start_processes(cfg):
     """(device, rank, world): one process, or this rank of a torchrun DDP group."""
     rank, world, local_rank = 0, 1, 0
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        rank, world, local_rank = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                                   int(os.environ["LOCAL_RANK"]))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
     device = fast.pick_device(cfg.device, local_rank)
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
-        raise TrainingError(
-            f"--batch_size {cfg.batch_size} must be divisible by processes x grad_accum = "
-            f"{world} x {cfg.grad_accum}"
-        )
+        raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+                            f"processes x grad_accum = "
+                            f"{world} x {cfg.grad_accum}")
     return device, rank, world
 
 
@@ -302,19 +285,16 @@ def prepare_out_dir(cfg):
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise TrainingError(
-            f"cannot create --out_dir {out} ({e.strerror}); choose another --out_dir"
-        ) from None
+        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); "
+                            f"choose another --out_dir") from None
     if not os.access(out, os.W_OK | os.X_OK):
-        raise TrainingError(
-            f"--out_dir {out} is not writable; choose another --out_dir or fix its permissions"
-        )
+        raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
+                            f"fix its permissions")
     taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
     if taken and not cfg.resume and not cfg.overwrite:
-        raise TrainingError(
-            f"--out_dir {out} holds another run ({', '.join(taken)}); continue it with --resume, "
-            "choose another --out_dir, or pass --overwrite to replace it"
-        )
+        raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
+                            f"continue it with --resume, "
+                            "choose another --out_dir, or pass --overwrite to replace it")
 
 
 def model_settings(args, cfg, resumed, pretrained):
@@ -324,22 +304,17 @@ def model_settings(args, cfg, resumed, pretrained):
         return dict(resumed["config"])
     settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
     if pretrained is not None:  # fine-tuning keeps the pretrained trunk's shape
-        settings.update(
-            {
-                k: pretrained["config"][k]
-                for k in ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size",
-                          "vocab_size", "seq_len", "neutreno")
-            }
-        )
+        trunk = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
+                 "seq_len", "neutreno")
+        settings.update({k: pretrained["config"][k] for k in trunk})
     settings.update(flags_given(args, Config))
     objective = settings.get("objective", Config.objective)
     image = objective in IMAGE_OBJECTIVES
     if image != (cfg.dataset in IMAGE_DATASETS):
         wanted = IMAGE_DATASETS if image else TEXT_DATASETS
-        raise TrainingError(
-            f"--objective {objective} needs {'an image' if image else 'a text'} dataset "
-            f"({', '.join(wanted)}), not --dataset {cfg.dataset}"
-        )
+        raise TrainingError(f"--objective {objective} needs "
+                            f"{'an image' if image else 'a text'} dataset "
+                            f"({', '.join(wanted)}), not --dataset {cfg.dataset}")
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     return settings
 
@@ -350,7 +325,8 @@ def load_data(cfg, settings, device):
                          settings.get("image_size", Config.image_size),
                          train_samples=cfg.train_samples)
     return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
-                    cfg.cache_dir, settings.get("seq_len", Config.seq_len))
+                    cfg.cache_dir,
+                    settings.get("seq_len", Config.seq_len))
 
 
 def model_config(settings, data):
@@ -370,25 +346,21 @@ def check_trunk_loaded(model, loaded, path):
     would silently train from scratch). Fewer blocks than the checkpoint is allowed: the first ones
     are used."""
     stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
-    missing = [
-        name
-        for name in model.state_dict()
-        if name.startswith(("blocks.",) + stem) and name not in loaded
-    ]
+    missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem)
+               and name not in loaded]
     if missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise TrainingError(
-            f"--init_from {path} does not hold this model's trunk: {len(missing)} tensors are"
-            f" absent or shaped differently ({names}); fine-tune from a checkpoint of the same"
-            " modality and tokenizer, without flags that reshape its trunk (--width, --mlp_ratio,"
-            " --patch_size)"
-        )
+        raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} "
+                            f"tensors are absent "
+                            f"or shaped differently ({names}); fine-tune from a checkpoint of "
+                            f"the same modality and "
+                            "tokenizer, without flags that reshape its trunk (--width, "
+                            "--mlp_ratio, --patch_size)")
 
 
 @dataclass
 class Run:
-    """One training run's state, every field declared here: setup() fills it, train() advances
-    it."""
+    """A training run's state, every field declared here: setup() fills it, train() advances it."""
 
     cfg: TrainConfig  # the settings (a resumed run: the checkpoint's, with the flags given now)
     device: torch.device  # where the model and the batches live
@@ -396,9 +368,7 @@ class Run:
     world: int = 1  # processes in the DDP group; 1 alone
     data: object = None  # ImageData or TextData
     model: Bamboo = None  # the model itself: what is evaluated and saved
-    training_module: nn.Module = (
-        None  # what the step calls: model, or model in fast.py's wrappers and DDP
-    )
+    training_module: nn.Module = None  # what the step calls: model, in fast.py's wrappers, DDP
     compile_mode: str = "off"  # the compilation fast.for_training chose
     dtype: torch.dtype = torch.float32  # autocast dtype
     autocast: object = None  # the context of the forward pass: autocast, or nullcontext in float32
@@ -439,18 +409,14 @@ class Run:
 def settings_of(args):
     """(training settings, the checkpoint resumed or None, the pretrained checkpoint or None, the
     model's settings): checked, flags over a preset, a trunk or a resumed run, before any work."""
-    if not hasattr(
-        torch.compiler, "set_stance"
-    ):  # evaluate() needs it: else the first evaluation would fail
-        raise TrainingError(
-            f"torch {torch.__version__} is older than 2.6, the oldest release this code runs on; "
-            "pip install -r requirements.txt"
-        )
+    if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
+        raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
+                            f"this code runs on; "
+                            "pip install -r requirements.txt")
     resumed = None
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
-        raise TrainingError(
-            "--resume continues the run in --out_dir and --overwrite replaces it; choose one"
-        )
+        raise TrainingError("--resume continues the run in --out_dir and --overwrite "
+                            "replaces it; choose one")
     if getattr(args, "resume", False):
         cfg, resumed = resume_config(args)
     else:
@@ -478,40 +444,33 @@ def setup(args):
     run.model = Bamboo(config, explicit_attention=explicit).to(device)
     if pretrained is not None:
         load_pretrained_trunk(run, pretrained)
-    run.optimizer = run.model.configure_optimizer(
-        cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay, fused=fast.fused_adamw(device)
-    )
+    run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
+                                                  cfg.layer_decay, fused=fast.fused_adamw(device))
     run.params = list(run.model.parameters())
-    # bf16 needs no scaling
-    run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)
-    # data order and augmentation, the same on every rank
-    run.generator = torch.Generator().manual_seed(cfg.seed)
+    run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)  # not bf16
+    run.generator = torch.Generator().manual_seed(cfg.seed)  # data order: the same on every rank
     torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
     if resumed is not None:
         checkpoint.restore(run, resumed, run.ckpt_path)
         run.log(f"resumed from {run.ckpt_path} at step {run.step}")
-    module, run.compile_mode, note = fast.for_training(
-        run.model, device, run.dtype, cfg.compile, run.ddp
-    )
+    module, run.compile_mode, note = fast.for_training(run.model, device, run.dtype, cfg.compile,
+                                                       run.ddp)
     run.log(note)
-    run.training_module = (
-        DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
-        if run.ddp
-        else module
-    )
-    run.autocast = (
-        torch.autocast(device.type, dtype=run.dtype, cache_enabled=run.compile_mode != "graphs")
-        if run.dtype != torch.float32
-        else nullcontext()
-    )
+    run.training_module = module
+    if run.ddp:
+        ids = [device] if device.type == "cuda" else None
+        run.training_module = DistributedDataParallel(module, device_ids=ids)
+    run.autocast = nullcontext()
+    if run.dtype != torch.float32:  # no autocast cache under CUDA graphs: it outlives a replay
+        cache = run.compile_mode != "graphs"
+        run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
     run.micro_batch = cfg.batch_size // (world * cfg.grad_accum)
-    run.log(
-        f"{config.objective} {config.depth}x{config.width} ({config.heads} heads),"
-        f" {run.model.num_params() / 1e6:.2f}M params, {run.model.flops_per_sample() / 1e9:.3f}"
-        f" GFLOPs/sample, {device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} ="
-        f" {world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup"
-        f" {cfg.warmup} steps"
-    )
+    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+            f"{run.model.num_params() / 1e6:.2f}M params, "
+            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} "
+            f"x {cfg.grad_accum} "
+            f"x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps")
     return run
 
 
@@ -519,18 +478,14 @@ def load_pretrained_trunk(run, pretrained):
     """--init_from: the pretrained stem and blocks, checked to be whole."""
     loaded, skipped = run.model.load_encoder(pretrained["model"])
     check_trunk_loaded(run.model, loaded, run.cfg.init_from)
-    run.log(
-        f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
-        f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})"
-    )
+    run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
 # ----------------------------------------------------------------- bookkeeping that is not the step
 
-
 def any_rank(run, flag):
-    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag
-    itself."""
+    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag."""
     if not run.ddp:
         return flag
     value = torch.tensor([float(flag)], device=run.device if run.device.type == "cuda" else "cpu")
@@ -553,14 +508,10 @@ def time_to_stop(run):
 def last_good_state(run):
     """Where the last good state is, said truthfully."""
     if run.saved_step is None:
-        return (
-            f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), so"
-            " this run is lost"
-        )
-    return (
-        f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from it"
-        " with --resume"
-    )
+        return (f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), "
+                "so this run is lost")
+    return (f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from "
+            "it with --resume")
 
 
 def divergence_advice(cfg):
@@ -571,14 +522,12 @@ def divergence_advice(cfg):
 
 
 def read_loss(run, total):
-    """The training loss as a number (a host sync), refusing a non-finite one before anything is
-    saved."""
+    """The training loss as a number (a host sync), refusing a non-finite one before any save."""
     train_loss = total.item()
     if not math.isfinite(train_loss):
-        raise TrainingError(
-            f"loss is {train_loss} at step {run.step} (read every --log_interval steps); nothing "
-            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}"
-        )
+        raise TrainingError(f"loss is {train_loss} at step {run.step} (read every "
+                            f"--log_interval steps); nothing "
+                            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}")
     return train_loss
 
 
@@ -587,14 +536,12 @@ def stop_if_non_finite(run, metrics):
     non-finite (other ranks pass metrics None)."""
     problem = None
     if run.master:
-        finite = all(torch.isfinite(p).all() for p in run.params) and math.isfinite(
-            metrics["val_loss"]
-        )
+        weights_finite = all(torch.isfinite(p).all() for p in run.params)
+        finite = weights_finite and math.isfinite(metrics["val_loss"])
         if not finite:
-            problem = (
-                f"the weights or the evaluation went non-finite at step {run.step}; nothing was"
-                f" saved; {last_good_state(run)}; {divergence_advice(run.cfg)}"
-            )
+            problem = (f"the weights or the evaluation went non-finite at step {run.step}; "
+                       f"nothing was saved; "
+                       f"{last_good_state(run)}; {divergence_advice(run.cfg)}")
     if any_rank(run, problem is not None):
         raise TrainingError(problem or "rank 0 stopped the run")
 
@@ -602,26 +549,22 @@ def stop_if_non_finite(run, metrics):
 def record_evaluation(run, metrics, train_loss, log, bar):
     """Keep the best, write the evaluation to log.jsonl and print it (rank 0)."""
     name, larger_is_better = selection_metric(run.model.config.objective)
-    if run.best is None or (
-        metrics[name] > run.best if larger_is_better else metrics[name] < run.best
-    ):
-        run.best = metrics[name]
+    value = metrics[name]
+    if run.best is None or (value > run.best if larger_is_better else value < run.best):
+        run.best = value
     run.metrics = metrics
-    record = {"step": run.step, "train_loss": train_loss, **metrics,
-              "elapsed_s": time.time() - run.t_start}
+    elapsed = time.time() - run.t_start
+    record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
     log.write(json.dumps({"eval": True, **record}) + "\n")
-    bar.write(
-        " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-    )
+    bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in record.items()))
 
 
 def micro_batch(run, draws, k):
     """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
     cfg = run.cfg
-    part = {
-        name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
-        for name, v in draws.items()
-    }
+    part = {name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
+            for name, v in draws.items()}
     x, y = run.data.train_batch(part)
     return to_device(x, run.device), y
 
@@ -631,7 +574,6 @@ def stop_signals(run):
     """Ctrl-C and SIGTERM (what schedulers send) set run.stop: the loop finishes the step (under
     DDP, the steps up to the next one that logs the loss), saves and exits; a second Ctrl-C stops at
     once. The handlers before are put back on the way out."""
-
     def handler(signum, frame):
         if run.stop == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -653,8 +595,8 @@ def log_and_progress(run):
 
     # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
     bar = tqdm(total=run.cfg.max_iters, initial=run.step,
-               disable=not (run.master and sys.stderr.isatty()), dynamic_ncols=True,
-               mininterval=1.0)
+               disable=not (run.master and sys.stderr.isatty()),
+               dynamic_ncols=True, mininterval=1.0)
     mode = "a" if run.cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
         # Line-buffered: `tail -f log.jsonl` follows the run; a killed run keeps what it logged.
@@ -667,39 +609,32 @@ def log_and_progress(run):
 
 
 def summary(run):
-    """The last evaluation, the best, and the speed: ms per step, samples or tokens per second, MFU
-    on GPUs."""
+    """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
     if not run.step_times or not run.master or run.metrics is None:
         return
     c, cfg = run.model.config, run.cfg
     name, _ = selection_metric(c.objective)
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
-    # the first step warms up
-    step_s = sum(run.step_times[1:] or run.step_times) / max(1, len(run.step_times) - 1)
-    line = (
-        f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), {step_s * 1000:.1f} ms/step, "
-        f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s"
-    )
+    timed = run.step_times[1:] or run.step_times  # the first step warms up
+    step_s = sum(timed) / len(timed)
+    line = (f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), "
+            f"{step_s * 1000:.1f} ms/step, "
+            f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
     peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
     if peak:
-        line += (
-            ", MFU"
-            f" {run.model.flops_per_sample() * cfg.batch_size / step_s / (peak * 1e12) * 100:.1f}%"
-        )
+        flops = run.model.flops_per_sample() * cfg.batch_size / step_s
+        line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
     run.log(line)
 
 
 # ----------------------------------------------------------------------------- the training loop
 
-
 def train(args):
     run = setup(args)
     cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
     if run.step >= cfg.max_iters:
-        run.log(
-            f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
-            f"{cfg.max_iters}; raise --max_iters to train on"
-        )
+        run.log(f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
+                f"{cfg.max_iters}; raise --max_iters to train on")
         if run.ddp:
             dist.destroy_process_group()
         return 0
@@ -772,16 +707,11 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except (
-        OSError
-    ) as e:  # mostly the log: a full disk, a removed folder (checkpoints say so themselves)
+    except OSError as e:  # mostly the log: a full disk, a removed folder
         if int(os.environ.get("RANK", 0)) == 0:
-            print(
-                f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); the"
-                " last checkpoint is as it was; free space or restore the path, then continue with"
-                " --resume",
-                file=sys.stderr,
-            )
+            print(f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
+                  "the last checkpoint is as it was; free space or restore the path, then continue "
+                  "with --resume", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
         print("error: interrupted twice; stopped at once, the last checkpoint is as it was",
@@ -794,8 +724,7 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves
         # without the interpreter's shutdown, where gloo's threads can still touch Python objects
-        # and, now and then, abort the rank after a good run ("terminate called without an active
-        # exception").
+        # and now and then abort the rank after a good run ("terminate called without an active...").
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
