@@ -72,7 +72,7 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
            "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
            "preset": ("",) + tuple(PRESETS)}
 # What --resume may change: length and learning rate, where the data lives, logging. The settings
-# of one invocation (machine, time limit) are never taken from the checkpoint: given now, or default.
+# of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "log_interval", "data_dir", "cache_dir", "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
@@ -724,7 +724,7 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # A finished DDP rank (checkpoint replaced, log closed, process group destroyed) leaves
         # without the interpreter's shutdown, where gloo's threads can still touch Python objects
-        # and now and then abort the rank after a good run ("terminate called without an active...").
+        # and now and then abort the rank after a good run ("terminate called without an active").
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
