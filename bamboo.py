@@ -616,6 +616,24 @@ class Bamboo(nn.Module):
         logits = self.token_logits(h)
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
+    @torch.no_grad()
+    def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Continue tokens (B, T) by max_new_tokens sampled ids, as nanoGPT's generate: each new id
+        from softmax(logits / temperature), over the top_k most likely ids if top_k is given; the
+        context is cropped to the last seq_len tokens. A next-token model only."""
+        if self.config.objective != "next":
+            raise ValueError(f"generate needs a next-token model, not {self.config.objective}")
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.config.seq_len:]
+            h, _, _ = self.run_blocks(self.embed(context)[0])
+            logits = self.token_logits(self.ln_f(h[:, -1])).float() / temperature  # (B, vocab)
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            new = torch.multinomial(logits.softmax(-1), 1, generator=generator)  # (B, 1)
+            tokens = torch.cat([tokens, new], dim=1)
+        return tokens
+
     # ---- optimisation ----
 
     def configure_optimizer(self, lr, weight_decay, beta2, layer_decay=1.0, fused=False):

@@ -214,6 +214,27 @@ class ImageData:
             yield self.normalize(self.test_x[i:j]), self.test_y[i:j]
 
 
+def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=""):
+    """The held-out split a model of `config` was trained on (train_cfg, a checkpoint's "train"),
+    or the one named, un-augmented and on the CPU: ImageData or TextData with train=False."""
+    c = config
+    dataset = dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
+    data_dir = data_dir or train_cfg.get("data_dir") or "./data"
+    if c.is_image != (dataset in IMAGE_DATASETS):
+        kind, fits = ("an image", IMAGE_DATASETS) if c.is_image else ("a text", TEXT_DATASETS)
+        raise DataError(f"{kind} model ({c.objective}) cannot be run on --dataset {dataset}; use "
+                        f"{' or '.join(fits)}")
+    if c.is_image:
+        return ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
+    data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
+                    val_file or train_cfg.get("val_file", "val.txt"),
+                    train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
+    if data.vocab_size > c.vocab_size:
+        raise DataError(f"the tokenizer has {data.vocab_size} ids but the model knows "
+                        f"{c.vocab_size}; pass the --tokenizer it was trained with")
+    return data
+
+
 def random_crop_flip(x, offsets, flips, pad=4):
     """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where
     flips (B,).

@@ -45,7 +45,7 @@ import torch
 from bamboo import Bamboo, Config
 from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
                         unwritable)
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageData, TextData
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, held_out
 from fast import pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
@@ -202,24 +202,8 @@ def load_model(spec, dataset):
 
 def load_samples(args, model, train_cfg):
     """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
-    c = model.config
-    dataset = args.dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
-    data_dir = args.data_dir or train_cfg.get("data_dir") or "./data"
-    if c.is_image != (dataset in IMAGE_DATASETS):
-        raise ValueError(f"a {'image' if c.is_image else 'text'} model ({c.objective}) "
-                         f"cannot be probed with "
-                         f"--dataset {dataset}; use "
-                         f"{' or '.join(IMAGE_DATASETS if c.is_image else TEXT_DATASETS)}")
-    if c.is_image:
-        data = ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
-    else:
-        data = TextData(dataset, data_dir, args.tokenizer or train_cfg.get("tokenizer", "gpt2"),
-                        "", args.val_file or train_cfg.get("val_file", "val.txt"),
-                        train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
-        if data.vocab_size > c.vocab_size:
-            raise ValueError(f"tokenizer has {data.vocab_size} ids but the model "
-                             f"knows {c.vocab_size}; "
-                             "pass the --tokenizer it was trained with")
+    data = held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
+                    args.val_file)
     return torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
 
 

@@ -1779,7 +1779,7 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
     cases = [
         ([trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir",
           tiny_data / "images"],
-         "cannot be probed with --dataset folder"),
+         "a text model (next) cannot be run on --dataset folder; use"),
         ([tmp_path / "missing.pt"], "no checkpoint at"),
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
@@ -1790,6 +1790,95 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         code, out = probe_cli(capsys, *argv)
         one_line = out.err.count("\n") == 1 and "Traceback" not in out.err
         assert code == 2 and message in out.err and one_line, out.err
+
+
+
+# --------------------------------------------------------- look.py: looking at what a model does
+
+def look_cli(capsys, *argv):
+    import look
+
+    code = look.main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def png_size(path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size
+
+
+def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next")).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    out = model.generate(prompt, 20, temperature=0.7, top_k=1)  # longer than seq_len 16: cropped
+    assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
+    for t in range(5, 25):
+        logits, _ = model(out[:, max(0, t - 16):t + 1])
+        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
+    draws = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(seed))
+             for seed in (1, 1, 2)]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    with pytest.raises(ValueError, match="needs a next-token model"):
+        Bamboo(tiny("mlm")).generate(prompt, 1)
+
+
+def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, trained_checkpoints,
+                                                         tmp_path):
+    ckpt = trained_checkpoints / "next" / "ckpt.pt"
+    code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
+                         "--max_new_tokens", "12", "--seed", "3")
+    texts = out.out.split("---------------\n")
+    assert code == 0 and len(texts) == 3 and all(t.startswith("the quick") for t in texts[:2])
+    assert look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
+                    "--max_new_tokens", "12", "--seed", "3")[1].out == out.out  # seeded
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for argv, message in ((["--prompt_file", tmp_path / "latin1.txt"], "is not UTF-8"),
+                          (["--prompt_file", tmp_path / "none.txt"], "cannot read --prompt_file"),
+                          (["--temperature", "0"], "--temperature must be"),
+                          (["--tokenizer", "no-such-encoding"], "unknown tokenizer")):
+        code, out = look_cli(capsys, "sample", ckpt, *argv)
+        assert code == 2 and message in out.err and out.err.count("\n") == 1, out.err
+    code, out = look_cli(capsys, "sample", trained_checkpoints / "cls" / "ckpt.pt")
+    assert code == 2 and "holds a cls model" in out.err
+
+
+def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, tiny_data, tmp_path):
+    import look
+
+    ckpt = trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 2, "--norm_pix_loss")
+    code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
+    width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
+    assert code == 0 and width > height > 400, out.err
+    model, _ = look.load(ckpt, "mae")
+    images = batch(model.config, B=3)[0]
+    original, masked, recon, pasted, hidden = look.mae_columns(model, images)
+    assert hidden.float().mean() == 0.75 and torch.equal(original, images)
+    hidden = hidden.expand_as(images)
+    assert torch.equal(masked[hidden], torch.zeros_like(masked[hidden]))
+    assert torch.equal(masked[~hidden], images[~hidden])
+    assert torch.equal(pasted[~hidden], images[~hidden])
+    assert torch.equal(pasted[hidden], recon[hidden])
+    assert not torch.allclose(recon, images)
+
+
+def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, trained_checkpoints,
+                                                      tmp_path):
+    for kind in ("cls", "next"):
+        png = tmp_path / f"{kind}.png"
+        code, out = look_cli(capsys, "attention", trained_checkpoints / kind / "ckpt.pt",
+                             "--layers", "0,-1", "--heads", "0,1", "--out", png)
+        assert code == 0 and png_size(png)[0] > 400, out.err
+    code, out = look_cli(capsys, "attention", trained_checkpoints / "cls" / "ckpt.pt", "--layers",
+                         "5", "--out", tmp_path / "a.png")
+    assert code == 2 and "--layers 5 is out of range: the model has 2 layers" in out.err
+    code, out = look_cli(capsys, "curves", trained_checkpoints / "cls",
+                         trained_checkpoints / "next", "--out", tmp_path / "c.png")
+    assert code == 0 and png_size(tmp_path / "c.png")[0] > 800, out.err
+    code, out = look_cli(capsys, "curves", tmp_path, "--out", tmp_path / "c.png")
+    assert code == 2 and "no log at" in out.err and out.err.count("\n") == 1
 
 
 # ==================================================================================================
@@ -2159,8 +2248,7 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # ==================================================================================================
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "fast.py",
-                   "bench.py", "checkpoint.py")
+                   "fast.py", "bench.py", "checkpoint.py", "look.py")
 
 
 def instance_attributes(model):

@@ -1,0 +1,314 @@
+"""Look at what a model does: text samples, MAE reconstructions, attention maps, training curves.
+
+Four commands, one for each way of looking; each reads checkpoints written by train.py (or out_dirs,
+for the curves) and writes one file or prints text:
+
+  sample       continue a prompt with a next-token model (nanoGPT's sample.py): temperature, top-k
+  reconstruct  MAE on held-out images as one grid, as the MAE paper's demo shows it: original,
+               masked, reconstruction, and reconstruction with the visible patches pasted back
+  attention    the attention maps (queries x keys) of chosen layers and heads for one held-out
+               image or text window
+  curves       training loss and held-out metric against steps, for one or more out_dirs
+
+Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from bamboo import patchify, unpatchify
+from checkpoint import CheckpointError, atomic_write, check_output_path, model_from_checkpoint
+from checkpoint import unwritable
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, get_tokenizer, held_out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def load(path, objective=None):
+    """(model in eval mode, its training settings) from a checkpoint of `objective`, if given."""
+    model, ckpt = model_from_checkpoint(path)
+    if objective and model.config.objective != objective:
+        raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
+                         f"{objective} model")
+    return model.eval(), ckpt.get("train", {})
+
+
+def first_samples(data, n):
+    """The first n held-out samples, in order: (n, ...)."""
+    return torch.cat([x for x, _ in data.eval_batches(n, n)])
+
+
+def write_png(fig, path):
+    """Save a matplotlib figure atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ----------------------------------------------------------------------------- sample
+
+
+def read_prompt(path):
+    """The text of a UTF-8 prompt file, or one line that says why not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read --prompt_file {path} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompt_file {path} is not UTF-8 text; save it as UTF-8") from None
+
+
+def sample(args):
+    """Continue the prompt num_samples times; print each continuation."""
+    model, train_cfg = load(args.checkpoint, "next")
+    tokenizer = get_tokenizer(args.tokenizer or train_cfg.get("tokenizer", "gpt2"))
+    if tokenizer.n_vocab > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.n_vocab} ids, the model knows "
+                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+    ids = tokenizer.encode_ordinary(prompt) or [tokenizer.encode_ordinary("\n")[0]]
+    tokens = torch.tensor([ids] * args.num_samples)
+    generator = torch.Generator().manual_seed(args.seed)
+    out = model.generate(tokens, args.max_new_tokens, args.temperature, args.top_k or None,
+                         generator)
+    texts = [tokenizer.decode(row[len(ids):].tolist()) for row in out]
+    for text in texts:
+        print(prompt + text)
+        print("---------------")
+    return texts
+
+
+# ----------------------------------------------------------------------------- reconstruct
+
+
+@torch.no_grad()
+def mae_columns(model, images, seed=0):
+    """(original, masked, reconstruction, reconstruction with the visible patches pasted back), each
+    (N, C, H, W) normalised as the inputs, and the hidden pixels (N, 1, H, W), True where MAE's
+    masks (drawn with seed) hid them."""
+    c = model.config
+    noise = torch.rand(len(images), c.num_patches(), generator=torch.Generator().manual_seed(seed))
+    latent, mask, ids_restore = model.forward_encoder(images, c.mask_ratio, noise)
+    pred = model.forward_decoder(latent, ids_restore)  # (N, L, p*p*C)
+    patches = patchify(images, c.patch_size)
+    if c.norm_pix_loss:  # the model predicts normalised patches: give them each patch's statistics
+        mean, var = patches.mean(-1, keepdim=True), patches.var(-1, keepdim=True)
+        pred = pred * (var + 1e-6).sqrt() + mean
+    hidden = mask[..., None]  # (N, L, 1), 1 = hidden
+
+    def image(p):
+        return unpatchify(p, c.patch_size, c.channels)
+
+    visible = patches * (1 - hidden)
+    hidden_pixels = image(hidden.expand_as(patches))[:, :1].bool()
+    return images, image(visible), image(pred), image(visible + pred * hidden), hidden_pixels
+
+
+def reconstruct(args):
+    """A grid of held-out images, one per row, in the four columns of mae_columns."""
+    model, train_cfg = load(args.checkpoint, "mae")
+    c = model.config
+    data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
+    *columns, hidden = mae_columns(model, first_samples(data, args.samples), args.seed)
+    pixels = [(x * data.std + data.mean).clamp(0, 1) for x in columns]  # back to [0, 1]
+    pixels[1] = pixels[1].masked_fill(hidden, 0.85)  # hidden patches in light grey, as MAE shows
+    names = ("original", f"masked ({c.mask_ratio:.0%})", "reconstruction",
+             "reconstruction + visible")
+    rows = len(pixels[0])
+    plt = pyplot()
+    fig, axes = plt.subplots(rows, 4, figsize=(8, 2 * rows), squeeze=False)
+    for row in range(rows):
+        for col, batch in enumerate(pixels):
+            ax = axes[row, col]
+            ax.imshow(batch[row].permute(1, 2, 0).squeeze(-1).numpy(),
+                      cmap="gray" if c.channels == 1 else None, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if row == 0:
+                ax.set_title(names[col], fontsize=9)
+    fig.suptitle(f"MAE reconstructions of {rows} held-out images", fontsize=11)
+    fig.tight_layout()
+    write_png(fig, args.out)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def parse_indices(text, count, what):
+    """'0,2,-1' -> [0, 2, count - 1], each checked to be one of count."""
+    try:
+        picked = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--{what} takes whole numbers separated by commas, not "
+                         f"{text!r}") from None
+    bad = [i for i in picked if not -count <= i < count]
+    if bad:
+        raise ValueError(f"--{what} {bad[0]} is out of range: the model has {count} {what}")
+    return [i % count for i in picked]
+
+
+@torch.no_grad()
+def attention(args):
+    """Heat maps of the attention probabilities (queries x keys) of chosen layers and heads."""
+    model, train_cfg = load(args.checkpoint)
+    c = model.config
+    layers = parse_indices(args.layers, c.depth, "layers")
+    heads = parse_indices(args.heads, c.heads, "heads")
+    data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
+    x = first_samples(data, args.index + 1)[args.index:args.index + 1]
+    _, attns = model.hidden_states(x, need_weights=True)
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(len(layers), len(heads), figsize=(3 * len(heads), 3 * len(layers)),
+                             squeeze=False)
+    for i, layer in enumerate(layers):
+        for j, head in enumerate(heads):
+            ax = axes[i, j]
+            shown = ax.imshow(attns[layer][0, head].numpy(), cmap="viridis", vmin=0)
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(f"block {layer}, head {head}", fontsize=9)
+            ax.set_xlabel("key token", fontsize=8)
+            ax.set_ylabel("query token", fontsize=8)
+    kind = "image" if c.is_image else "text window"
+    fig.suptitle(f"Attention probabilities, held-out {kind} {args.index}", fontsize=11)
+    fig.tight_layout()
+    write_png(fig, args.out)
+    return {"layers": layers, "heads": heads}
+
+
+# ----------------------------------------------------------------------------- curves
+
+
+def read_log(out_dir):
+    """(training records, evaluation records) of out_dir/log.jsonl."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"no log at {path}; give the --out_dir of a train.py run")
+    train, evals = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
+            (evals if record.get("eval") else train).append(record)
+    if not train and not evals:
+        raise ValueError(f"{path} holds no step yet; look again once the run has logged")
+    return train, evals
+
+
+def curves(args):
+    """Training loss and the held-out metric against steps, one line per out_dir."""
+    logs = {out_dir: read_log(out_dir) for out_dir in args.out_dirs}
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for out_dir, (train, evals) in logs.items():
+        label = os.path.basename(os.path.normpath(out_dir)) or out_dir
+        left.plot([r["step"] for r in train], [r["loss"] for r in train], label=label, lw=1)
+        metric = next((k for k in ("top1", "ppl", "mlm_acc") if evals and k in evals[0]),
+                      "val_loss")
+        right.plot([r["step"] for r in evals], [r[metric] for r in evals], marker="o", ms=3,
+                   label=f"{label} ({metric})")
+    left.set(title="training loss", xlabel="step", ylabel="loss")
+    right.set(title="held-out metric at each evaluation", xlabel="step", ylabel="value")
+    if any(math.isfinite(r["loss"]) and r["loss"] > 0 for train, _ in logs.values() for r in train):
+        left.set_yscale("log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_png(fig, args.out)
+    return {d: (len(t), len(e)) for d, (t, e) in logs.items()}
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Look at what a model does.", allow_abbrev=False)
+    commands = p.add_subparsers(dest="command", required=True)
+    s = commands.add_parser("sample", help="continue a prompt with a next-token model",
+                            allow_abbrev=False)
+    s.add_argument("checkpoint")
+    s.add_argument("--prompt", default="\n", help="text to continue (default: a new line)")
+    s.add_argument("--prompt_file", default="", help="read the prompt from this UTF-8 file")
+    s.add_argument("--num_samples", type=int, default=3, help="continuations (default: 3)")
+    s.add_argument("--max_new_tokens", type=int, default=100, help="tokens each (default: 100)")
+    s.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
+    s.add_argument("--top_k", type=int, default=200, help="sample from the k likeliest; 0: all")
+    s.add_argument("--tokenizer", default="", help="an encoding, or bytes (default: the run's)")
+    s.add_argument("--seed", type=int, default=1337)
+    for name, what in (("reconstruct", "MAE reconstructions of held-out images as one grid"),
+                       ("attention", "attention maps of chosen layers and heads")):
+        q = commands.add_parser(name, help=what, allow_abbrev=False)
+        q.add_argument("checkpoint")
+        q.add_argument("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
+                       help="held-out data (default: the run's)")
+        q.add_argument("--data_dir", default="", help="where it lives (default: the run's)")
+        q.add_argument("--out", default=f"{name}.png", help=f"PNG to write (default: {name}.png)")
+        if name == "reconstruct":
+            q.add_argument("--samples", type=int, default=8, help="held-out images (default: 8)")
+            q.add_argument("--seed", type=int, default=0, help="seed of the masks (default: 0)")
+        else:
+            q.add_argument("--layers", default="0,-1", help="blocks, e.g. 0,5,-1 (default: 0,-1)")
+            q.add_argument("--heads", default="0", help="heads, e.g. 0,1 (default: 0)")
+            q.add_argument("--index", type=int, default=0, help="held-out sample (default: 0)")
+    c = commands.add_parser("curves", help="training curves of out_dirs", allow_abbrev=False)
+    c.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders")
+    c.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
+    return p
+
+
+def check_args(args):
+    """One line for the first bad argument, before any model is loaded."""
+    positive = {"num_samples": "a continuation", "max_new_tokens": "a token", "samples": "an image"}
+    for name, what in positive.items():
+        if getattr(args, name, 1) < 1:
+            raise ValueError(f"--{name} must be at least 1 ({what})")
+    if getattr(args, "temperature", 1) <= 0 or not math.isfinite(getattr(args, "temperature", 1)):
+        raise ValueError("--temperature must be a finite number > 0")
+    if getattr(args, "top_k", 0) < 0 or getattr(args, "index", 0) < 0:
+        raise ValueError("--top_k and --index must be >= 0")
+    if getattr(args, "out", ""):
+        check_output_path("--out", args.out)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    commands = {"sample": sample, "reconstruct": reconstruct, "attention": attention,
+                "curves": curves}
+    try:
+        check_args(args)
+        commands[args.command](args)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {unwritable(e)}", file=sys.stderr)
+        return 2
+    if getattr(args, "out", ""):
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
