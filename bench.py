@@ -373,7 +373,8 @@ def profile_step(runner, title, rows):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs.")
+    p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs.",
+                                allow_abbrev=False)
     add = p.add_argument
     add("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
     add("--batch_size", type=int, default=8, help="samples per step (default: 8)")
@@ -403,6 +404,8 @@ def check_args(args):
     """Raise ValueError for the first bad argument, before any model is built or timed."""
     if min(args.batch_size, args.steps, args.rounds, args.warmup) < 1:
         raise ValueError("--batch_size, --steps, --rounds and --warmup must be at least 1")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads} must be at least 1, or 0 for torch's choice")
     for spec in args.specs:
         parse_spec(spec)
     for flag, names, known in (("--dtype", args.dtype, fast.DTYPES),

@@ -76,18 +76,19 @@ def training_state(run):
     return {"config": run.model.config.to_dict(), "train": asdict(run.cfg),
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "step": run.step,
-            "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks}}
+            "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks},
+            "classes": getattr(run.data, "classes", None)}  # image runs: each label's folder
 
 
 def save(path, state):
     """Write state atomically: the last good checkpoint stays as it was if anything goes wrong."""
     try:
         atomic_write(path, lambda f: torch.save(state, f))
-    except OSError as e:
-        raise CheckpointError(f"could not write {path} ({e.strerror}); free space in "
-                              f"{os.path.dirname(path) or '.'} or choose another "
-                              f"--out_dir, then continue "
-                              "with --resume") from None
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        why = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][-80:]
+        raise CheckpointError(f"could not write {path} ({why}); free space in "
+                              f"{os.path.dirname(path) or '.'} or choose another --out_dir, then "
+                              "continue with --resume") from None
 
 
 # ----------------------------------------------------------------------------- load and resume

@@ -171,6 +171,7 @@ class ImageData:
             raise DataError(f"{data_dir}: the splits have different classes (only in "
                             f"training: {only_train[:5]}, "
                             f"only in test: {only_test[:5]}); give both the same class folders")
+        self.classes = list(classes)  # folder names, in label order
         self.num_classes = len(classes)
         if name == "folder":
             # ImageFolder lists images class by class: one fixed shuffle makes "the first N" fair.
@@ -350,6 +351,17 @@ def get_tokenizer(name):
                         "or use --tokenizer bytes") from None
 
 
+def read_text(path):
+    """The text of a UTF-8 file; any other encoding is one line, never replacement characters."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
+                        "convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
 def tokenize_cached(path, tokenizer, cache_dir):
     """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
     stat = os.stat(path)
@@ -360,8 +372,7 @@ def tokenize_cached(path, tokenizer, cache_dir):
                          f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
     if not os.path.exists(cache):
         os.makedirs(cache_dir, exist_ok=True)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids = tokenizer.encode_ordinary(f.read())
+        ids = tokenizer.encode_ordinary(read_text(path))
         atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
     return np.memmap(cache, dtype=dtype, mode="r")
 

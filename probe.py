@@ -246,20 +246,42 @@ def pad(values, length):
     return list(values) + [None] * (length - len(values))
 
 
+# What each panel's y-axis shows, and which way is "more smoothed" (tokens more alike).
+AXES = {
+    "std": "std over tokens; lower: more smoothed",
+    "cos": "mean cosine; higher: more smoothed",
+    "abs_cos_centered": "mean |cosine| of h - hbar; higher: more smoothed",
+    "hc_dc": "HC / DC energy; lower: more smoothed",
+    "erank": "effective rank; lower: more smoothed",
+    "update": "||h_l - h_(l-1)|| / ||h_(l-1)||; lower: the block does less",
+    "attn_entropy": "nats; higher: more uniform, more smoothing",
+    "attn_sim": "cosine to the previous map; higher: alike",
+    "vo_dominant": "mean sign; +1 every head smooths, -1 sharpens",
+    "vo_positive": "share of eigenvalues > 0; higher: more smoothing",
+    "beta_qk": "ratio to {reference}; above 1: larger",
+    "beta_v": "ratio to {reference}; above 1: larger",
+}
+TABLE_BLOCKS = (TOKEN_METRICS, LAYER_METRICS + WEIGHT_METRICS)  # each block under 100 columns
+
+
 def print_table(report):
-    names = list(report["metrics"])
+    """Per checkpoint, one table per block of metrics, layers as rows."""
     for label in report["labels"]:
         depth = report["depth"][label]
         print(f"\n{label}  ({report['source'][label]})")
-        widths = [max(12, len(n)) for n in names]
-        print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
-        for layer in range(depth + 1):
-            cells = [report["metrics"][n][label][layer] for n in names]
-            print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
-                                            for c, w in zip(cells, widths)))
+        for names in TABLE_BLOCKS:
+            widths = [max(12, len(n)) for n in names]
+            print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
+            for layer in range(depth + 1):
+                cells = [report["metrics"][n][label][layer] for n in names]
+                print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
+                                                for c, w in zip(cells, widths)))
+    print(f"\nbeta_qk and beta_v are each checkpoint's over those of {report['labels'][0]}.")
 
 
-def plot(report, path, relative):
+def figure(report, relative):
+    """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
+    the way that means "more smoothed"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,6 +302,7 @@ def plot(report, path, relative):
             if pairs:
                 ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
         ax.set_title(name)
+        ax.set_ylabel(AXES[name].format(reference=report["labels"][0]), fontsize=8)
         ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
         if not relative:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -290,7 +313,14 @@ def plot(report, path, relative):
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot(report, path, relative):
+    import matplotlib.pyplot as plt
+
+    fig = figure(report, relative)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -333,7 +363,8 @@ def run(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Measure over-smoothing layer by layer.")
+    p = argparse.ArgumentParser(description="Measure over-smoothing layer by layer.",
+                                allow_abbrev=False)
     add = p.add_argument
     add("checkpoints", nargs="+",
         help="checkpoint paths, or init:PRESET[,key=value,...] for a fresh model")

@@ -1176,6 +1176,9 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path, sig)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
     assert "interrupted at step" in out and "Traceback" not in out
+    assert "stop requested: finishing this step, then saving a checkpoint" in out
+    assert any(line.startswith("interrupted at step") for line in out.splitlines())
+    assert "stopped: top1" in out  # the summary line, on a stop too
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
 
 
@@ -1466,6 +1469,238 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
 
 
+
+# ------------------------------------------------------------- feedback while a run goes, and after
+
+def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
+    """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
+    on every exit."""
+    import train
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
+    code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("loading folder from "), out
+    progress = [line for line in lines if re.match(r"step \d/6: loss [\d.]+, lr ", line)]
+    assert len(progress) == 1 and "min left" in progress[0]  # the first, then at most every 30 s
+    assert lines[-1].startswith("done: top1 ")
+    monkeypatch.setattr(train, "PROGRESS_EVERY_S", 0)
+    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "b")
+    lines = out.splitlines()
+    assert code == 0 and "time limit reached at step 1; checkpoint saved to" in lines[-2], out
+    assert lines[-1].startswith("stopped: top1 ")
+    code, out, _ = run_train(*flags, out_dir=tmp_path / "c")
+    assert len([line for line in out.splitlines() if re.match(r"step \d/6: ", line)]) == 5  # 2-6
+
+
+def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
+    import train
+    from tqdm import tqdm
+
+    run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10), torch.device("cpu"))
+    run.step, run.step_times, run.t_start = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
+    bar = tqdm(total=1000, disable=True)
+    train.show_progress(run, bar, 2.5, 1e-3)
+    line = "step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left"
+    assert bar.total == 15 and line in capsys.readouterr().out
+    run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
+    train.show_progress(run, bar, 2.5, 1e-3)  # without a time limit: the bar ends at max_iters
+    assert bar.total == 1000 and "about 16.5 min left" in capsys.readouterr().out
+
+
+def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
+    import train
+
+    def interrupted_twice(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train", interrupted_twice)
+    assert train.main(["--out_dir", str(tmp_path)]) == 130
+    assert "no checkpoint was written, so there is nothing to resume" in capsys.readouterr().err
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    assert train.main(["--out_dir", str(tmp_path)]) == 130
+    assert "the last checkpoint is as it was; continue with --resume" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_path):
+    missing = ["--dataset", "folder", "--data_dir", str(tmp_path / "no-data")]
+    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty as it was
+    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "mine"))
+    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
+
+
+def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
+    import bench
+    import probe
+    import train
+
+    for parser, argv in ((train.build_parser(), ["--max_iter", "5"]),
+                         (probe.build_parser(), ["x.pt", "--sample", "4"]),
+                         (bench.build_parser(), ["cls:cifar-tiny", "--batch", "4"])):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
+    import train
+
+    folder = ["--dataset", "folder", "--data_dir", str(tmp_path)]
+
+    def settings(*argv):
+        return train.settings_of(train.build_parser().parse_args([*argv, *folder]))[0]
+
+    cfg = settings("--preset", "cifar-small")
+    assert (cfg.lr, cfg.warmup, cfg.max_iters, cfg.batch_size) == (2e-3, 200, 3600, 128)
+    cfg = settings("--preset", "cifar-small", "--lr", "1e-3")
+    assert cfg.lr == 1e-3 and cfg.max_iters == 3600
+    cfg = settings("--depth", "48")
+    assert cfg.lr == 3e-4 * 128 / 256 and cfg.warmup == 480  # no preset: the scaled defaults
+
+
+# -------------------------------------------------------------- inputs and faults that were silent
+
+def test_resuming_on_renamed_reordered_or_fewer_class_folders_is_refused(capsys, tiny_data,
+                                                                         tmp_path):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1")
+    flags[flags.index("--data_dir") + 1] = str(images)
+    code, out, _ = run_train(*flags, out_dir=tmp_path / "run")
+    assert code == 0, out
+    for split in ("train", "test"):  # blue, red -> red, zblue: the labels would swap
+        (images / split / "blue").rename(images / split / "zblue")
+    err = cli_error(capsys, "--resume", "--max_iters", "2", "--out_dir", str(tmp_path / "run"))
+    assert "trained on the classes ['blue', 'red']" in err and "['red', 'zblue']" in err
+    for split in ("train", "test"):
+        shutil.rmtree(images / split / "zblue")
+        shutil.copytree(images / split / "red", images / split / "green")
+    err = cli_error(capsys, "--resume", "--max_iters", "2", "--out_dir", str(tmp_path / "run"))
+    assert "['green', 'red']" in err and "damaged" not in err
+
+
+def test_a_text_file_that_is_not_utf8_is_named(capsys, tiny_data, tmp_path):
+    (tmp_path / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)
+    (tmp_path / "val.txt").write_text("plain text " * 100)
+    err = cli_error(capsys, *text_flags(tiny_data, "next"), "--data_dir", str(tmp_path),
+                    "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "out"))
+    assert "train.txt is not UTF-8 text (byte 3 is 0xe9)" in err and "iconv" in err
+
+
+def test_an_overwrite_run_stopped_early_cannot_resume_the_run_it_replaced(capsys, tiny_data,
+                                                                          tmp_path, monkeypatch):
+    import train
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    get_lr = train.get_lr
+
+    def killed_at_step_1(it, cfg):
+        if it == 1:
+            raise SystemExit(137)  # a kill before the new run's first checkpoint
+        return get_lr(it, cfg)
+
+    monkeypatch.setattr(train, "get_lr", killed_at_step_1)
+    with pytest.raises(SystemExit):
+        run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
+    monkeypatch.undo()
+    assert not (tmp_path / "ckpt.pt").exists()  # the replaced run's went with --overwrite
+    assert "no checkpoint at" in cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+
+
+def test_a_second_run_into_a_busy_out_dir_stops_at_once(capsys, tiny_data, tmp_path):
+    import fcntl
+
+    tmp_path.joinpath(".lock").touch()
+    with open(tmp_path / ".lock") as held:  # a run still decoding its data holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
+                        str(tmp_path))
+    assert "another train.py is running in --out_dir" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing written or lost
+
+
+def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
+    err = cli_error(capsys, *text_flags(tiny_data, "next", "--vocab_size", "50257"), "--out_dir",
+                    str(tmp_path / "v"))
+    assert "--vocab_size 50257 differs from the tokenizer's 256 ids" in err
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--warmup", "5"),
+                             out_dir=tmp_path / "w")
+    assert code == 0 and "--warmup 5 is not shorter than --max_iters 2" in out
+    trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 1)
+    run = tmp_path / "ft"
+    assert trained_checkpoint(tiny_data, "cls", run, 1, "--init_from", tmp_path / "mae" / "ckpt.pt")
+    err = cli_error(capsys, "--resume", "--max_iters", "2", "--init_from",
+                    str(tmp_path / "other.pt"), "--out_dir", str(run))
+    assert "--init_from counts only when a run starts" in err and "mae/ckpt.pt" in err
+
+
+def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tmp_path,
+                                                                           monkeypatch):
+    import checkpoint
+
+    def stream_writer_fails(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+
+    checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
+    monkeypatch.setattr(checkpoint.torch, "save", stream_writer_fails)
+    with pytest.raises(checkpoint.CheckpointError, match="could not write .*unexpected pos"):
+        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_data, tmp_path,
+                                                                 monkeypatch):
+    import train
+
+    def too_large(run, draws, k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "83886080000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(train, "micro_batch", too_large)
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
+                    str(tmp_path))
+    assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
+
+
+def test_bench_threads_must_be_positive(capsys):
+    import bench
+
+    assert bench.main(["cls:cifar-tiny", "--threads", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads -1 must be at least 1" in err and "Traceback" not in err
+
+
+def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
+    import train
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "2")
+    get_lr = train.get_lr
+
+    def killed_at_step_4(it, cfg):
+        if it == 3:
+            raise SystemExit(137)  # steps 1 to 3 logged, the checkpoint holds step 2
+        return get_lr(it, cfg)
+
+    monkeypatch.setattr(train, "get_lr", killed_at_step_4)
+    with pytest.raises(SystemExit):
+        run_train(*flags, out_dir=tmp_path)
+    monkeypatch.undo()
+    with open(tmp_path / "log.jsonl", "a") as log:
+        log.write('{"step": 4, "lo')  # a line the kill cut short
+    code, out, records = run_train("--resume", out_dir=tmp_path)
+    steps = [r["step"] for r in records if "loss" in r]
+    assert code == 0 and steps == [1, 2, 3, 4, 5, 6], (steps, out)
+    assert [r["step"] for r in records if r.get("eval")] == [2, 4, 6]
+
+
 # ==================================================================================================
 # 5. The probe: every metric on regimes whose answer is known, and the probe command line
 # ==================================================================================================
@@ -1750,6 +1985,25 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
     assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
+
+
+def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
+        capsys, tiny_data, trained_checkpoints, tmp_path):
+    import probe
+
+    code, out = probe_cli(capsys, trained_checkpoints / "cls" / "ckpt.pt",
+                          "init:cifar-tiny,image_size=16,depth=2", "--labels", "trained,fresh",
+                          "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples",
+                          "4", "--json", tmp_path / "p.json")
+    assert code == 0 and max(len(line) for line in out.out.splitlines()) <= 100
+    assert all(name in out.out for name in probe.TOKEN_METRICS + probe.LAYER_METRICS
+               + probe.WEIGHT_METRICS)
+    assert "over those of trained" in out.out
+    figure = probe.figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
+    labels = {ax.get_title(): ax.get_ylabel() for ax in figure.axes if ax.get_title()}
+    assert set(labels) == set(probe.AXES)  # every metric has its panel, none without a label
+    smoothing = [name for name, label in labels.items() if "smooth" in label]
+    assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):

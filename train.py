@@ -68,6 +68,17 @@ class TrainConfig:
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
 
+# The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
+# run needs to learn on a 2-core CPU (the README gives each one's measured outcome). Flags override
+# them; a preset without a recipe trains with TrainConfig's defaults.
+RECIPES = {
+    "cifar-small": dict(batch_size=128, max_iters=3600, lr=2e-3, warmup=200, eval_interval=400),
+    "cifar-deep": dict(batch_size=128, max_iters=1500, lr=2e-3, warmup=100, eval_interval=500),
+    "wikitext-small": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
+                           eval_samples=1024),
+    "wikitext-deep": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
+                          eval_samples=1024),
+}
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
            "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
            "preset": ("",) + tuple(PRESETS)}
@@ -75,6 +86,7 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
 # of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "log_interval", "data_dir", "cache_dir", "init_from")
+PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 
 
@@ -92,7 +104,7 @@ def field_comments(cls):
 def build_parser():
     """Every TrainConfig and Config field as a flag. Flags not given stay unset, so that a preset,
     a pretrained trunk or a resumed checkpoint can fill them, and --resume knows what was asked."""
-    parser = argparse.ArgumentParser(description="Train bamboo models.",
+    parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
                                      formatter_class=argparse.RawTextHelpFormatter)
     for cls, title in ((TrainConfig, "training"),
                        (Config, "model (defaults shown; a --preset sets its own)")):
@@ -230,9 +242,12 @@ def resume_config(args):
     saved = ckpt.get("train")
     if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(TrainConfig)}:
         raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
-                                         f"fine-tune from it with "
-                              "--init_from instead")
+                                         "fine-tune from it with --init_from instead")
     now = flags_given(args, TrainConfig)
+    if now.get("init_from", saved.get("init_from")) != saved.get("init_from"):
+        raise TrainingError(f"--resume continues from {path}; --init_from counts only when a run "
+                            f"starts (this one started from {saved.get('init_from') or 'scratch'})"
+                            "; drop --init_from")
     for name, value in {**now, **flags_given(args, Config)}.items():
         before = saved.get(name, ckpt["config"].get(name))
         if name not in RESUMABLE + PER_INVOCATION and value != before:
@@ -276,12 +291,15 @@ def start_processes(cfg):
     return device, rank, world
 
 
-def prepare_out_dir(cfg):
-    """Check out_dir before any data is decoded: a writable folder, and no other run's files unless
-    --overwrite."""
-    out = cfg.out_dir
+def prepare_out_dir(run):
+    """Check out_dir before any data is decoded: a writable folder that no other train.py is using
+    (a lock held for the whole run), with no other run's files unless --resume or --overwrite.
+    --overwrite removes the old run's checkpoint and log now, so that a new run stopped before its
+    first checkpoint cannot leave its log beside the old run's checkpoint."""
+    out = run.cfg.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
+    run.created_out_dir = not os.path.exists(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -290,11 +308,46 @@ def prepare_out_dir(cfg):
     if not os.access(out, os.W_OK | os.X_OK):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
+    run.lock = lock_out_dir(out)
     taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
-    if taken and not cfg.resume and not cfg.overwrite:
+    if taken and not run.cfg.resume and not run.cfg.overwrite:
         raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
                             f"continue it with --resume, "
                             "choose another --out_dir, or pass --overwrite to replace it")
+    if run.cfg.overwrite:
+        for name in taken:  # files train.py wrote, which the user asked to replace
+            os.remove(os.path.join(out, name))
+
+
+def lock_out_dir(out):
+    """An exclusive lock on out_dir/.lock for this process's lifetime (None where the platform has
+    no flock): a second run into the same folder stops at once instead of interleaving its log and
+    replacing the first one's checkpoint."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return None
+    f = open(os.path.join(out, ".lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
+                            "finish or choose another --out_dir") from None
+    return f
+
+
+def release_out_dir(run):
+    """Drop the lock, and remove out_dir again if this run created it and left nothing in it (a
+    run that failed before training leaves no empty folder behind)."""
+    if run.lock is None:
+        return
+    run.lock.close()
+    run.lock = None
+    out = run.cfg.out_dir
+    os.remove(os.path.join(out, ".lock"))
+    if run.created_out_dir and not os.listdir(out):
+        os.rmdir(out)
 
 
 def model_settings(args, cfg, resumed, pretrained):
@@ -336,6 +389,11 @@ def model_config(settings, data):
         settings = {**settings, "image_size": data.image_size, "channels": data.channels,
                     "num_classes": data.num_classes}
     else:
+        asked = settings.get("vocab_size", data.vocab_size)
+        if asked != data.vocab_size:
+            raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
+                                f"{data.vocab_size} ids; drop --vocab_size (the --tokenizer sets "
+                                "it)")
         settings = {**settings, "vocab_size": data.vocab_size}
     return Config.from_dict(settings)
 
@@ -384,6 +442,9 @@ class Run:
     stop: str = None  # why the run stops early (a signal, the time limit), None while it goes on
     step_times: list = field(default_factory=list)  # seconds per step, evaluations left out
     t_start: float = 0.0  # wall clock at the loop's start, for --time_limit
+    lock: object = None  # the open out_dir/.lock that keeps a second run out (rank 0)
+    created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
+    said: float = 0.0  # wall clock of the last progress line in a log file
 
     @property
     def ddp(self):
@@ -420,7 +481,8 @@ def settings_of(args):
     if getattr(args, "resume", False):
         cfg, resumed = resume_config(args)
     else:
-        cfg = TrainConfig(**flags_given(args, TrainConfig))
+        given = flags_given(args, TrainConfig)
+        cfg = TrainConfig(**{**RECIPES.get(given.get("preset", ""), {}), **given})
     pretrained = checkpoint.load(cfg.init_from) if cfg.init_from and resumed is None else None
     settings = model_settings(args, cfg, resumed, pretrained)
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
@@ -429,13 +491,25 @@ def settings_of(args):
 
 
 def setup(args):
-    """Settings, processes, data, model, optimizer; resumed if asked. Everything is checked before
-    any data is decoded."""
+    """Settings, processes, the out_dir, then the run itself (build): everything that can be checked
+    is checked before any data is decoded, and a run that fails here leaves no empty out_dir."""
     cfg, resumed, pretrained, settings = settings_of(args)
     device, rank, world = start_processes(cfg)
     run = Run(cfg, device, rank, world)
-    if run.master:
-        prepare_out_dir(cfg)
+    try:
+        if run.master:
+            prepare_out_dir(run)
+        build(run, settings, resumed, pretrained)
+    except BaseException:
+        release_out_dir(run)
+        raise
+    return run
+
+
+def build(run, settings, resumed, pretrained):
+    """Data, model, optimizer and the module the step calls; resumed if asked."""
+    cfg, device = run.cfg, run.device
+    run.log(f"loading {cfg.dataset} from {cfg.data_dir} (decoded or tokenized once) ...")
     run.data = load_data(cfg, settings, device)
     config = model_config(settings, run.data)
     run.dtype = fast.pick_dtype(cfg.dtype, device)
@@ -449,9 +523,11 @@ def setup(args):
     run.params = list(run.model.parameters())
     run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)  # not bf16
     run.generator = torch.Generator().manual_seed(cfg.seed)  # data order: the same on every rank
-    torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
+    torch.manual_seed(cfg.seed + 1 + run.rank)  # masks and dropout differ across ranks
     if resumed is not None:
+        check_same_classes(run, resumed)
         checkpoint.restore(run, resumed, run.ckpt_path)
+        forget_unsaved_steps(run)
         run.log(f"resumed from {run.ckpt_path} at step {run.step}")
     module, run.compile_mode, note = fast.for_training(run.model, device, run.dtype, cfg.compile,
                                                        run.ddp)
@@ -464,14 +540,47 @@ def setup(args):
     if run.dtype != torch.float32:  # no autocast cache under CUDA graphs: it outlives a replay
         cache = run.compile_mode != "graphs"
         run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
-    run.micro_batch = cfg.batch_size // (world * cfg.grad_accum)
+    run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
     run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{run.model.num_params() / 1e6:.2f}M params, "
             f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = {world} "
-            f"x {cfg.grad_accum} "
-            f"x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps")
-    return run
+            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
+            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
+            f"{cfg.warmup} steps")
+    if cfg.warmup >= cfg.max_iters:
+        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
+                "rate never reaches its peak and never decays")
+
+
+def check_same_classes(run, resumed):
+    """A resumed image run must see the class folders it was trained on, in the same order: labels
+    are class indices, so renamed or reordered folders would train on permuted labels."""
+    saved = resumed.get("classes")
+    now = getattr(run.data, "classes", None)
+    if saved is not None and now is not None and list(saved) != list(now):
+        raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
+                            f"{run.cfg.data_dir} holds {now[:6]}; point --data_dir at the same "
+                            "class folders (same names, so the same order)")
+
+
+def logged_step(line):
+    """The step of a log.jsonl line; infinite for a line a kill cut short (never kept)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
+
+
+def forget_unsaved_steps(run):
+    """log.jsonl without the records after the checkpoint's step: the run repeats those steps, and a
+    killed run's log would otherwise hold them twice."""
+    if not run.master or not os.path.exists(run.log_path):
+        return
+    with open(run.log_path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if logged_step(line) <= run.step]
+    if len(kept) < len(lines):
+        checkpoint.atomic_write(run.log_path, lambda f: f.write("".join(kept).encode()))
 
 
 def load_pretrained_trunk(run, pretrained):
@@ -578,6 +687,10 @@ def stop_signals(run):
         if run.stop == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         run.stop = "interrupted"
+        when = "the next step that logs the loss" if run.ddp else "this step"
+        if run.master:
+            print(f"\nstop requested: finishing {when}, then saving a checkpoint (Ctrl-C again "
+                  "stops at once, without saving)", file=sys.stderr, flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -604,8 +717,28 @@ def log_and_progress(run):
             yield log, bar
     finally:
         bar.close()
+        release_out_dir(run)
         if run.ddp:
             dist.destroy_process_group()
+
+
+def show_progress(run, bar, train_loss, lr):
+    """The loss on the progress bar, whose end is where --time_limit will stop the run if it comes
+    first; in a log file (no bar), a progress line with the time left at most every 30 s."""
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+    recent = (run.step_times[1:] or run.step_times)[-50:]  # the first step warms up
+    if not recent:
+        return
+    step_s = sum(recent) / len(recent)
+    left = run.cfg.max_iters - run.step
+    if run.cfg.time_limit:
+        left = max(0, min(left, int((run.cfg.time_limit - (time.time() - run.t_start)) / step_s)))
+        bar.total = run.step + left
+        bar.refresh()
+    if bar.disable and run.master and time.time() - run.said >= PROGRESS_EVERY_S:
+        run.said = time.time()
+        print(f"step {run.step}/{run.cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+              f"{step_s * 1000:.0f} ms/step, about {left * step_s / 60:.1f} min left", flush=True)
 
 
 def summary(run):
@@ -617,7 +750,8 @@ def summary(run):
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
     timed = run.step_times[1:] or run.step_times  # the first step warms up
     step_s = sum(timed) / len(timed)
-    line = (f"done: {name} {run.metrics[name]:.4g} (best {run.best:.4g}), "
+    line = (f"{'done' if run.stop is None else 'stopped'}: {name} {run.metrics[name]:.4g} "
+            f"(best {run.best:.4g}), "
             f"{step_s * 1000:.1f} ms/step, "
             f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
     peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
@@ -635,6 +769,7 @@ def train(args):
     if run.step >= cfg.max_iters:
         run.log(f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
                 f"{cfg.max_iters}; raise --max_iters to train on")
+        release_out_dir(run)
         if run.ddp:
             dist.destroy_process_group()
         return 0
@@ -673,7 +808,7 @@ def train(args):
             evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
             if run.step % cfg.log_interval == 0 or evaluating:
                 train_loss = read_loss(run, loss_sum)  # refuses a non-finite loss before any save
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                show_progress(run, bar, train_loss, lr)
             run.step_times.append(time.time() - t0)  # up to the read: they add up to the wall clock
             if run.master and run.step % cfg.log_interval == 0:
                 log.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
@@ -690,13 +825,25 @@ def train(args):
                     checkpoint.save(run.ckpt_path, {**state, "best": run.best})
                     run.saved_step = run.step
             if stopping:
-                run.log(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint "
-                        f"saved to {run.ckpt_path}; continue with: python train.py --resume "
-                        f"--out_dir {cfg.out_dir}")
+                if run.master:  # on a line of its own, not after the progress bar
+                    bar.write(f"{run.stop or 'stopped by another rank'} at step {run.step}; "
+                              f"checkpoint saved to {run.ckpt_path}; continue with: python "
+                              f"train.py --resume --out_dir {cfg.out_dir}")
                 break
-    if run.stop is None:
-        summary(run)
+    summary(run)
     return 130 if run.stop == "interrupted" else 0
+
+
+def last_checkpoint(args):
+    """What a failed run leaves to resume from, said truthfully."""
+    path = os.path.join(getattr(args, "out_dir", TrainConfig.out_dir), "ckpt.pt")
+    if os.path.isfile(path):
+        return "the last checkpoint is as it was; continue with --resume"
+    return "no checkpoint was written, so there is nothing to resume"
+
+
+def out_of_memory(e):
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def main(argv=None):
@@ -704,19 +851,22 @@ def main(argv=None):
     try:
         return train(args)
     except (DataError, TrainingError, ValueError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        message = str(e)
     except OSError as e:  # mostly the log: a full disk, a removed folder
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
-                  "the last checkpoint is as it was; free space or restore the path, then continue "
-                  "with --resume", file=sys.stderr)
-        return 2
+        message = (f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
+                   f"{last_checkpoint(args)}, once space is free or the path is back")
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
+                   f"--grad_accum to keep the batch) or --eval_samples; {last_checkpoint(args)}")
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
-        print("error: interrupted twice; stopped at once, the last checkpoint is as it was",
+        print(f"error: interrupted twice; stopped at once; {last_checkpoint(args)}",
               file=sys.stderr)
         return 130
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
