@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -345,7 +345,8 @@ def release_out_dir(run):
     run.lock.close()
     run.lock = None
     out = run.cfg.out_dir
-    os.remove(os.path.join(out, ".lock"))
+    with suppress(FileNotFoundError):  # someone removed it meanwhile
+        os.remove(os.path.join(out, ".lock"))
     if run.created_out_dir and not os.listdir(out):
         os.rmdir(out)
 
