@@ -9,6 +9,7 @@ and resumes with it; probe.py, bench.py and results/ rebuild models with model_f
 
 Run: python -c "import checkpoint; print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
 """
+import hashlib
 import os
 import tempfile
 from dataclasses import asdict
@@ -63,6 +64,23 @@ def atomic_write(path, write):
 # ----------------------------------------------------------------------------- save
 
 
+TRUNK = ("patch_embed", "tok_embed", "pos_embed", "blocks.")  # the stem and the blocks
+
+
+def weights_hash(model):
+    """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
+    names and bytes in name order: two runs that start from the same trunk (cls and MAE arms of one
+    seed) show it in their checkpoints and logs."""
+    trunk, everything = hashlib.sha256(), hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = name.encode() + raw.numpy().tobytes()
+        everything.update(data)
+        if name.startswith(TRUNK):
+            trunk.update(data)
+    return {"trunk": trunk.hexdigest(), "model": everything.hexdigest()}
+
+
 def training_state(run):
     """Everything a resume needs, as plain data: config, weights, optimizer, step, every rank's RNG.
     run is train.Run; under DDP this is a collective (every rank gives its random state)."""
@@ -77,7 +95,8 @@ def training_state(run):
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "step": run.step,
             "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks},
-            "classes": getattr(run.data, "classes", None)}  # image runs: each label's folder
+            "classes": getattr(run.data, "classes", None),  # image runs: each label's folder
+            "init_hash": run.init_hash}
 
 
 def save(path, state):
@@ -140,6 +159,7 @@ def restore(run, ckpt, path):
         run.scaler.load_state_dict(ckpt["scaler"])
         run.step, run.best = int(ckpt["step"]), ckpt["best"]
         run.generator.set_state(ckpt["rng"]["data"])
+        run.init_hash = ckpt.get("init_hash") or run.init_hash  # the run's start, not this resume's
         ranks = ckpt["rng"]["ranks"]
         if len(ranks) != run.world:
             raise ValueError(f"it was written by {len(ranks)} processes, this run has "

@@ -21,8 +21,8 @@ import sys
 import torch
 
 from bamboo import patchify, unpatchify
-from checkpoint import CheckpointError, atomic_write, check_output_path, model_from_checkpoint
-from checkpoint import unwritable
+from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
+                        unwritable)
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, get_tokenizer, held_out
 
 

@@ -2,7 +2,7 @@
 
   0. shared helpers: tiny configs and batches, the tiny data, the training CLI run as users run it
   1. the model              2. the W_V W_O parameterization   3. training
-  4. bad input and faults   5. the probe                      6. speedups (fast.py, bench.py)
+  4. bad input and faults   5. the probe, and look.py         6. speedups (fast.py, bench.py)
   7. the code itself        8. CUDA (defined only where a GPU is; results/gpu.sh runs them)
 
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
@@ -1052,6 +1052,29 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
     # the test split stays whole
     assert first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32
     assert set(first.train_y.tolist()) == {0, 1}
+
+
+
+def test_runs_record_their_initial_trunk_and_each_images_correctness(tiny_data, tmp_path):
+    """The cls and MAE arms of one seed show in their own files that they started from the same stem
+    and blocks; a classifier's last evaluation is kept image by image (paired tests from files)."""
+    hashes = {}
+    for name, objective, seed in (("cls", "cls", "1"), ("mae", "mae", "1"), ("other", "cls", "2")):
+        ckpt = trained_checkpoint(tiny_data, objective, tmp_path / name, 2, "--seed", seed)
+        log = (tmp_path / name / "log.jsonl").read_text()
+        logged = [json.loads(line) for line in log.splitlines()]
+        hashes[name] = torch.load(ckpt, weights_only=True)["init_hash"]
+        assert [r["init_trunk_sha256"] for r in logged if r.get("eval")] == [hashes[name]["trunk"]]
+    assert hashes["cls"]["trunk"] == hashes["mae"]["trunk"] != hashes["other"]["trunk"]
+    assert hashes["cls"]["model"] != hashes["mae"]["model"]  # the heads differ
+    correct = np.load(tmp_path / "cls" / "eval_correct.npy")
+    top1 = [r for r in logged if r.get("eval")][-1]["top1"]  # "other": the same data, seed 2
+    other = np.load(tmp_path / "other" / "eval_correct.npy")
+    assert len(correct) == 32 and 100 * other.mean() == pytest.approx(top1)
+    assert not (tmp_path / "mae" / "eval_correct.npy").exists()
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path / "cls")
+    resumed = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)
+    assert code == 0 and resumed["step"] == 3 and resumed["init_hash"] == hashes["cls"], out
 
 
 # ==================================================================================================

@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -183,8 +184,10 @@ def get_lr(it, cfg):
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def evaluate(model, data, cfg, batch_size, device):
-    """The metric each objective is judged by, on fixed held-out data with fixed masks.
+def evaluate(model, data, cfg, batch_size, device, per_sample=None):
+    """The metric each objective is judged by, on fixed held-out data with fixed masks. A classifier
+    appends each held-out image's correctness (bool, in order) to per_sample if a list is given, so
+    that paired tests between runs can be recomputed from files.
 
     Sums stay on the device (no host sync per batch).
     """
@@ -203,8 +206,11 @@ def evaluate(model, data, cfg, batch_size, device):
             if objective == "cls":
                 y = y.to(device)
                 logits, loss = model(x, y)
-                correct += (logits.argmax(-1) == y).sum()
+                right = logits.argmax(-1) == y
+                correct += right.sum()
                 weight = len(x)
+                if per_sample is not None:
+                    per_sample.append(right)
             elif objective == "mlm":
                 inputs, targets = model.mask_tokens(x)
                 logits, loss = model(inputs, targets)
@@ -446,6 +452,7 @@ class Run:
     lock: object = None  # the open out_dir/.lock that keeps a second run out (rank 0)
     created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
     said: float = 0.0  # wall clock of the last progress line in a log file
+    init_hash: dict = None  # sha256 of the initial weights: {"trunk": stem and blocks, "model"}
 
     @property
     def ddp(self):
@@ -517,6 +524,7 @@ def build(run, settings, resumed, pretrained):
     torch.manual_seed(cfg.seed)  # the same init on every rank and for every arm of a comparison
     explicit = fast.use_explicit_attention("auto", device, run.dtype, config)
     run.model = Bamboo(config, explicit_attention=explicit).to(device)
+    run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
     if pretrained is not None:
         load_pretrained_trunk(run, pretrained)
     run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -656,8 +664,9 @@ def stop_if_non_finite(run, metrics):
         raise TrainingError(problem or "rank 0 stopped the run")
 
 
-def record_evaluation(run, metrics, train_loss, log, bar):
-    """Keep the best, write the evaluation to log.jsonl and print it (rank 0)."""
+def record_evaluation(run, metrics, train_loss, log, bar, correct):
+    """Keep the best, write the evaluation to log.jsonl (with the initial trunk's hash) and print
+    it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint."""
     name, larger_is_better = selection_metric(run.model.config.objective)
     value = metrics[name]
     if run.best is None or (value > run.best if larger_is_better else value < run.best):
@@ -665,7 +674,12 @@ def record_evaluation(run, metrics, train_loss, log, bar):
     run.metrics = metrics
     elapsed = time.time() - run.t_start
     record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
-    log.write(json.dumps({"eval": True, **record}) + "\n")
+    log.write(json.dumps({"eval": True, **record, "init_trunk_sha256": run.init_hash["trunk"]})
+              + "\n")
+    if correct:
+        flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
+        path = os.path.join(run.cfg.out_dir, "eval_correct.npy")
+        checkpoint.atomic_write(path, lambda f: np.save(f, flags))
     bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items()))
 
@@ -816,13 +830,13 @@ def train(args):
             # 5. evaluate on held-out data and save a checkpoint
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
-                metrics = None
+                metrics, correct = None, []
                 if run.master:
                     batch = run.micro_batch * cfg.grad_accum
-                    metrics = evaluate(run.model, run.data, cfg, batch, run.device)
+                    metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
                 stop_if_non_finite(run, metrics)
                 if run.master:
-                    record_evaluation(run, metrics, train_loss, log, bar)
+                    record_evaluation(run, metrics, train_loss, log, bar, correct)
                     checkpoint.save(run.ckpt_path, {**state, "best": run.best})
                     run.saved_step = run.step
             if stopping:

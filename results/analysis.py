@@ -155,6 +155,79 @@ def sign_test_p(wins, losses):
                             for i in range(k + 1)))
 
 
+def finished_run(path):
+    """(model, checkpoint) of a run that reached its planned step (--max_iters): an analysis never
+    reads a run that stopped early."""
+    sys.path.insert(0, ROOT)
+    from checkpoint import model_from_checkpoint
+
+    model, ckpt = model_from_checkpoint(path)
+    planned = ckpt.get("train", {}).get("max_iters")
+    if planned is not None and ckpt["step"] != planned:
+        raise AnalysisError(f"{path} stopped at step {ckpt['step']} of its planned {planned}; finish "
+                            f"it with python train.py --resume --out_dir {os.path.dirname(path)}")
+    return model, ckpt
+
+
+def median(values):
+    """The median: the middle value, or the mean of the two middle values."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def incomplete_beta(a, b, x):
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Lentz)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below the mean
+        return 1.0 - incomplete_beta(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                     + b * math.log1p(-x)) / a
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            step = 1.0
+        elif i % 2:
+            step = -((a + m) * (a + b + m) * x) / ((a + 2 * m) * (a + 2 * m + 1))
+        else:
+            step = (m * (b - m) * x) / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + step * d
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        c = 1.0 + step / c
+        c = c if abs(c) > 1e-300 else 1e-300
+        f *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return front * (f - 1.0)
+
+
+def t_quantile(p, df):
+    """The p-quantile of Student's t with df degrees of freedom (p > 0.5), by bisection on its CDF."""
+    def upper_tail(t):  # P(T > t) for t >= 0
+        return 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+    lo, hi = 0.0, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper_tail(mid) > 1 - p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired_summary(differences):
+    """The primary result of a comparison across seeds: the per-seed paired differences (arm A minus
+    arm B, one seed each), their mean with its 95% t-interval, their standard deviation and median,
+    and the exact two-sided sign test of their signs. Per-seed tests (McNemar) only describe."""
+    n = len(differences)
+    mean, sd = mean_std(differences)
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+    wins, losses = sum(d > 0 for d in differences), sum(d < 0 for d in differences)
+    return {"per_seed": list(differences), "n": n, "mean": mean, "sd": sd,
+            "ci95": [mean - half, mean + half], "median": median(differences),
+            "sign_test_p": sign_test_p(wins, losses)}
+
+
 def seed_bands(probes, metrics):
     """Per layer (mean, std) over seeds of each metric; probes is one probe_model result per seed."""
     layers = len(probes[0][metrics[0]])

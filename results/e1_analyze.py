@@ -23,11 +23,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from checkpoint import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
-                      mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands)
+from analysis import (finished_run, AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
+                      mcnemar_p, mean_std, median, paired_summary, plot_bands, probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
 METRICS = ("abs_cos_centered", "std", "cos", "erank", "hc_dc", "update", "attn_entropy")
@@ -38,7 +37,7 @@ ARMS = {"cls": "cls from scratch", "ft": "MAE fine-tuned", "mae": "MAE encoder, 
 @torch.no_grad()
 def analyze_seed(seed, runs, data_dir, test_data):
     out = os.path.join(runs, f"s{seed}")
-    models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
+    models = {arm: finished_run(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
     for model, _ in models.values():
         model.to(test_data.test_x.device)
     configs = (models["cls"][1]["config"], models["mae"][1]["config"])
@@ -75,9 +74,10 @@ PAIRED = {  # the same-seed differences that results/README.md's paired comparis
 
 
 def paired(per_seed):
-    """Each PAIRED difference per seed, then its mean and std over the seeds."""
+    """Each PAIRED difference per seed, then across seeds: its mean with the 95% t-interval, the sign
+    test (analysis.paired_summary: the primary result), and mean_std as before."""
     rows = {name: [difference(s) for s in per_seed.values()] for name, difference in PAIRED.items()}
-    return {name: {"per_seed": row, "mean_std": mean_std(row)} for name, row in rows.items()}
+    return {name: {**paired_summary(row), "mean_std": mean_std(row)} for name, row in rows.items()}
 
 
 def summarize(per_seed):
@@ -92,7 +92,7 @@ def summarize(per_seed):
             rows = [s["beta"][arm][part] for s in per_seed.values()]
             summary["beta"][f"{arm}_{part}"] = {
                 "above_1": [sum(v > 1 for v in row) for row in rows], "layers": len(rows[0]),
-                "median": [sorted(row)[len(row) // 2] for row in rows]}
+                "median": [median(row) for row in rows]}
     return summary
 
 
@@ -142,8 +142,8 @@ def main(argv=None):
     for arm in ARMS:
         print(arm, last_layer(summary["probe"][arm]))
     for name, d in summary["paired"].items():
-        print(f"{name}: {' '.join(f'{v:+.3f}' for v in d['per_seed'])} -> {d['mean_std'][0]:+.3f} ± "
-              f"{d['mean_std'][1]:.3f}")
+        print(f"{name}: {' '.join(f'{v:+.3f}' for v in d['per_seed'])} -> {d['mean']:+.3f}, 95% "
+              f"interval [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}], sign test p {d['sign_test_p']:.3g}")
 
 
 if __name__ == "__main__":

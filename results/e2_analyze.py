@@ -19,13 +19,12 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (ROOT, command_line, correct_per_image, experiment_data, initial_model, last_layer,  # noqa: E402
+from analysis import (finished_run, ROOT, command_line, correct_per_image, experiment_data, initial_model, last_layer,  # noqa: E402
                       mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands, sign_test_p,
                       token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")
@@ -37,7 +36,7 @@ TEXT_WINDOWS = 1024
 
 
 def load_arms(arms, seed):
-    return {arm: model_from_checkpoint(os.path.join(ROOT, "out", path.format(seed=seed), "ckpt.pt"))
+    return {arm: finished_run(os.path.join(ROOT, "out", path.format(seed=seed), "ckpt.pt"))
             for arm, path in arms.items()}
 
 

@@ -23,13 +23,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (ROOT, AnalysisError, command_line, initial_model, last_layer, mean_std, plot_bands,  # noqa: E402
+from analysis import (finished_run, ROOT, AnalysisError, command_line, initial_model, last_layer, mean_std, plot_bands,  # noqa: E402
                       same_init, seed_bands, token_predictions)
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
 from data import TextData  # noqa: E402
-from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 # The comparison: same trunk, same weights (the two MLM arms differ in their rate only).
@@ -85,7 +84,7 @@ def checkpoint(runs, seed, run):
 
 def analyze_run(path, seed, run, windows, train_counts):
     """One run's steps, model config, scores and probes (trained, and at init for PROBED_AT_INIT)."""
-    model, ckpt = model_from_checkpoint(path)
+    model, ckpt = finished_run(path)
     probes = {run: probe.probe_model(model.eval(), windows[:256], 64)}
     if run in PROBED_AT_INIT:
         probes[f"{run}_init"] = probe.probe_model(initial_model(ckpt["config"], seed), windows[:256], 64)

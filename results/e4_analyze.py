@@ -22,10 +22,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from checkpoint import model_from_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from analysis import (AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
+from analysis import (finished_run, AnalysisError, command_line, correct_per_image, experiment_data, last_layer,  # noqa: E402
                       mcnemar_p, mean_std, plot_bands, probe_images, same_init, seed_bands)
 
 SEEDS = (0, 1, 2)
@@ -36,7 +35,7 @@ METRICS = ("abs_cos_centered", "cos", "erank", "std", "update", "attn_entropy")
 @torch.no_grad()
 def analyze(runs, seed, trunk, test_data, samples):
     out = os.path.join(runs, f"s{seed}", trunk)
-    models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
+    models = {arm: finished_run(os.path.join(out, arm, "ckpt.pt")) for arm in ("cls", "mae", "ft")}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ("cls", "ft")}
     configs = (models["cls"][1]["config"], models["mae"][1]["config"])
     return {"same_init": same_init(configs, seed, ("patch_embed", "blocks."))[0],
@@ -68,7 +67,7 @@ def main(argv=None):
     if missing:
         raise AnalysisError(f"{len(missing)} of {len(paths)} checkpoints missing, the first {missing[0]}; "
                             "run results/e4.sh first")
-    samples = probe_images(data_dir, model_from_checkpoint(paths[0])[0])
+    samples = probe_images(data_dir, finished_run(paths[0])[0])
     per_seed = {trunk: {seed: analyze(args.runs, seed, trunk, test_data, samples) for seed in args.seeds}
                 for trunk in args.trunks}
     summary, bands = {}, {}

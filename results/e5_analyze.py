@@ -15,9 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import probe  # noqa: E402
-from analysis import (command_line, correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std,  # noqa: E402
+from analysis import (finished_run, command_line, correct_per_image, experiment_data, last_layer, mcnemar_p, mean_std,  # noqa: E402
                       plot_bands, probe_images, same_init, seed_bands)
-from checkpoint import model_from_checkpoint  # noqa: E402
 
 SEEDS = (0, 1, 2)
 ARMS = {"free": "free W_V W_O", "smooth": "smooth (every eigenvalue > 0)", "sharpen": "sharpen (in [-1, 0))"}
@@ -26,7 +25,7 @@ METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_e
 
 def analyze_seed(seed, data_dir, test_data):
     out = os.path.join(ROOT, "out", "e5", f"s{seed}")
-    models = {arm: model_from_checkpoint(os.path.join(out, arm, "ckpt.pt")) for arm in ARMS}
+    models = {arm: finished_run(os.path.join(out, arm, "ckpt.pt")) for arm in ARMS}
     right = {arm: correct_per_image(models[arm][0], test_data) for arm in ARMS}
     samples = probe_images(data_dir, models["free"][0])
     return {"same_stem": same_init([m[1]["config"] for m in models.values()], seed, ("patch_embed", "pos_embed"))[0],

@@ -98,6 +98,34 @@ def test_experiment_1_paired_differences_are_taken_within_each_seed():
     assert got["abs_cos_centered_late_cls_minus_ft"]["per_seed"] == pytest.approx([0.4, 0.0])
     assert got["abs_cos_centered_rise_cls"]["per_seed"] == pytest.approx([0.6, 0.2])
     assert got["std_last_ft_minus_cls"]["per_seed"] == [1, -2]
+    top1 = got["top1_ft_minus_cls"]  # the across-seed test: t with 1 degree of freedom
+    assert top1["ci95"] == pytest.approx([1 - 12.7062 * 2, 1 + 12.7062 * 2], rel=1e-4)
+    assert top1["sign_test_p"] == 1.0 and top1["median"] == 1.0
+
+
+def test_no_analysis_reads_a_run_that_stopped_before_its_planned_step(tiny_data, tmp_path):
+    analysis = results_module("analysis")
+    done = trained_checkpoint(tiny_data, "cls", tmp_path / "done", 2)
+    assert analysis.finished_run(str(done))[1]["step"] == 2
+    cut = trained_checkpoint(tiny_data, "cls", tmp_path / "cut", 3, "--time_limit", "1e-9")
+    with pytest.raises(analysis.AnalysisError, match="stopped at step 1 of its planned 3; finish it"):
+        analysis.finished_run(str(cut))
+
+
+def test_the_across_seed_statistics_give_the_textbook_answers():
+    """Student's t quantiles against printed tables, a paired summary worked by hand, the exact sign
+    test, and true medians."""
+    analysis = results_module("analysis")
+    for df, quantile in ((1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042)):
+        assert analysis.t_quantile(0.975, df) == pytest.approx(quantile, abs=5e-4)
+    assert analysis.t_quantile(0.95, 5) == pytest.approx(2.015, abs=5e-4)
+    got = analysis.paired_summary([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert got["mean"] == 2.0 and got["sd"] == 1.0 and got["n"] == 3
+    assert got["ci95"] == pytest.approx([2 - 4.3027 / 3 ** 0.5, 2 + 4.3027 / 3 ** 0.5], rel=1e-4)
+    assert got["sign_test_p"] == pytest.approx(0.25)  # 3 of 3 positive: 2 x (1/2)^3
+    assert analysis.paired_summary([0.5, -1.0, 2.0, 0.0])["sign_test_p"] == 1.0  # the zero drops
+    assert analysis.sign_test_p(10, 0) == pytest.approx(2 / 1024)
+    assert analysis.median([3, 1, 2, 4]) == 2.5 and analysis.median([5, 1, 3]) == 3
 
 
 def run_results_script(tmp_path, name, env, timeout=60, args=()):
