@@ -49,6 +49,7 @@ class Config:
     channels: int = 3            # image channels
     num_classes: int = 10        # classes of the cls head
     pool: str = "mean"           # cls pooling: mean of patch tokens, or a learned CLS token
+    label_smoothing: float = 0.0  # cls: targets (1 - e) one-hot + e / classes (MAE's is 0.1)
     vocab_size: int = 50257      # text vocabulary (GPT-2 BPE); [MASK] gets id vocab_size
     seq_len: int = 256           # longest text window (learned positions)
     mask_ratio: float = 0.75     # MAE: fraction of patches hidden from the encoder
@@ -80,6 +81,7 @@ class Config:
             ("num_classes", self.num_classes >= (2 if self.objective == "cls" else 1),
              "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
+            ("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
@@ -518,7 +520,9 @@ class Bamboo(nn.Module):
         h, _, _ = self.run_blocks(self.embed(x)[0])
         pooled = h[:, 0] if self.cls_token is not None else h.mean(dim=1)  # (B, D)
         logits = self.head(self.fc_norm(pooled))
-        return logits, (F.cross_entropy(logits, y) if y is not None else None)
+        if y is None:
+            return logits, None
+        return logits, F.cross_entropy(logits, y, label_smoothing=self.config.label_smoothing)
 
     def forward_encoder(self, imgs, mask_ratio, noise=None):
         h, mask, ids_restore = self.embed(imgs, mask_ratio, noise)

@@ -597,6 +597,21 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
                                                          "head.bias", "head.weight"]
 
 
+def test_label_smoothing_is_the_cross_entropy_against_smoothed_targets():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
+    x, y = batch(model.config)
+    logits, loss = model(x, y)
+    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
+    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
+    plain = Bamboo(tiny("cls", num_classes=4))
+    plain.load_state_dict(model.state_dict())
+    plain_loss = plain(x, y)[1]
+    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
+    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
+        tiny("cls", label_smoothing=1.0)
+
+
 def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls"))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 
 from test_all import REPO, trained_checkpoint
@@ -462,3 +463,84 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
     assert done.returncode == 2 and done.stderr.startswith("SEEDS must be seeds (whole numbers)")
     assert "'0 seed1'" in done.stderr
     assert not (tmp_path / "calls.txt").exists()
+
+
+# ---------------------------------------------------------------- experiment 6 (results/e6/PLAN.md)
+
+def test_experiment_6_without_a_gpu_says_so_in_one_line(tmp_path):
+    done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh"), "bamboo-b"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
+                                                      "CUDA_VISIBLE_DEVICES": "", "RESULTS": str(tmp_path)})
+    assert done.returncode == 1 and done.stdout.startswith("no CUDA device here") and done.stdout.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_experiment_6_runs_its_arms_in_commands_that_stop_and_continue(tiny_data, tmp_path):
+    """A dry run at tiny scale on the CPU: the first command's arms stop after a step (a time limit
+    stands in for the GPU machine's), the second continues them to their planned step and fine-tunes
+    from the finished MAE; the analysis reads what came back."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "SEEDS": "0", "SAMPLES": "32", "BATCH": "16",
+           "CLS_EPOCHS": "1", "MAE_EPOCHS": "1", "FT_EPOCHS": "1", "PROBE_SAMPLES": "4", "OMP_NUM_THREADS": "1",
+           "DATA": str(tmp_path / "data"), "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "e6")}
+    script = ["bash", os.path.join(REPO, "results", "e6.sh"), "cifar-tiny"]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=120, env={**env, "ARM_TIME_LIMIT": "1e-9"})
+    assert first.returncode == 0 and "seed 0 cls: not done" in first.stdout and "again to continue" in first.stdout
+    assert not (tmp_path / "runs" / "cifar-tiny" / "s0" / "ft").exists()  # no fine-tuning of an unfinished MAE
+    second = subprocess.run(script, capture_output=True, text=True, timeout=180, env=env)
+    out = tmp_path / "e6" / "cifar-tiny"
+    assert second.returncode == 0 and "every arm of cifar-tiny is done" in second.stdout, second.stdout + second.stderr
+    assert "resumed from" in (out / "s0-cls.txt").read_text() and (out / "s0-ft-dm.probe.json").exists()
+    assert len(np.load(out / "s0-ft.npy")) == 32  # per test image
+    top1 = results_module("e6_analyze").depth_results(str(out), [0])
+    assert set(top1) == {"cls", "mae", "ft", "ft-dm"} and 0 <= top1["ft"][0] <= 100
+
+
+def write_e6_arm(folder, seed, arm, top1, planned=10, step=None, init="a"):
+    record = {"eval": True, "step": planned if step is None else step, "top1": top1, "init_trunk_sha256": init}
+    (folder / f"s{seed}-{arm}.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + json.dumps(record) + "\n")
+
+
+def synthetic_e6(root, ft_gain, cls_gain):
+    """Two depths x four arms x three seeds whose top-1s are known: the deep trunk's ft and cls arms
+    differ from the wide one's by ft_gain and cls_gain, seed by seed."""
+    for name in ("wide", "deep"):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "planned.json").write_text(json.dumps({"cls": 10, "mae": 10, "ft": 10, "ft-dm": 10}))
+        for seed in range(3):
+            deep = name == "deep"
+            write_e6_arm(folder, seed, "cls", 70.0 + seed + (cls_gain[seed] if deep else 0))
+            write_e6_arm(folder, seed, "mae", None)
+            write_e6_arm(folder, seed, "ft", 75.0 + seed + (ft_gain[seed] if deep else 0))
+            write_e6_arm(folder, seed, "ft-dm", 75.0 + seed + (ft_gain[seed] + 1 if deep else 0))
+
+
+@pytest.mark.parametrize("ft_gain,verdict", [([2.0, 2.1, 1.9], "confirmed"),
+                                             ([1.0, 2.0, 3.0], "inconclusive"),
+                                             ([-1.0, -0.5, -1.5], "refuted at this scale")])
+def test_experiment_6_analysis_gives_the_plans_verdict_on_known_inputs(tmp_path, ft_gain, verdict):
+    e6 = results_module("e6_analyze")
+    synthetic_e6(tmp_path, ft_gain, cls_gain=[0.5, 0.5, 0.5])
+    report = e6.main(["--root", str(tmp_path), "--wide", "wide", "--deep", "deep", "--seeds", "0", "1", "2",
+                      "--no-plot"])
+    d, i, dm = (report["paired"][k] for k in ("D", "I", "D_dm"))
+    assert d["per_seed"] == pytest.approx(ft_gain) and d["mean"] == pytest.approx(sum(ft_gain) / 3)
+    assert i["per_seed"] == pytest.approx([g - 0.5 for g in ft_gain])
+    assert dm["per_seed"] == pytest.approx([g + 1 for g in ft_gain])
+    half = 4.3027 * (sum((g - d["mean"]) ** 2 for g in ft_gain) / 2) ** 0.5 / 3 ** 0.5
+    assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half], rel=1e-3)
+    assert report["verdict"].startswith(verdict)
+    assert "| deep | ft |" in (tmp_path / "table.md").read_text() and (tmp_path / "e6.json").exists()
+
+
+def test_experiment_6_analysis_refuses_unfinished_or_differently_started_arms(tmp_path):
+    e6 = results_module("e6_analyze")
+    synthetic_e6(tmp_path, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    write_e6_arm(tmp_path / "deep", 1, "ft", 80.0, step=6)
+    with pytest.raises(e6.AnalysisError, match="ended at step 6, not its planned 10"):
+        e6.analyze(str(tmp_path), "wide", "deep", [0, 1, 2])
+    write_e6_arm(tmp_path / "deep", 1, "ft", 80.0, init="b")
+    with pytest.raises(e6.AnalysisError, match="arms of seed 1 did not start from the same stem and blocks"):
+        e6.analyze(str(tmp_path), "wide", "deep", [0, 1, 2])
