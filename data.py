@@ -44,7 +44,11 @@ class DataError(Exception):
 # ----------------------------------------------------------------------------- images
 
 def _cifar(name, data_dir, train):
-    import torchvision
+    try:
+        import torchvision
+    except ImportError:
+        raise DataError(f"--dataset {name} downloads through torchvision, which is not installed: "
+                        "pip install torchvision, or use --dataset folder --data_dir DIR") from None
 
     cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
     archive = os.path.join(data_dir, cls.filename)

@@ -1028,6 +1028,10 @@ def test_error_download_without_network(capsys, tmp_path, monkeypatch):
                     str(tmp_path))
     assert "could not download cifar10" in err
     assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # a CPU install without torchvision
+    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
+                    str(tmp_path))
+    assert "torchvision, which is not installed: pip install torchvision" in err
 
 
 def test_error_objective_dataset_mismatch(capsys, tmp_path):
