@@ -180,8 +180,9 @@ def attention_norms(model):
 
 def beta(model, reference):
     """beta_qk and beta_v per block of model against reference (1 everywhere against itself)."""
-    if len(model.blocks) != len(reference.blocks):
-        return None, None  # different depths: layers do not pair up
+    shapes = [(len(m.blocks), m.blocks[0].attn.weights()["v"].shape) for m in (model, reference)]
+    if shapes[0] != shapes[1]:
+        return None, None  # another depth or width: the layers do not pair up
     (qk, v), (qk0, v0) = attention_norms(model), attention_norms(reference)
     return [a / b for a, b in zip(qk, qk0)], [a / b for a, b in zip(v, v0)]
 
@@ -191,6 +192,10 @@ def beta(model, reference):
 def load_model(spec, dataset):
     """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
     are equal)."""
+    if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
+        import adapters
+
+        return adapters.load(spec), {}
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
@@ -204,7 +209,10 @@ def load_samples(args, model, train_cfg):
     """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
                     args.val_file)
-    return torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
+    samples = torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
+    if model.config.is_image and hasattr(model, "normalize"):  # a foreign model's own statistics
+        samples = model.normalize(samples * data.std + data.mean)
+    return samples
 
 
 @torch.no_grad()
@@ -324,19 +332,30 @@ def plot(report, path, relative):
     plt.close(fig)
 
 
+def absent_metrics(model, raw, reference):
+    """{metric: why} for the metrics this model cannot have; their values are left out (None)."""
+    absent = dict(getattr(model, "absent", {}))  # a foreign model says what it cannot have
+    for name in absent:
+        raw[name] = [None] * (model.config.depth + 1)
+    if not raw["beta_qk"]:
+        for name in ("beta_qk", "beta_v"):
+            absent[name] = f"not the shape of {reference}, the reference: the layers do not pair up"
+    return absent
+
+
 def run(args):
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
         raise ValueError(f"--labels needs {len(args.checkpoints)} distinct "
                          f"names, one per checkpoint")
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
-              "metrics": {}}
+              "metrics": {}, "absent": {}}
     reference, raw, sample_sets = None, {}, {}
     for label, spec in zip(labels, args.checkpoints):
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(pick_device(args.device, 0))
         c = model.config
-        key = (c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
+        key = (type(model).__name__, c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
                train_cfg.get("data_dir"))
         # decode or tokenize each dataset once, however many checkpoints share it
         if key not in sample_sets:
@@ -346,6 +365,7 @@ def run(args):
             reference = model
         raw[label]["beta_qk"], raw[label]["beta_v"] = (
             [None] + values if values is not None else [] for values in beta(model, reference))
+        report["absent"][label] = absent_metrics(model, raw[label], labels[0])
         report["depth"][label] = model.config.depth
         report["source"][label] = spec
     layers = max(report["depth"].values()) + 1

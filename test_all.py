@@ -1319,6 +1319,15 @@ def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
                                 "--out_dir", str(tmp_path / "out"))
 
 
+def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
+    from data import channel_statistics
+
+    images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
+    one_pass = channel_statistics(images)
+    chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one_pass, chunked))
+
+
 def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
     import shutil
 
@@ -2089,6 +2098,112 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
 
 
 
+
+# --------------------------------------------- probe.py on timm and Hugging Face models (adapters)
+
+TIMM_VIT = ("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=3,embed_dim=48,"
+            "num_heads=3")
+HF_TINY = {  # random weights from a configuration: no network
+    "gpt2": "hf:gpt2,pretrained=0,n_layer=2,n_embd=32,n_head=2,vocab_size=300,n_positions=64",
+    "bert": "hf:bert,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+            "intermediate_size=64,vocab_size=300,max_position_embeddings=64",
+    "opt": "hf:opt,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+           "ffn_dim=64,vocab_size=300,max_position_embeddings=64,word_embed_proj_dim=32"}
+
+
+@pytest.mark.parametrize("objective", ["cls", "next"])
+def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
+    import adapters
+    import probe
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny(objective, depth=3, neutreno=0.6)).eval()
+    x, _ = batch(model.config)
+    native = probe.probe_model(model, x, 4)
+    generic = probe.probe_model(adapters.Foreign(model, "bamboo, seen from outside"), x, 4)
+    for name, values in native.items():
+        assert generic[name] == pytest.approx(values, abs=1e-5, nan_ok=False), name
+
+
+def test_tiny_timm_and_hugging_face_models_probe_end_to_end(capsys, tiny_data, tmp_path):
+    code, out = probe_cli(capsys, TIMM_VIT, "init:cifar-tiny,image_size=16", "--labels", "vit,ours",
+                          "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples",
+                          "4", "--json", tmp_path / "v.json")
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert code == 0 and report["depth"] == {"vit": 3, "ours": 4}, out.err
+    assert all(v is not None for v in report["metrics"]["vo_dominant"]["vit"][1:4])
+    assert "do not pair up" in report["absent"]["ours"]["beta_v"]  # another shape: no beta
+    code, out = probe_cli(capsys, *HF_TINY.values(), "--labels", "gpt2,bert,opt", "--dataset",
+                          "text", "--data_dir", tiny_data / "text", "--val_file", "val.txt",
+                          "--tokenizer", "bytes", "--samples", "4", "--json", tmp_path / "t.json")
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert code == 0 and report["depth"] == {"gpt2": 2, "bert": 2, "opt": 2}, out.err
+    assert "post-norm" in report["absent"]["bert"]["vo_dominant"]  # BERT: the sign means nothing
+    assert report["metrics"]["vo_dominant"]["bert"] == [None] * 3
+    assert report["absent"]["gpt2"] == {} and report["absent"]["opt"] == {}
+    assert all(v is not None for v in report["metrics"]["attn_entropy"]["opt"][1:])
+
+
+def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
+    """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
+    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
+    import probe
+
+    for spec in (TIMM_VIT, HF_TINY["gpt2"]):
+        model, _ = probe.load_model(spec, "")
+        library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
+        hs = D // nh
+        for i, block in enumerate(model.blocks):
+            ours = probe.head_value_output(block)
+            if spec.startswith("timm"):
+                module = library.blocks[i]
+                w_v, w_o = module.attn.qkv.weight[2 * D:].T, module.attn.proj.weight.T  # x @ W
+                gain = module.norm1.weight
+            else:
+                module = library.h[i]
+                w_v, w_o, gain = module.attn.c_attn.weight[:, 2 * D:], module.attn.c_proj.weight, \
+                    module.ln_1.weight
+            for h in range(nh):
+                by_hand = (gain[:, None] * w_v[:, h * hs:(h + 1) * hs]) @ w_o[h * hs:(h + 1) * hs]
+                want = torch.linalg.eigvals(by_hand.double().detach())  # D x D: rank hs
+                got = torch.linalg.eigvals(ours[h])
+                largest = want[want.abs().argsort(descending=True)[:hs]]
+                assert torch.allclose(got.abs().sort().values, largest.abs().sort().values,
+                                      atol=1e-6)
+                assert (got.real > 0).sum() == (largest.real > 0).sum()
+
+
+def test_recomputed_attention_equals_the_libraries_explicit_attention():
+    import probe
+
+    torch.manual_seed(0)
+    for name in ("gpt2", "bert"):
+        model, _ = probe.load_model(HF_TINY[name], "")
+        tokens = torch.randint(0, 300, (2, 12))
+        _, attns = model.hidden_states(tokens, need_weights=True)
+        library = model.model(input_ids=tokens, output_attentions=True).attentions
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, library)), name
+    model, _ = probe.load_model(TIMM_VIT, "")
+    seen = []
+    for module in model.block_modules:
+        module.attn.fused_attn = False  # timm's explicit path: its probabilities pass attn_drop
+        module.attn.attn_drop.register_forward_hook(lambda m, args, out: seen.append(out))
+    _, attns = model.hidden_states(torch.rand(2, 3, 16, 16), need_weights=True)
+    assert len(seen) == 3 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, seen))
+
+
+def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
+    t5 = "hf:t5,pretrained=0,num_layers=1,d_model=32,num_heads=2,d_ff=64,d_kv=16,vocab_size=300"
+    cases = [(["timm:vit_tinyy_patch16_224,pretrained=0"], "timm knows no model 'vit_tinyy_patch"),
+             ([t5, "--dataset", "text", "--data_dir", tiny_data / "text"], "has no block list"),
+             ([HF_TINY["gpt2"], "--dataset", "folder", "--data_dir", tiny_data / "images"],
+              "a text model (next) cannot be run on --dataset folder")]
+    for argv, message in cases:
+        code, out = probe_cli(capsys, *argv)
+        lines = [line for line in out.err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in out.err
+
+
 # --------------------------------------------------------- look.py: looking at what a model does
 
 def look_cli(capsys, *argv):
@@ -2544,7 +2659,7 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # ==================================================================================================
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "fast.py", "bench.py", "checkpoint.py", "look.py")
+                   "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py")
 
 
 def instance_attributes(model):

@@ -1,0 +1,234 @@
+"""timm and Hugging Face transformers as probe.py sees a Bamboo: the papers' figures on real models.
+
+A spec `timm:NAME[,key=value,...]` or `hf:NAME[,key=value,...]` builds the model (pretrained=0:
+random weights from the configuration, no network; for Hugging Face, NAME may then be a model type
+such as gpt2, bert or opt, the other keys its configuration's fields). Foreign wraps it with what
+the probe reads: a config (depth, is_image, image_size, seq_len, vocab_size); the blocks, each with
+its W_Q, W_K, W_V, W_O per head from the library's own weight layout (timm's fused qkv, GPT-2's
+transposed Conv1D, separate projections elsewhere) and its attention LayerNorm's gain; and
+hidden_states: the first block's input and every block's output, taken with hooks on the block list
+(a library's own hidden states can differ: GPT-2's last one has the final norm applied). Attention
+probabilities are computed again from each block's input and its Q and K projections, since fused
+kernels return none; a test checks them against the libraries' explicit attention.
+
+Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
+"""
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("vit (timm)", "gpt2", "bert", "opt")
+
+
+def parse(spec):
+    """(library, name, settings) of 'timm:NAME,key=value,...'; values are int, float or text."""
+    library, _, rest = spec.partition(":")
+    name, *pairs = rest.split(",")
+    settings = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not key or not value:
+            raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value")
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                pass
+        settings[key] = value
+    return library, name, settings
+
+
+def load(spec):
+    """A Foreign model in eval mode for a timm: or hf: spec; one line for what cannot be had."""
+    library, name, settings = parse(spec)
+    pretrained = bool(settings.pop("pretrained", 1))
+    torch.manual_seed(0)  # random weights (pretrained=0) alike in every run, as init: specs are
+    try:
+        model = timm_model(name, pretrained, settings) if library == "timm" else \
+            hf_model(name, pretrained, settings)
+    except ImportError as e:
+        raise ValueError(f"{spec} needs {e.name}; pip install timm transformers") from None
+    except OSError as e:  # offline, or a name the hub does not know
+        raise ValueError(f"{spec}: could not load the weights ({str(e).splitlines()[0][:120]}); "
+                         "check the name and the network, or pass pretrained=0") from None
+    return Foreign(model.eval(), spec)
+
+
+def timm_model(name, pretrained, settings):
+    import timm
+
+    if name not in timm.list_models(pretrained=False) and not timm.is_model(name.split(".")[0]):
+        raise ValueError(f"timm knows no model {name!r}; timm.list_models('*vit*') lists them")
+    return timm.create_model(name, pretrained=pretrained, **settings)
+
+
+def hf_model(name, pretrained, settings):
+    import transformers
+
+    if pretrained:
+        return transformers.AutoModel.from_pretrained(name, attn_implementation="eager", **settings)
+    try:
+        config = transformers.AutoConfig.for_model(name, **settings)
+    except ValueError:  # not a model type: a hub name, whose configuration needs the network
+        config = transformers.AutoConfig.from_pretrained(name, **settings)
+    config._attn_implementation = "eager"
+    return transformers.AutoModel.from_config(config)
+
+
+# ----------------------------------------------------------------------------- the block layouts
+
+
+def linear(module):
+    """(W (out, in), b (out,)) of an nn.Linear, or of a GPT-2 Conv1D (which stores W transposed)."""
+    weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.T
+    bias = module.bias if module.bias is not None else weight.new_zeros(weight.shape[0])
+    return weight, bias
+
+
+def block_layout(model, block):
+    """What the probe needs of one block: q, k, v, o as (W, b) in nn.Linear's convention, the norm
+    before attention (None where the block is post-norm) and the output's per-channel scale."""
+    kind = type(block).__name__
+    if hasattr(block, "attn") and hasattr(block.attn, "qkv"):  # timm's ViT (and bamboo's Block)
+        w, b = linear(block.attn.qkv)  # rows: W_Q, W_K, W_V, each head's rows together
+        q, k, v = zip(w.chunk(3), b.chunk(3))
+        scale = getattr(getattr(block, "ls1", None), "gamma", None)  # LayerScale, if there is one
+        norm = getattr(block, "norm1", None) or block.ln1
+        return dict(q=q, k=k, v=v, o=linear(block.attn.proj), norm=norm, out_scale=scale)
+    if kind == "GPT2Block":
+        w, b = linear(block.attn.c_attn)
+        q, k, v = zip(w.chunk(3), b.chunk(3))
+        return dict(q=q, k=k, v=v, o=linear(block.attn.c_proj), norm=block.ln_1, out_scale=None)
+    if kind == "BertLayer":
+        s = block.attention.self
+        return dict(q=linear(s.query), k=linear(s.key), v=linear(s.value),
+                    o=linear(block.attention.output.dense), norm=None, out_scale=None)
+    if kind == "OPTDecoderLayer":
+        s = block.self_attn
+        norm = block.self_attn_layer_norm if model.config.do_layer_norm_before else None
+        return dict(q=linear(s.q_proj), k=linear(s.k_proj), v=linear(s.v_proj),
+                    o=linear(s.out_proj), norm=norm, out_scale=None)
+    raise ValueError(f"no adapter for blocks of type {kind}; the probe knows {', '.join(FAMILIES)}")
+
+
+def block_list(model):
+    """The model's list of transformer blocks, wherever the library keeps it."""
+    paths = ("blocks", "transformer.h", "h", "encoder.layer", "decoder.layers",
+             "model.decoder.layers")
+    for path in paths:
+        holder = model
+        for part in path.split("."):
+            holder = getattr(holder, part, None)
+        if isinstance(holder, (torch.nn.ModuleList, torch.nn.Sequential)) and len(holder):
+            return holder
+    raise ValueError(f"{type(model).__name__} has no block list the probe can find")
+
+
+class ForeignBlock:
+    """One block as probe.py reads it: attn.weights() and ln1.weight."""
+
+    def __init__(self, layout, heads):
+        self.layout, self.heads = layout, heads
+        self.attn = SimpleNamespace(weights=self.weights)
+        norm = layout["norm"]
+        self.ln1 = SimpleNamespace(weight=None if norm is None else norm.weight)
+
+    def weights(self):
+        """W_Q, W_K (D, D) and per head W_V (nh, D, hs), W_O (nh, hs, D), all acting as x @ W."""
+        (wq, _), (wk, _), (wv, _), (wo, _) = (self.layout[n] for n in "qkvo")
+        wo = wo if self.layout["out_scale"] is None else self.layout["out_scale"][:, None] * wo
+        D, nh = wo.shape[0], self.heads
+        return {"q": wq.detach().T, "k": wk.detach().T,
+                "v": wv.detach().T.reshape(D, nh, D // nh).transpose(0, 1),
+                "o": wo.detach().T.reshape(nh, D // nh, D)}
+
+
+class Foreign:
+    """A timm or Hugging Face transformer with the interface probe.py reads of a Bamboo model."""
+
+    def __init__(self, model, spec):
+        self.model, self.spec = model, spec
+        config = getattr(model, "config", None)
+        self.is_image = getattr(config, "is_image", config is None or hasattr(config, "image_size"))
+        self.causal = (type(model).__name__.startswith(("GPT2", "OPT"))
+                       or getattr(config, "objective", None) == "next")
+        blocks = block_list(model)
+        self.heads = heads_of(model, config)
+        self.blocks = [ForeignBlock(block_layout(model, b), self.heads) for b in blocks]
+        self.block_modules = blocks
+        timm_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+        size = timm_size[0] if timm_size else getattr(config, "image_size", 224)
+        seq_len = (getattr(config, "n_positions", None) or getattr(config, "seq_len", None)
+                   or getattr(config, "max_position_embeddings", 512))
+        self.config = SimpleNamespace(
+            depth=len(blocks), is_image=self.is_image, objective="cls" if self.is_image else "next",
+            image_size=size, seq_len=seq_len, vocab_size=getattr(config, "vocab_size", 0),
+            mask_ratio=0.0, num_patches=lambda: 0)
+        post_norm = any(b["norm"] is None for b in (blk.layout for blk in self.blocks))
+        why = ("post-norm blocks: the LayerNorm after the residual sum, not the eigenvalues of "
+               "W_V W_O, decides the sign of the update")
+        self.absent = {"vo_dominant": why, "vo_positive": why} if post_norm else {}
+
+    def eval(self):
+        return self
+
+    def to(self, device):
+        self.model.to(device)
+        return self
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def normalize(self, pixels):
+        """Images in [0, 1] normalised as the timm model expects (its data configuration)."""
+        cfg = getattr(self.model, "pretrained_cfg", {}) or {}
+        mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5))).view(1, -1, 1, 1)
+        std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5))).view(1, -1, 1, 1)
+        return (pixels - mean) / std
+
+    @torch.no_grad()
+    def hidden_states(self, x, need_weights=False, mask_ratio=0.0, noise=None):
+        """The first block's input and every block's output, and each block's attention
+        probabilities computed again from its input (need_weights)."""
+        inputs, outputs = [], []
+
+        def keep(module, args, out):  # returns None: the block's output goes on unchanged
+            inputs.append(args[0])
+            outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
+
+        hooks = [b.register_forward_hook(keep) for b in self.block_modules]
+        try:
+            if hasattr(self.model, "forward_features"):  # timm: the trunk without the head
+                self.model.forward_features(x)
+            elif hasattr(self.model.config, "objective"):  # bamboo's own model, seen from outside
+                self.model(x, x if self.causal else None)  # next: every token in, as targets too
+            else:
+                self.model(**{"pixel_values" if self.is_image else "input_ids": x})
+        finally:
+            for hook in hooks:
+                hook.remove()
+        hiddens = [inputs[0]] + outputs
+        if not need_weights:
+            return hiddens
+        return hiddens, [self.attention(block.layout, h) for block, h in zip(self.blocks, inputs)]
+
+    def attention(self, layout, h):
+        """softmax(q k^T / sqrt(hs)) of one block for its input h (B, T, D); causal where the model
+        is."""
+        a = layout["norm"](h) if layout["norm"] is not None else h
+        B, T, D = a.shape
+        q, k = (F.linear(a, *layout[n]).view(B, T, self.heads, -1).transpose(1, 2) for n in "qk")
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return scores.softmax(-1)
+
+
+def heads_of(model, config):
+    if config is not None:
+        for key in ("num_attention_heads", "n_head", "heads"):
+            if hasattr(config, key):
+                return getattr(config, key)
+    return block_list(model)[0].attn.num_heads
