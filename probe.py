@@ -218,8 +218,9 @@ def load_samples(args, model, train_cfg):
 @torch.no_grad()
 def probe_model(model, samples, batch_size, mask=False):
     """Every per-layer metric (embedding output, then every block), averaged over all samples."""
-    if mask and not model.config.is_image:
-        raise ValueError("--mask probes MAE's visible patches; it needs an image model")
+    if mask and not (model.config.is_image and model.config.mask_ratio):
+        raise ValueError("--mask probes MAE's visible patches; it needs one of our image models "
+                         "(a timm or Hugging Face model is probed unmasked)")
     sums = {}  # (metric, layer) -> sum over samples
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
     device = next(model.parameters()).device

@@ -2197,11 +2197,25 @@ def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
     cases = [(["timm:vit_tinyy_patch16_224,pretrained=0"], "timm knows no model 'vit_tinyy_patch"),
              ([t5, "--dataset", "text", "--data_dir", tiny_data / "text"], "has no block list"),
              ([HF_TINY["gpt2"], "--dataset", "folder", "--data_dir", tiny_data / "images"],
-              "a text model (next) cannot be run on --dataset folder")]
+              "a text model (next) cannot be run on --dataset folder"),
+             ([TIMM_VIT, "--dataset", "folder", "--data_dir", tiny_data / "images", "--mask"],
+              "--mask probes MAE's visible patches; it needs one of our image models")]
     for argv, message in cases:
         code, out = probe_cli(capsys, *argv)
         lines = [line for line in out.err.splitlines() if line.startswith("error: ")]
         assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in out.err
+
+
+def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", offline)
+    code, out = probe_cli(capsys, "hf:gpt2", "--dataset", "text", "--data_dir", tiny_data / "text")
+    assert code == 2 and "hf:gpt2: could not load the weights (We couldn't connect" in out.err
+    assert "pass pretrained=0" in out.err and "Traceback" not in out.err
 
 
 # --------------------------------------------------------- look.py: looking at what a model does
