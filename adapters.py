@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from neutreno import attention_probabilities
+
 FAMILIES = ("vit (timm)", "gpt2", "bert", "opt")
 
 
@@ -220,10 +222,7 @@ class Foreign:
         a = layout["norm"](h) if layout["norm"] is not None else h
         B, T, D = a.shape
         q, k = (F.linear(a, *layout[n]).view(B, T, self.heads, -1).transpose(1, 2) for n in "qk")
-        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-        if self.causal:
-            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        return scores.softmax(-1)
+        return attention_probabilities(q, k, self.causal)
 
 
 def heads_of(model, config):

@@ -44,6 +44,14 @@ def unwritable(e):
     return f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere"
 
 
+def save_figure(fig, path):
+    """A matplotlib figure written atomically as a PNG, then closed."""
+    import matplotlib.pyplot as plt
+
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+
+
 def atomic_write(path, write):
     """Call write(f) on a binary temp file unique to this process beside path, then rename it to
     path: a crash, a full disk or a second process writing the same path never leaves it

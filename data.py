@@ -243,6 +243,11 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
     return data
 
 
+def first_samples(data, n):
+    """The first n held-out samples of ImageData or TextData, in order, un-augmented: (n, ...)."""
+    return torch.cat([x for x, _ in data.eval_batches(n, n)])
+
+
 def channel_statistics(images, one_pass_bytes=2 ** 30):
     """Per-channel mean and std (1, C, 1, 1) of uint8 images in [0, 1] units. In one float32 pass
     where that takes under 1 GB (CIFAR: 123 MB); larger images (ImageNet-sized, or CIFAR upsampled

@@ -21,9 +21,10 @@ import sys
 import torch
 
 from bamboo import patchify, unpatchify
-from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
+from checkpoint import (CheckpointError, check_output_path, model_from_checkpoint, save_figure,
                         unwritable)
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, get_tokenizer, held_out
+from data import (IMAGE_DATASETS, TEXT_DATASETS, DataError, first_samples, get_tokenizer, held_out,
+                  read_text)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -36,19 +37,6 @@ def load(path, objective=None):
         raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
                          f"{objective} model")
     return model.eval(), ckpt.get("train", {})
-
-
-def first_samples(data, n):
-    """The first n held-out samples, in order: (n, ...)."""
-    return torch.cat([x for x, _ in data.eval_batches(n, n)])
-
-
-def write_png(fig, path):
-    """Save a matplotlib figure atomically and close it."""
-    import matplotlib.pyplot as plt
-
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)
 
 
 def pyplot():
@@ -66,12 +54,9 @@ def pyplot():
 def read_prompt(path):
     """The text of a UTF-8 prompt file, or one line that says why not."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        return read_text(path)  # one line (DataError) for text that is not UTF-8
     except OSError as e:
         raise ValueError(f"cannot read --prompt_file {path} ({e.strerror})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--prompt_file {path} is not UTF-8 text; save it as UTF-8") from None
 
 
 def sample(args):
@@ -144,7 +129,7 @@ def reconstruct(args):
                 ax.set_title(names[col], fontsize=9)
     fig.suptitle(f"MAE reconstructions of {rows} held-out images", fontsize=11)
     fig.tight_layout()
-    write_png(fig, args.out)
+    save_figure(fig, args.out)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -191,7 +176,7 @@ def attention(args):
     kind = "image" if c.is_image else "text window"
     fig.suptitle(f"Attention probabilities, held-out {kind} {args.index}", fontsize=11)
     fig.tight_layout()
-    write_png(fig, args.out)
+    save_figure(fig, args.out)
     return {"layers": layers, "heads": heads}
 
 
@@ -236,7 +221,7 @@ def curves(args):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    write_png(fig, args.out)
+    save_figure(fig, args.out)
     return {d: (len(t), len(e)) for d, (t, e) in logs.items()}
 
 

@@ -24,19 +24,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
-    """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
-
-    Mathematically the same as F.scaled_dot_product_attention; it materialises the
-    (B, nh, T, T) matrix, which the probe needs and which pays off only for short sequences.
-    """
+def attention_probabilities(q, k, causal=False):
+    """softmax(q k^T / sqrt(d)) (B, nh, T, T) of q and k (B, nh, T, hs), causal if asked."""
     # (B, nh, T, T); scaling q is T/hs times cheaper
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
     if causal:
         T = q.size(-2)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    return scores.softmax(dim=-1)
+
+
+def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
+    """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
+
+    Mathematically the same as F.scaled_dot_product_attention; it materialises the
+    (B, nh, T, T) matrix, which the probe needs and which pays off only for short sequences.
+    """
+    probs = attention_probabilities(q, k, causal)
     return F.dropout(probs, dropout_p) @ v, probs
 
 

@@ -44,8 +44,8 @@ import torch
 
 from bamboo import Bamboo, Config
 from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
-                        unwritable)
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, held_out
+                        save_figure, unwritable)
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, first_samples, held_out
 from fast import pick_device
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
@@ -209,7 +209,7 @@ def load_samples(args, model, train_cfg):
     """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
                     args.val_file)
-    samples = torch.cat([x for x, _ in data.eval_batches(args.samples, args.samples)])
+    samples = first_samples(data, args.samples)
     if model.config.is_image and hasattr(model, "normalize"):  # a foreign model's own statistics
         samples = model.normalize(samples * data.std + data.mean)
     return samples
@@ -326,11 +326,7 @@ def figure(report, relative):
 
 
 def plot(report, path, relative):
-    import matplotlib.pyplot as plt
-
-    fig = figure(report, relative)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)
+    save_figure(figure(report, relative), path)
 
 
 def absent_metrics(model, raw, reference):

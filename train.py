@@ -474,6 +474,12 @@ class Run:
         if self.master:
             print(*args, flush=True)
 
+    def seconds_per_step(self, last=None):
+        """The mean time of the steps so far (of the last ones, if given), the first step left out
+        as warm-up unless it is the only one; None before any step."""
+        timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
+        return sum(timed) / len(timed) if timed else None
+
 
 def settings_of(args):
     """(training settings, the checkpoint resumed or None, the pretrained checkpoint or None, the
@@ -741,10 +747,9 @@ def show_progress(run, bar, train_loss, lr):
     """The loss on the progress bar, whose end is where --time_limit will stop the run if it comes
     first; in a log file (no bar), a progress line with the time left at most every 30 s."""
     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-    recent = (run.step_times[1:] or run.step_times)[-50:]  # the first step warms up
-    if not recent:
+    step_s = run.seconds_per_step(last=50)
+    if step_s is None:
         return
-    step_s = sum(recent) / len(recent)
     left = run.cfg.max_iters - run.step
     if run.cfg.time_limit:
         left = max(0, min(left, int((run.cfg.time_limit - (time.time() - run.t_start)) / step_s)))
@@ -763,8 +768,7 @@ def summary(run):
     c, cfg = run.model.config, run.cfg
     name, _ = selection_metric(c.objective)
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
-    timed = run.step_times[1:] or run.step_times  # the first step warms up
-    step_s = sum(timed) / len(timed)
+    step_s = run.seconds_per_step()
     line = (f"{'done' if run.stop is None else 'stopped'}: {name} {run.metrics[name]:.4g} "
             f"(best {run.best:.4g}), "
             f"{step_s * 1000:.1f} ms/step, "

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from checkpoint import TRUNK  # noqa: E402 (the stem and the blocks, as runs hash them)
 
 
 class AnalysisError(Exception):
@@ -126,7 +128,6 @@ def plot_bands(probe_summary, arms, metrics, title, path, relative=False):
     fig.savefig(path, dpi=110)
 
 
-TRUNK = ("patch_embed", "tok_embed", "pos_embed", "blocks.")
 
 
 def initial_model(config, seed):

@@ -84,7 +84,8 @@ left=0
 : > "$OUT/status.txt"
 for seed in $SEEDS; do
   for name in cls mae ft ft-dm; do
-    planned=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$OUT/planned.json" "$name")
+    case $name in cls) planned=$(steps "$CLS_EPOCHS") ;; mae) planned=$(steps "$MAE_EPOCHS") ;;
+                  *) planned=$(steps "$FT_EPOCHS") ;; esac
     if finished "$RUNS/$PRESET/s$seed/$name" "$planned"; then state="done"; else state="not done"; left=1; fi
     echo "seed $seed $name: $state (planned $planned steps)" >> "$OUT/status.txt"
   done
