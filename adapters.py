@@ -2,7 +2,8 @@
 
 A spec `timm:NAME[,key=value,...]` or `hf:NAME[,key=value,...]` builds the model (pretrained=0:
 random weights from the configuration, no network; for Hugging Face, NAME may then be a model type
-such as gpt2, bert or opt, the other keys its configuration's fields). Foreign wraps it with what
+such as gpt2, bert, opt, vit or vit_mae, the other keys its configuration's fields; ViT-MAE is run
+unmasked unless the probe's --mask asks for its masking). Foreign wraps it with what
 the probe reads: a config (depth, is_image, image_size, seq_len, vocab_size); the blocks, each with
 its W_Q, W_K, W_V, W_O per head from the library's own weight layout (timm's fused qkv, GPT-2's
 transposed Conv1D, separate projections elsewhere) and its attention LayerNorm's gain; and
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from neutreno import attention_probabilities
 
-FAMILIES = ("vit (timm)", "gpt2", "bert", "opt")
+FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)")
 
 
 def parse(spec):
@@ -48,14 +49,18 @@ def load(spec):
     pretrained = bool(settings.pop("pretrained", 1))
     torch.manual_seed(0)  # random weights (pretrained=0) alike in every run, as init: specs are
     try:
-        model = timm_model(name, pretrained, settings) if library == "timm" else \
-            hf_model(name, pretrained, settings)
+        if library == "timm":
+            model = timm_model(name, pretrained, settings)
+            cfg = model.pretrained_cfg
+            return Foreign(model.eval(), spec, statistics=(cfg["mean"], cfg["std"]))
+        model = hf_model(name, pretrained, settings)
+        statistics = hf_image_statistics(name) if pretrained and is_image(model.config) else None
+        return Foreign(model.eval(), spec, statistics, hf_tokenizer(model.config, name, pretrained))
     except ImportError as e:
         raise ValueError(f"{spec} needs {e.name}; pip install timm transformers") from None
     except OSError as e:  # offline, or a name the hub does not know
         raise ValueError(f"{spec}: could not load the weights ({str(e).splitlines()[0][:120]}); "
                          "check the name and the network, or pass pretrained=0") from None
-    return Foreign(model.eval(), spec)
 
 
 def timm_model(name, pretrained, settings):
@@ -77,6 +82,29 @@ def hf_model(name, pretrained, settings):
         config = transformers.AutoConfig.from_pretrained(name, **settings)
     config._attn_implementation = "eager"
     return transformers.AutoModel.from_config(config)
+
+
+def hf_image_statistics(name):
+    """The mean and std a pretrained Hugging Face image model was trained with (its processor)."""
+    import transformers
+
+    processor = transformers.AutoImageProcessor.from_pretrained(name)
+    return processor.image_mean, processor.image_std
+
+
+def hf_tokenizer(config, name, pretrained):
+    """The --tokenizer a Hugging Face text model reads: tiktoken's gpt2 for GPT-2 (the same BPE),
+    the hub's tokenizer (hf:NAME) for other pretrained models; none for random weights of another
+    family, whose user chooses one."""
+    if is_image(config):
+        return None
+    if config.model_type == "gpt2" and config.vocab_size == 50257:
+        return "gpt2"
+    return f"hf:{name}" if pretrained else None
+
+
+def is_image(config):
+    return config is None or hasattr(config, "image_size")
 
 
 # ----------------------------------------------------------------------------- the block layouts
@@ -112,12 +140,20 @@ def block_layout(model, block):
         norm = block.self_attn_layer_norm if model.config.do_layer_norm_before else None
         return dict(q=linear(s.q_proj), k=linear(s.k_proj), v=linear(s.v_proj),
                     o=linear(s.out_proj), norm=norm, out_scale=None)
+    if kind in ("ViTLayer", "ViTMAELayer"):  # pre-norm; projections named q_proj or query
+        a = block.attention
+        if hasattr(a, "q_proj"):  # transformers 5
+            q, k, v, o = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        else:
+            q, k, v, o = a.attention.query, a.attention.key, a.attention.value, a.output.dense
+        return dict(q=linear(q), k=linear(k), v=linear(v), o=linear(o),
+                    norm=block.layernorm_before, out_scale=None)
     raise ValueError(f"no adapter for blocks of type {kind}; the probe knows {', '.join(FAMILIES)}")
 
 
 def block_list(model):
     """The model's list of transformer blocks, wherever the library keeps it."""
-    paths = ("blocks", "transformer.h", "h", "encoder.layer", "decoder.layers",
+    paths = ("blocks", "transformer.h", "h", "layers", "encoder.layer", "decoder.layers",
              "model.decoder.layers")
     for path in paths:
         holder = model
@@ -150,10 +186,14 @@ class ForeignBlock:
 class Foreign:
     """A timm or Hugging Face transformer with the interface probe.py reads of a Bamboo model."""
 
-    def __init__(self, model, spec):
-        self.model, self.spec = model, spec
+    def __init__(self, model, spec, statistics=None, tokenizer=None):
+        """statistics: the (mean, std) an image model expects (default 0.5, 0.5); tokenizer: the
+        --tokenizer a text model reads by default (None: the user must choose)."""
+        self.model, self.spec, self.tokenizer = model, spec, tokenizer
+        self.statistics = statistics or ((0.5,) * 3, (0.5,) * 3)
         config = getattr(model, "config", None)
-        self.is_image = getattr(config, "is_image", config is None or hasattr(config, "image_size"))
+        self.is_image = getattr(config, "is_image", is_image(config))
+        self.is_mae = getattr(config, "model_type", "") == "vit_mae"  # masks unless told not to
         self.causal = (type(model).__name__.startswith(("GPT2", "OPT"))
                        or getattr(config, "objective", None) == "next")
         blocks = block_list(model)
@@ -164,10 +204,11 @@ class Foreign:
         size = timm_size[0] if timm_size else getattr(config, "image_size", 224)
         seq_len = (getattr(config, "n_positions", None) or getattr(config, "seq_len", None)
                    or getattr(config, "max_position_embeddings", 512))
+        patches = (size // getattr(config, "patch_size", 1)) ** 2
         self.config = SimpleNamespace(
             depth=len(blocks), is_image=self.is_image, objective="cls" if self.is_image else "next",
             image_size=size, seq_len=seq_len, vocab_size=getattr(config, "vocab_size", 0),
-            mask_ratio=0.0, num_patches=lambda: 0)
+            mask_ratio=config.mask_ratio if self.is_mae else 0.0, num_patches=lambda: patches)
         post_norm = any(b["norm"] is None for b in (blk.layout for blk in self.blocks))
         why = ("post-norm blocks: the LayerNorm after the residual sum, not the eigenvalues of "
                "W_V W_O, decides the sign of the update")
@@ -184,10 +225,10 @@ class Foreign:
         return self.model.parameters()
 
     def normalize(self, pixels):
-        """Images in [0, 1] normalised as the timm model expects (its data configuration)."""
-        cfg = getattr(self.model, "pretrained_cfg", {}) or {}
-        mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5))).view(1, -1, 1, 1)
-        std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5))).view(1, -1, 1, 1)
+        """Images in [0, 1] normalised as the model expects (timm's data configuration, the Hugging
+        Face processor's mean and std)."""
+        mean, std = (torch.tensor(s, dtype=torch.float32).view(1, -1, 1, 1)
+                     for s in self.statistics)
         return (pixels - mean) / std
 
     @torch.no_grad()
@@ -206,6 +247,11 @@ class Foreign:
                 self.model.forward_features(x)
             elif hasattr(self.model.config, "objective"):  # bamboo's own model, seen from outside
                 self.model(x, x if self.causal else None)  # next: every token in, as targets too
+            elif self.is_mae:  # every patch in order unless masked (noise: which are kept)
+                self.model.config.mask_ratio = mask_ratio
+                self.model(pixel_values=x, noise=noise if mask_ratio else
+                           torch.arange(self.config.num_patches(), device=x.device)
+                           .float().expand(len(x), -1))
             else:
                 self.model(**{"pixel_values" if self.is_image else "input_ids": x})
         finally:

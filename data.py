@@ -358,10 +358,40 @@ def download_wikitext(name, data_dir):
                     "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files")
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer (hub name or folder) with the part of tiktoken's Encoding that
+    this project calls: name, n_vocab, encode_ordinary (no special tokens added) and decode."""
+
+    def __init__(self, name):
+        try:
+            import transformers
+        except ImportError:
+            raise DataError(f"--tokenizer hf:{name} needs transformers; pip install "
+                            "transformers") from None
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e:  # offline, unknown name, no tokenizer files
+            raise DataError(f"could not load the Hugging Face tokenizer {name!r} "
+                            f"({str(e).splitlines()[0][:120]}); it needs the network once "
+                            "(then the cache), or pass --tokenizer bytes or a tiktoken "
+                            "encoding") from None
+        self.name = "hf-" + "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+        self.n_vocab = len(self.tokenizer)
+
+    def encode_ordinary(self, text):
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids)
+
+
 def get_tokenizer(name):
-    """A tiktoken Encoding by name, or 'bytes': 256 ids, one per byte, built in memory."""
+    """A tiktoken Encoding by name, 'bytes' (256 ids, one per byte, built in memory), or
+    hf:NAME, a Hugging Face model's own tokenizer."""
     import tiktoken
 
+    if name.startswith("hf:"):
+        return HuggingFaceTokenizer(name[3:])
     if name == "bytes":
         return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
                                  mergeable_ranks={bytes([i]): i for i in range(256)},
@@ -371,7 +401,7 @@ def get_tokenizer(name):
     except ValueError:
         raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding "
                         f"name (gpt2, r50k_base, "
-                        "cl100k_base, ...) or bytes") from None
+                        "cl100k_base, ...), bytes, or hf:NAME") from None
     except Exception as e:
         raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); "
                         f"without network set "

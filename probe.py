@@ -13,7 +13,8 @@ Token metrics, on each layer's hidden states h (T tokens of width D, hbar their 
   update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the
                     residual stream
   attn_entropy      entropy of each query's attention distribution in nats, mean over heads and
-                    queries (uniform attention over T keys gives log T; entropy collapse drives it
+                    queries (uniform attention over T keys gives log T, causal attention the mean
+                    of log(i + 1): each model's ceiling is reported; entropy collapse drives it
                     towards 0)
   attn_sim          NeuTRENO G.2: cosine between successive layers' attention maps
 Weight metrics, per block:
@@ -195,7 +196,8 @@ def load_model(spec, dataset):
     if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
         import adapters
 
-        return adapters.load(spec), {}
+        model = adapters.load(spec)
+        return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
@@ -207,6 +209,10 @@ def load_model(spec, dataset):
 
 def load_samples(args, model, train_cfg):
     """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
+    text = not model.config.is_image and args.dataset not in IMAGE_DATASETS  # else: one line below
+    if text and not (args.tokenizer or train_cfg.get("tokenizer")):
+        raise ValueError(f"{model.spec} has no tokenizer of its own (random weights); pass "
+                         "--tokenizer: a tiktoken encoding, bytes, or hf:NAME")
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
                     args.val_file)
     samples = first_samples(data, args.samples)
@@ -219,8 +225,8 @@ def load_samples(args, model, train_cfg):
 def probe_model(model, samples, batch_size, mask=False):
     """Every per-layer metric (embedding output, then every block), averaged over all samples."""
     if mask and not (model.config.is_image and model.config.mask_ratio):
-        raise ValueError("--mask probes MAE's visible patches; it needs one of our image models "
-                         "(a timm or Hugging Face model is probed unmasked)")
+        raise ValueError("--mask probes MAE's visible patches; it needs an MAE model, ours or "
+                         "Hugging Face's vit_mae (other models are probed unmasked)")
     sums = {}  # (metric, layer) -> sum over samples
     noise_gen = torch.Generator().manual_seed(0)  # --mask: the same visible patches every run
     device = next(model.parameters()).device
@@ -246,7 +252,16 @@ def probe_model(model, samples, batch_size, mask=False):
                      for layer in range(layers)] for name in TOKEN_METRICS + LAYER_METRICS}
     dominant, positive = vo_spectrum(model)
     result["vo_dominant"], result["vo_positive"] = [None] + dominant, [None] + positive
+    causal = getattr(model, "causal", model.config.objective == "next")
+    ceiling = entropy_ceiling(attns[0].shape[-1], causal)  # the same for every block
+    result["attn_entropy_ceiling"] = [None] + [ceiling] * model.config.depth
     return result
+
+
+def entropy_ceiling(T, causal):
+    """The attention entropy of uniform attention: log T over T keys; causal, query i sees i + 1
+    keys, so the mean over queries of log(i + 1) (about log T - 1 for large T)."""
+    return sum(math.log(i + 1) for i in range(T)) / T if causal else math.log(T)
 
 
 # ----------------------------------------------------------------------------- report
@@ -263,7 +278,7 @@ AXES = {
     "hc_dc": "HC / DC energy; lower: more smoothed",
     "erank": "effective rank; lower: more smoothed",
     "update": "||h_l - h_(l-1)|| / ||h_(l-1)||; lower: the block does less",
-    "attn_entropy": "nats; higher: more uniform, more smoothing",
+    "attn_entropy": "nats; higher: more smoothing (dashed: uniform)",
     "attn_sim": "cosine to the previous map; higher: alike",
     "vo_dominant": "mean sign; +1 every head smooths, -1 sharpens",
     "vo_positive": "share of eigenvalues > 0; higher: more smoothing",
@@ -285,6 +300,8 @@ def print_table(report):
                 cells = [report["metrics"][n][label][layer] for n in names]
                 print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
                                                 for c, w in zip(cells, widths)))
+        print(f"attn_entropy of uniform attention, its ceiling here: "
+              f"{report['attn_entropy_ceiling'][label]:.4f} nats")
     print(f"\nbeta_qk and beta_v are each checkpoint's over those of {report['labels'][0]}.")
 
 
@@ -309,7 +326,10 @@ def figure(report, relative):
             pairs = [(layer / depth if relative else layer, v)
                      for layer, v in enumerate(values) if v is not None]
             if pairs:
-                ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
+                line, = ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
+                if name == "attn_entropy":  # uniform attention: log T, causal mean log(i + 1)
+                    ax.axhline(report["attn_entropy_ceiling"][label], color=line.get_color(),
+                               linestyle="--", linewidth=0.8)
         ax.set_title(name)
         ax.set_ylabel(AXES[name].format(reference=report["labels"][0]), fontsize=8)
         ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
@@ -346,7 +366,7 @@ def run(args):
         raise ValueError(f"--labels needs {len(args.checkpoints)} distinct "
                          f"names, one per checkpoint")
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
-              "metrics": {}, "absent": {}}
+              "metrics": {}, "absent": {}, "attn_entropy_ceiling": {}}
     reference, raw, sample_sets = None, {}, {}
     for label, spec in zip(labels, args.checkpoints):
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
@@ -364,6 +384,7 @@ def run(args):
             [None] + values if values is not None else [] for values in beta(model, reference))
         report["absent"][label] = absent_metrics(model, raw[label], labels[0])
         report["depth"][label] = model.config.depth
+        report["attn_entropy_ceiling"][label] = round(raw[label].pop("attn_entropy_ceiling")[-1], 6)
         report["source"][label] = spec
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
@@ -390,7 +411,8 @@ def build_parser():
     add("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
         help="data to probe with (default: each checkpoint's own training data)")
     add("--data_dir", default="", help="where the dataset lives (default: the checkpoint's)")
-    add("--tokenizer", default="", help="text: tiktoken encoding (default: the checkpoint's)")
+    add("--tokenizer", default="",
+        help="text: tiktoken encoding, bytes or hf:NAME (default: the checkpoint's or model's)")
     add("--val_file", default="",
         help="--dataset text: held-out file in data_dir (default: val.txt)")
     add("--samples", type=int, default=256,

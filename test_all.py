@@ -2199,7 +2199,7 @@ def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
              ([HF_TINY["gpt2"], "--dataset", "folder", "--data_dir", tiny_data / "images"],
               "a text model (next) cannot be run on --dataset folder"),
              ([TIMM_VIT, "--dataset", "folder", "--data_dir", tiny_data / "images", "--mask"],
-              "--mask probes MAE's visible patches; it needs one of our image models")]
+              "--mask probes MAE's visible patches; it needs an MAE model")]
     for argv, message in cases:
         code, out = probe_cli(capsys, *argv)
         lines = [line for line in out.err.splitlines() if line.startswith("error: ")]
@@ -2216,6 +2216,100 @@ def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monke
     code, out = probe_cli(capsys, "hf:gpt2", "--dataset", "text", "--data_dir", tiny_data / "text")
     assert code == 2 and "hf:gpt2: could not load the weights (We couldn't connect" in out.err
     assert "pass pretrained=0" in out.err and "Traceback" not in out.err
+
+
+HF_MAE = ("hf:vit_mae,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+          "intermediate_size=64,image_size=16,patch_size=4")
+
+
+def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data, tmp_path):
+    """Every patch, in order, by default (the library masks 75% unless told otherwise): the hooked
+    hidden states equal the library's own; --mask keeps a quarter of the patches, the same ones in
+    every run, and changes the numbers."""
+    import probe
+
+    model, _ = probe.load_model(HF_MAE, "")
+    x = torch.rand(2, 3, 16, 16)
+    hiddens, attns = model.hidden_states(x, need_weights=True)
+    library = model.model(pixel_values=x, noise=torch.arange(16.).expand(2, -1),
+                          output_hidden_states=True, output_attentions=True)
+    assert [h.shape[1] for h in hiddens] == [17] * 3  # the class token and 16 patches
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(hiddens, library.hidden_states))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, library.attentions))
+    reports = {}
+    for flags in ((), ("--mask",), ("--mask",)):
+        path = tmp_path / f"mae{len(reports)}.json"
+        code, out = probe_cli(capsys, HF_MAE, "--dataset", "folder", "--data_dir",
+                              tiny_data / "images", "--samples", "4", "--json", path, *flags)
+        assert code == 0, out.err
+        reports[len(reports)] = json.loads(path.read_text())
+    unmasked, masked, again = (r["metrics"] for r in reports.values())
+    assert reports[0]["attn_entropy_ceiling"][HF_MAE] == pytest.approx(math.log(17))
+    assert reports[1]["attn_entropy_ceiling"][HF_MAE] == pytest.approx(math.log(5))  # 4 visible
+    assert masked == again and masked["cos"] != unmasked["cos"]
+
+
+def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data,
+                                                                       tmp_path):
+    import probe
+
+    T = 12
+    causal = torch.tril(torch.ones(T, T))
+    uniform = (causal / causal.sum(-1, keepdim=True))[None, None]  # (1, 1, T, T)
+    assert probe.attention_entropy(uniform).item() == pytest.approx(probe.entropy_ceiling(T, True))
+    assert probe.entropy_ceiling(T, True) < math.log(T) - 0.5  # not log T, which it never reaches
+    full = torch.full((1, 1, T, T), 1 / T)
+    assert probe.attention_entropy(full).item() == pytest.approx(probe.entropy_ceiling(T, False))
+    code, out = probe_cli(capsys, HF_TINY["gpt2"], HF_TINY["bert"], "--labels", "gpt2,bert",
+                          "--dataset", "text", "--data_dir", tiny_data / "text", "--tokenizer",
+                          "bytes", "--samples", "4", "--json", tmp_path / "t.json")
+    report = json.loads((tmp_path / "t.json").read_text())
+    ceiling = report["attn_entropy_ceiling"]
+    assert code == 0 and ceiling["bert"] == pytest.approx(math.log(64)), out.err  # seq_len 64
+    assert ceiling["gpt2"] == pytest.approx(sum(math.log(i + 1) for i in range(64)) / 64)
+    assert all(e <= ceiling["gpt2"] + 1e-6 for e in report["metrics"]["attn_entropy"]["gpt2"][1:])
+    assert "its ceiling here: " + f"{ceiling['gpt2']:.4f}" in out.out
+
+
+def byte_level_tokenizer(folder):
+    """A Hugging Face tokenizer saved to a folder, made offline: one id per byte, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
+                                                                   monkeypatch):
+    import adapters
+    import data
+    import transformers
+
+    folder = byte_level_tokenizer(tmp_path / "tok")
+    tok = data.get_tokenizer(f"hf:{folder}")
+    assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
+    common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
+    code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
+    assert code == 0, out.err
+    code, out = probe_cli(capsys, HF_TINY["opt"], *common)  # random weights: no tokenizer
+    assert code == 2 and "has no tokenizer of its own (random weights); pass --tokenizer" in out.err
+    gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
+    assert adapters.hf_tokenizer(gpt2, "gpt2", True) == "gpt2"  # tiktoken has GPT-2's BPE
+    assert adapters.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
+    assert adapters.hf_tokenizer(opt, "opt", False) is None
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", "hf:facebook/opt-125m")
+    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err
+    assert "could not load the Hugging Face tokenizer 'facebook/opt-125m' (We couldn't" in out.err
 
 
 # --------------------------------------------------------- look.py: looking at what a model does

@@ -79,6 +79,9 @@ for seed in $SEEDS; do
     fi
     $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
       --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
-    for arm in cls mae ft; do cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl; done
+    for arm in cls mae ft; do  # the log, and a classifier's per-image correctness for paired tests
+      cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl
+      if [ -f $out/$arm/eval_correct.npy ]; then cp $out/$arm/eval_correct.npy results/$NAME/logs/s$seed-$shape-$arm.npy; fi
+    done
   done
 done
