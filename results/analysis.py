@@ -4,6 +4,7 @@ figures with bands.
 Run: python results/e1_analyze.py   (this module has no command of its own)
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -168,6 +169,22 @@ def finished_run(path):
         raise AnalysisError(f"{path} stopped at step {ckpt['step']} of its planned {planned}; finish "
                             f"it with python train.py --resume --out_dir {os.path.dirname(path)}")
     return model, ckpt
+
+
+def finished_log(path, planned):
+    """The records of a run's log.jsonl, refused unless its last evaluation is at its planned step
+    (a log copied from a run that stopped early, or a missing one, is one line)."""
+    if not os.path.exists(path):
+        raise AnalysisError(f"no log at {path}")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = [r["step"] for r in records if r.get("eval")]
+    if not steps or steps[-1] != planned:
+        last = max((r.get("step", 0) for r in records), default=0)
+        raise AnalysisError(f"{path} ends at step {last} (last evaluation: "
+                            f"{steps[-1] if steps else 'none'}), not its planned {planned}: the "
+                            "run did not finish")
+    return records
 
 
 def median(values):

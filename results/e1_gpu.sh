@@ -3,7 +3,7 @@
 # CIFAR-10 in 4x4 patches, cls from scratch against MAE pre-training (its default 4x192 decoder) then
 # fine-tuning, the same initial weights per seed. Every arm trains 100 epochs of a fixed 4,000-image subset
 # (1,563 steps of 256) at the default rate (3e-4) and WARMUP steps (480, train.py's default of 10 x depth; the
-# earlier runs in results/e1-gpu used 240, with which seed 2's cls arm diverges); fine-tuning uses the paper's
+# earlier runs in results/superseded/e1-gpu-warmup240 used 240, with which seed 2's cls arm diverges); fine-tuning uses the paper's
 # layer-wise lr decay of 0.65 (Table 5, Base), or LAYER_DECAY (1 turns it off: 0.65^48 leaves block 1 a billionth
 # of the rate, and experiment 4 found the decay holds a deep MAE back; give such a run its own RESULTS folder).
 # The seeds given run side by side on the one GPU; each is scored and probed there (results/e1_analyze.py) as
@@ -12,7 +12,7 @@
 #   DATA=DIR ALL_SEEDS="0 1 2" bash results/e1_gpu.sh 2     train seed 2, summarise all three (0, 1 read back)
 # Outputs: RESULTS (results/e1-gpu-w480/): logs, per-seed JSON, wall times, the GPU. PRESET, SAMPLES, STEPS, WARMUP
 # override the scale (a CPU smoke test: PRESET=cifar-tiny SAMPLES=256 STEPS=4 DEVICE=cpu); the earlier runs:
-# WARMUP=240 RESULTS=results/e1-gpu.
+# WARMUP=240 RESULTS=results/superseded/e1-gpu-warmup240.
 # Experiment 4 on a GPU takes the same recipe to Bamboo's wide trunk of equal FLOPs per token (12 x 768^2 = 48 x 384^2):
 #   PRESET=base-12x768 RUNS=/tmp/e4g RESULTS=results/e4-gpu-base-12x768 DATA=DIR bash results/e1_gpu.sh 0 1 2
 set -euo pipefail

@@ -62,10 +62,8 @@ WIDEN=2 TRUNKS=24x64 e4_variant e4-w2 "Experiment 4 at twice the width, 24x128: 
 fine-tuning, mean ± std over 3 seeds" 24x128
 FT_STEPS=1500 TRUNKS=24x64 e4_variant e4-ft1500 "Experiment 4, 24x64, MAE fine-tuned for 1,500 steps (as many as cls \
 trains): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds"
-FT_STEPS=1500 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # the other two depths of that recipe
-REUSE=out/e4-ft1500 FT_STEPS=1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ft1500-ld1 "Experiment 4, MAE fine-tuned \
-for 1,500 steps without layer decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" \
-  "6x128 12x92 24x64"
+FT_STEPS=1500 LAYER_DECAY=1 e4_variant e4-ft1500-ld1 "Experiment 4, MAE fine-tuned for 1,500 steps without layer \
+decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
 REUSE=out/e4-ft1500-ld1 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # equal total steps, no decay
 REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without \
 layer decay (equal total steps): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
@@ -75,9 +73,10 @@ scratch against MAE + fine-tuning, mean ± std over 5 seeds"
 
 # Probes of fresh models: 256 fixed CIFAR-10 test images (64 for bamboo-b); one JSON, table and figure each.
 CIFAR="--dataset folder --data_dir $DATA/cifar10-jpeg"
-probe() { local name=$1; shift; $PY probe.py "$@" --json "results/$name.json" --plot "results/$name.png" > "results/$name.txt"; }
+probe() { local name=$1; shift; $PY probe.py "$@" --json "results/probes/$name.json" --plot "results/probes/$name.png" > "results/probes/$name.txt"; }
 probe e2-neutreno-init init:cifar-deep init:cifar-deep,neutreno=0.6 --labels "softmax (init)","neutreno 0.6 (init)" \
   $CIFAR --samples 256
 probe e5-vo-param-init init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen init:cifar-deep \
   --labels smooth,sharpen,free $CIFAR --samples 256
 probe probe-init-bamboo-b init:bamboo-b init:bamboo-b,neutreno=0.6 $CIFAR --samples 64
+$PY results/verdicts.py --write  # the record's verdict tables, from the logs above

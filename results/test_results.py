@@ -544,3 +544,74 @@ def test_experiment_6_analysis_refuses_unfinished_or_differently_started_arms(tm
     write_e6_arm(tmp_path / "deep", 1, "ft", 80.0, init="b")
     with pytest.raises(e6.AnalysisError, match="arms of seed 1 did not start from the same stem and blocks"):
         e6.analyze(str(tmp_path), "wide", "deep", [0, 1, 2])
+
+
+# ----------------------------------------------------------------------------- verdicts.py
+
+def write_log(path, evals, extra=None):
+    """A log.jsonl with a training record and an evaluation at each (step, top1)."""
+    lines = []
+    for step, top1 in evals:
+        lines.append({"step": step, "loss": 1.0})
+        lines.append({"eval": True, "step": step, "top1": top1, **(extra or {})})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_an_analysis_refuses_a_log_that_stopped_before_its_planned_step(tmp_path):
+    analysis = results_module("analysis")
+    write_log(tmp_path / "done.jsonl", [(500, 20.0), (1000, 30.0)])
+    write_log(tmp_path / "cut.jsonl", [(500, 20.0), (1000, 30.0)])
+    with open(tmp_path / "cut.jsonl", "a") as f:  # trained on to 1,150, killed before 1,500
+        f.write(json.dumps({"step": 1150, "loss": 1.0}) + "\n")
+    assert len(analysis.finished_log(tmp_path / "done.jsonl", 1000)) == 4
+    with pytest.raises(analysis.AnalysisError, match="ends at step 1150 .last evaluation: 1000., "
+                                                     "not its planned 1500"):
+        analysis.finished_log(tmp_path / "cut.jsonl", 1500)
+    with pytest.raises(analysis.AnalysisError, match="no log at"):
+        analysis.finished_log(tmp_path / "missing.jsonl", 1000)
+
+
+def test_matched_compute_reads_the_longer_arm_where_the_shorter_one_ends():
+    verdicts = results_module("verdicts")
+    evals = {500: 0, 1000: 0, 1500: 0, 2000: 0}
+    # MAE+ft costs more (pre-training 2,000 steps at 0.5 of a cls step, then 2,000 fine-tuning):
+    # cls's 2,000 full steps match pre-training plus 1,000 fine-tuning steps
+    assert verdicts.matched(evals, evals, (2000, 2000, 2000), (1.0, 0.5)) == (2000, 1000, 1.0)
+    # cls costs more: MAE+ft's 0.5 * 1000 + 500 = 1,000 cls steps; read cls there
+    assert verdicts.matched(evals, {500: 0}, (2000, 1000, 500), (1.0, 0.5)) == (1000, 500, 1.0)
+    # MAE's pre-training alone costs cls's whole run: nothing to match
+    assert verdicts.matched(evals, evals, (1000, 2000, 500), (1.0, 0.5)) is None
+
+
+def test_a_design_row_is_the_paired_difference_across_seeds(tmp_path, monkeypatch):
+    """Three seeds whose MAE+ft minus cls is +1, +2, +3 points: mean 2, t-interval 2 ± 2.48,
+    compute from the FLOP counter; cls and MAE logs of different initial weights are refused."""
+    verdicts = results_module("verdicts")
+    monkeypatch.setattr(verdicts, "HERE", str(tmp_path))
+    monkeypatch.setitem(verdicts.DESIGNS, "e4-test", (verdicts.E4, ["6x128"], (1000, 500, 500),
+                                                      16, 1, "a test", "here"))
+    logs = tmp_path / "e4-test" / "logs"
+    for seed, gain in enumerate((1.0, 2.0, 3.0)):
+        same = {"init_trunk_sha256": f"seed{seed}"}
+        write_log(logs / f"s{seed}-6x128-cls.jsonl", [(500, 20.0), (1000, 30.0 + seed)], same)
+        write_log(logs / f"s{seed}-6x128-mae.jsonl", [(500, None)], same)
+        write_log(logs / f"s{seed}-6x128-ft.jsonl", [(500, 30.0 + seed + gain)])
+    row, = verdicts.design_rows("e4-test")
+    f_cls, f_mae = (verdicts.step_flops("6x128", 16, o) for o in ("cls", "mae"))
+    assert row["planned"]["mean"] == pytest.approx(2.0) and row["planned"]["n"] == 3
+    assert row["planned"]["ci95"] == pytest.approx([2 - 2.4841, 2 + 2.4841], abs=1e-3)
+    assert row["compute_ratio"] == pytest.approx((500 * f_mae + 500 * f_cls) / (1000 * f_cls))
+    assert row["same_init"] == "logs" and 0.5 < row["compute_ratio"] < 1
+    write_log(logs / "s1-6x128-mae.jsonl", [(500, None)], {"init_trunk_sha256": "another"})
+    with pytest.raises(verdicts.AnalysisError, match="started from different weights"):
+        verdicts.design_rows("e4-test")
+
+
+def test_the_records_verdict_tables_are_what_the_logs_say():
+    """The tables on the record's front page are verdicts.py's output from the logs in the tree:
+    every number traceable, none typed by hand."""
+    verdicts = results_module("verdicts")
+    text = open(os.path.join(REPO, "results", "README.md")).read()
+    block = text.split(verdicts.BEGIN)[1].split(verdicts.END)[0].strip("\n")
+    assert block.splitlines() == verdicts.table(verdicts.build())
