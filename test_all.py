@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from contextlib import nullcontext, redirect_stderr, redirect_stdout
 
 import numpy as np
@@ -2269,6 +2270,30 @@ def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, ti
     assert ceiling["gpt2"] == pytest.approx(sum(math.log(i + 1) for i in range(64)) / 64)
     assert all(e <= ceiling["gpt2"] + 1e-6 for e in report["metrics"]["attn_entropy"]["gpt2"][1:])
     assert "its ceiling here: " + f"{ceiling['gpt2']:.4f}" in out.out
+
+
+def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(monkeypatch):
+    """Offline stand-ins for the hub: the image model is normalised with its processor's mean and
+    std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
+    import adapters
+    import transformers
+
+    tiny = {"facebook/vit-mae-base": adapters.hf_model("vit_mae", False, dict(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                image_size=16, patch_size=4)),
+            "facebook/opt-125m": adapters.hf_model("opt", False, dict(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                vocab_size=300, max_position_embeddings=64, word_embed_proj_dim=32))}
+    processor = types.SimpleNamespace(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224,
+                                                                                  0.225])
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda name, **kw: tiny[name])
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
+                        lambda name: processor)
+    mae = adapters.load("hf:facebook/vit-mae-base")
+    pixels = torch.full((1, 3, 16, 16), 0.485)
+    assert mae.normalize(pixels)[0, 0].abs().max() < 1e-6 and mae.config.mask_ratio == 0.75
+    assert mae.normalize(pixels)[0, 1, 0, 0] == pytest.approx((0.485 - 0.456) / 0.224)
+    assert adapters.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
 
 
 def byte_level_tokenizer(folder):
