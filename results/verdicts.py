@@ -237,7 +237,7 @@ def table(record):
              "| compute MAE/cls | at matched compute [95% CI] | machine |", "|" + "---|" * 8]
     for r in record["comparisons"]:
         m, p = r["matched"], r["planned"]
-        at = "no point near" if m is None else \
+        at = "no evaluation near it" if m is None else \
             f"{interval(m)} (cls {m['steps'][0]}, ft {m['steps'][1]}; {m['ratio']:.2f})"
         lines.append(f"| {r['experiment'][:2]} {r['design']}: {r['varies']} | {r['trunk']} | "
                      f"{p['n']} | {interval(p)} | {p['sign_test_p']:.2f} | "
