@@ -86,7 +86,9 @@ def correct_per_image(model, data):
 
 
 def mcnemar_p(a, b):
-    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): the sign test on the discordant pairs."""
+    """Exact two-sided McNemar test of paired outcomes a, b (bool tensors): the sign test on the discordant pairs.
+    Descriptive only: it measures the test-set noise of two fixed networks (one seed), not the method; a method's
+    result is paired_summary across seeds."""
     return sign_test_p(int((a & ~b).sum()), int((~a & b).sum()))
 
 

@@ -87,7 +87,7 @@ def main(argv=None):
     for trunk, s in summary.items():
         print(f"{trunk}: cls {s['cls'][0]:.2f} ± {s['cls'][1]:.2f}, MAE+ft {s['ft'][0]:.2f} ± {s['ft'][1]:.2f}, "
               f"ft - cls {s['ft_minus_cls'][0]:+.2f} ± {s['ft_minus_cls'][1]:.2f}, same init {s['same_init']}, "
-              f"McNemar p {', '.join(f'{p:.2g}' for p in s['mcnemar_p'])}")
+              f"McNemar p per seed (descriptive) {', '.join(f'{p:.2g}' for p in s['mcnemar_p'])}")
         for arm in ("cls", "ft"):
             print(f"  {arm} last layer", last_layer(bands[f"{trunk} {arm}"]))
 
