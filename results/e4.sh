@@ -14,6 +14,8 @@
 # supervised steps? LAYER_DECAY=1 fine-tunes without layer decay (into ...-ld1; 0.75^24 leaves block 1 of 24x64 a
 # thousandth of the rate): does the decay hold the deep trunks back? REUSE=out/e4-ft1500 takes the cls and mae arms
 # of that earlier run (same seeds and trunks) instead of training them again, so fine-tuning variants share them.
+# CLS_STEPS=N trains cls for N steps instead of 1500 x BUDGET (into ...-clsN), for a cls arm of the MAE arm's compute
+# (the paper's recipe: MAE 1,000 + fine-tuning 500 cost what 1,080 cls steps cost); with REUSE only MAE is taken.
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
 #   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
 #   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
@@ -36,6 +38,8 @@ positive_whole IMAGE_SIZE "of pixels"
 positive_whole WIDEN "(the widths' multiplier)"
 FT_STEPS=${FT_STEPS:-$((500 * BUDGET))}
 positive_whole FT_STEPS "of fine-tuning steps"
+CLS_STEPS=${CLS_STEPS:-$((1500 * BUDGET))}
+positive_whole CLS_STEPS "of cls steps"
 layer_decay_in_range
 if [ $((IMAGE_SIZE % PATCH)) != 0 ]; then
   echo "IMAGE_SIZE must be a multiple of the patch size $PATCH, got $IMAGE_SIZE" >&2; exit 2
@@ -44,6 +48,7 @@ NAME=e4; if [ "$BUDGET" != 1 ]; then NAME=$NAME-x$BUDGET; fi; if [ "$SAMPLES" !=
 if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi; if [ "$WIDEN" != 1 ]; then NAME=$NAME-w$WIDEN; fi
 if [ "$FT_STEPS" != $((500 * BUDGET)) ]; then NAME=$NAME-ft$FT_STEPS; fi
 if [ "$LAYER_DECAY" != 0.75 ]; then NAME=$NAME-ld$LAYER_DECAY; fi
+REUSED="cls mae"; if [ "$CLS_STEPS" != $((1500 * BUDGET)) ]; then NAME=$NAME-cls$CLS_STEPS; REUSED=mae; fi
 COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
@@ -58,7 +63,7 @@ SEEDS=${SEEDS:-0 1 2}
 seed_list SEEDS
 for seed in $SEEDS; do  # a reused arm must be there, and must not replace a run, before anything is written
   for trunk in ${REUSE:+$TRUNKS}; do
-    for arm in cls mae; do
+    for arm in $REUSED; do
       reusable "$REUSE/s$seed/$(shape_of "$trunk")/$arm" "out/$NAME/s$seed/$(shape_of "$trunk")/$arm"
     done
   done
@@ -70,10 +75,12 @@ for seed in $SEEDS; do
     shape=$(shape_of "$trunk"); out=out/$NAME/s$seed/$shape
     flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
     if [ -n "${REUSE:-}" ]; then
-      for arm in cls mae; do reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; done
-    else
-      $PY train.py $COMMON $flags --objective cls --max_iters $((1500 * BUDGET)) --warmup 100 --out_dir $out/cls \
-        --overwrite
+      for arm in $REUSED; do reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; done
+    fi
+    if [ -z "${REUSE:-}" ] || [ "$REUSED" = mae ]; then
+      $PY train.py $COMMON $flags --objective cls --max_iters $CLS_STEPS --warmup 100 --out_dir $out/cls --overwrite
+    fi
+    if [ -z "${REUSE:-}" ]; then
       $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
         --overwrite
     fi

@@ -389,6 +389,7 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
                                          ({"IMAGE_SIZE": "30"}, "IMAGE_SIZE must be a multiple of the patch size 4"),
                                          ({"WIDEN": "two"}, "WIDEN must be a positive whole number"),
                                          ({"FT_STEPS": "0"}, "FT_STEPS must be a positive whole number"),
+                                         ({"CLS_STEPS": "-5"}, "CLS_STEPS must be a positive whole number"),
                                          ({"LAYER_DECAY": "1.5"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"LAYER_DECAY": "0"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"REUSE": "out/e4"}, "REUSE: no out/e4/s0/6x128/cls/ckpt.pt"),
@@ -431,6 +432,25 @@ def test_experiment_4_script_reuses_the_pretrained_arms_and_fine_tunes_them_as_a
     done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
     assert done.returncode == 2
     assert done.stderr == f"REUSE: out/{name}/s0/24x64/cls holds a run of its own; move it away\n"
+
+
+def test_experiment_4_script_trains_a_cls_arm_of_other_length_beside_the_reused_mae(tmp_path):
+    """CLS_STEPS with REUSE: only MAE is a link; cls trains afresh for CLS_STEPS steps, then the fine-tuning, into a
+    folder named after the cls length."""
+    reused = tmp_path / "out" / "e4" / "s0" / "6x128"
+    for arm in ("cls", "mae"):
+        (reused / arm).mkdir(parents=True)
+        (reused / arm / "ckpt.pt").write_text("")
+        (reused / arm / "log.jsonl").write_text(arm)
+    env = {"PYTHON": recording_interpreter(tmp_path), "REUSE": "out/e4", "SEEDS": "0", "TRUNKS": "6x128",
+           "CLS_STEPS": "1080"}
+    done = run_results_script(tmp_path, "e4.sh", env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    cls_call, ft_call = (tmp_path / "calls.txt").read_text().splitlines()
+    assert "--objective cls --max_iters 1080 " in cls_call and "--out_dir out/e4-cls1080/s0/6x128/cls " in cls_call
+    assert "--init_from out/e4-cls1080/s0/6x128/mae/ckpt.pt --max_iters 500 " in ft_call
+    run = tmp_path / "out" / "e4-cls1080" / "s0" / "6x128"
+    assert (run / "mae").is_symlink() and not (run / "cls").is_symlink()
 
 
 @pytest.mark.parametrize("env,decay", [({}, "0.65"), ({"LAYER_DECAY": "1"}, "1")])

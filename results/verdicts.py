@@ -38,6 +38,8 @@ DESIGNS = {
                               "cls 4,000; ft 2,000, no decay", EPYC_F32),
     "e4": (E4, ["6x128", "12x92", "24x64"], (1500, 1000, 500), 16, 0.75, "the paper's recipe",
            EPYC_BF16),
+    "e4-cls1080": (E4, ["6x128", "12x92", "24x64"], (1080, 1000, 500), 16, 0.75,
+                   "the paper's recipe, cls 1,080 steps (matched)", XEON_BF16),
     "e4-x3": (E4, ["6x128", "12x92", "24x64"], (4500, 3000, 1500), 16, 0.75, "3x the steps",
               EPYC_F32),
     "e4-n20000": (E4, ["24x64"], (1500, 1000, 500), 16, 0.75, "4x the images", EPYC_F32),
