@@ -15,7 +15,8 @@
 # thousandth of the rate): does the decay hold the deep trunks back? REUSE=out/e4-ft1500 takes the cls and mae arms
 # of that earlier run (same seeds and trunks) instead of training them again, so fine-tuning variants share them.
 # CLS_STEPS=N trains cls for N steps instead of 1500 x BUDGET (into ...-clsN), for a cls arm of the MAE arm's compute
-# (the paper's recipe: MAE 1,000 + fine-tuning 500 cost what 1,080 cls steps cost); with REUSE only MAE is taken.
+# (the paper's recipe: MAE 1,000 + fine-tuning 500 cost what 1,080 cls steps cost); with REUSE only MAE is taken,
+# and with REUSE_FT=1 its fine-tuning too (made with this FT_STEPS and LAYER_DECAY), so that only cls trains.
 #   bash results/e4.sh [DATA]     DATA defaults to ../shared/data; then python results/e4_analyze.py
 #   (SEEDS="0 1" TRUNKS="24x64" BUDGET=3 bash results/e4.sh runs a part, to share the runs among cores; then
 #   python results/e4_analyze.py --runs out/e4-x3 --out results/e4-x3 --trunks 24x64, plus --train_samples N
@@ -49,6 +50,12 @@ if [ "$IMAGE_SIZE" != 16 ]; then NAME=$NAME-i$IMAGE_SIZE; fi; if [ "$WIDEN" != 1
 if [ "$FT_STEPS" != $((500 * BUDGET)) ]; then NAME=$NAME-ft$FT_STEPS; fi
 if [ "$LAYER_DECAY" != 0.75 ]; then NAME=$NAME-ld$LAYER_DECAY; fi
 REUSED="cls mae"; if [ "$CLS_STEPS" != $((1500 * BUDGET)) ]; then NAME=$NAME-cls$CLS_STEPS; REUSED=mae; fi
+if [ -n "${REUSE_FT:-}" ]; then
+  if [ "$REUSE_FT" != 1 ] || [ "$REUSED" != mae ] || [ -z "${REUSE:-}" ]; then
+    echo "REUSE_FT=1 takes the fine-tuning of REUSE beside a cls arm of its own: set REUSE and CLS_STEPS" >&2; exit 2
+  fi
+  REUSED="mae ft"
+fi
 COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
@@ -77,15 +84,17 @@ for seed in $SEEDS; do
     if [ -n "${REUSE:-}" ]; then
       for arm in $REUSED; do reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; done
     fi
-    if [ -z "${REUSE:-}" ] || [ "$REUSED" = mae ]; then
+    if [ -z "${REUSE:-}" ] || [ "$REUSED" != "cls mae" ]; then
       $PY train.py $COMMON $flags --objective cls --max_iters $CLS_STEPS --warmup 100 --out_dir $out/cls --overwrite
     fi
     if [ -z "${REUSE:-}" ]; then
       $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
         --overwrite
     fi
-    $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
-      --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
+    if [ "$REUSED" != "mae ft" ]; then
+      $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
+        --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
+    fi
     for arm in cls mae ft; do  # the log, and a classifier's per-image correctness for paired tests
       cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl
       if [ -f $out/$arm/eval_correct.npy ]; then cp $out/$arm/eval_correct.npy results/$NAME/logs/s$seed-$shape-$arm.npy; fi

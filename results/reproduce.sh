@@ -66,6 +66,9 @@ FT_STEPS=1500 LAYER_DECAY=1 e4_variant e4-ft1500-ld1 "Experiment 4, MAE fine-tun
 decay: cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"
 REUSE=out/e4-ft1500-ld1 CLS_STEPS=1080 e4_variant e4-cls1080 "Experiment 4 at matched compute: cls from scratch for \
 1,080 steps against MAE 1,000 + fine-tuning 500, mean ± std over 3 seeds" "6x128 12x92 24x64"
+REUSE=out/e4-ft1500-ld1 REUSE_FT=1 CLS_STEPS=2080 FT_STEPS=1500 LAYER_DECAY=1 e4_variant e4-ft1500-ld1-cls2080 \
+"Experiment 4 at matched compute: cls from scratch for 2,080 steps against MAE 1,000 + fine-tuning 1,500 without layer \
+decay, mean ± std over 3 seeds" "6x128 12x92 24x64"
 REUSE=out/e4-ft1500-ld1 LAYER_DECAY=1 TRUNKS="6x128 12x92" bash results/e4.sh "$DATA"  # equal total steps, no decay
 REUSE=out/e4-ft1500 LAYER_DECAY=1 TRUNKS=24x64 e4_variant e4-ld1 "Experiment 4, MAE fine-tuned for 500 steps without \
 layer decay (equal total steps): cls from scratch against MAE + fine-tuning, mean ± std over 3 seeds" "6x128 12x92 24x64"

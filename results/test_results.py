@@ -390,6 +390,7 @@ def test_experiment_4_analysis_checks_the_init_scores_and_probes_each_trunk(caps
                                          ({"WIDEN": "two"}, "WIDEN must be a positive whole number"),
                                          ({"FT_STEPS": "0"}, "FT_STEPS must be a positive whole number"),
                                          ({"CLS_STEPS": "-5"}, "CLS_STEPS must be a positive whole number"),
+                                         ({"REUSE_FT": "1"}, "REUSE_FT=1 takes the fine-tuning of REUSE beside"),
                                          ({"LAYER_DECAY": "1.5"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"LAYER_DECAY": "0"}, "LAYER_DECAY must be a number in (0, 1]"),
                                          ({"REUSE": "out/e4"}, "REUSE: no out/e4/s0/6x128/cls/ckpt.pt"),
@@ -451,6 +452,16 @@ def test_experiment_4_script_trains_a_cls_arm_of_other_length_beside_the_reused_
     assert "--init_from out/e4-cls1080/s0/6x128/mae/ckpt.pt --max_iters 500 " in ft_call
     run = tmp_path / "out" / "e4-cls1080" / "s0" / "6x128"
     assert (run / "mae").is_symlink() and not (run / "cls").is_symlink()
+    (reused / "ft").mkdir()  # REUSE_FT=1: the fine-tuning is taken too, only cls trains
+    (reused / "ft" / "ckpt.pt").write_text("")
+    (reused / "ft" / "log.jsonl").write_text("ft")
+    (tmp_path / "calls.txt").unlink()
+    done = run_results_script(tmp_path, "e4.sh", {**env, "CLS_STEPS": "2080", "REUSE_FT": "1"}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    (call,) = (tmp_path / "calls.txt").read_text().splitlines()
+    assert "--objective cls --max_iters 2080 " in call
+    run = tmp_path / "out" / "e4-cls2080" / "s0" / "6x128"
+    assert (run / "ft").is_symlink() and (run / "ft").resolve() == (reused / "ft").resolve()
 
 
 @pytest.mark.parametrize("env,decay", [({}, "0.65"), ({"LAYER_DECAY": "1"}, "1")])
