@@ -2278,12 +2278,13 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     import adapters
     import transformers
 
-    tiny = {"facebook/vit-mae-base": adapters.hf_model("vit_mae", False, dict(
-                num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-                image_size=16, patch_size=4)),
-            "facebook/opt-125m": adapters.hf_model("opt", False, dict(
-                num_hidden_layers=2, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                vocab_size=300, max_position_embeddings=64, word_embed_proj_dim=32))}
+    def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
+        _, name, settings = adapters.parse(spec)
+        settings.pop("pretrained")
+        return adapters.hf_model(name, False, settings)
+
+    tiny = {"facebook/vit-mae-base": random_weights(HF_MAE),
+            "facebook/opt-125m": random_weights(HF_TINY["opt"])}
     processor = types.SimpleNamespace(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224,
                                                                                   0.225])
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda name, **kw: tiny[name])

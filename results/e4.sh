@@ -56,6 +56,9 @@ if [ -n "${REUSE_FT:-}" ]; then
   fi
   REUSED="mae ft"
 fi
+reused() {  # reused ARM: whether ARM is taken from REUSE rather than trained here
+  [ -n "${REUSE:-}" ] && case " $REUSED " in *" $1 "*) true ;; *) false ;; esac
+}
 COMMON="--preset cifar-deep --image_size $IMAGE_SIZE --patch_size $PATCH --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples $SAMPLES --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50 --lr 2e-3"
 TRUNKS=${TRUNKS:-6x128 12x92 24x64}
@@ -81,20 +84,13 @@ for seed in $SEEDS; do
     depth=${trunk%x*} width=$((${trunk#*x} * WIDEN))
     shape=$(shape_of "$trunk"); out=out/$NAME/s$seed/$shape
     flags="--depth $depth --width $width --heads $(($(heads_of "$trunk") * WIDEN)) --seed $seed"
-    if [ -n "${REUSE:-}" ]; then
-      for arm in $REUSED; do reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; done
-    fi
-    if [ -z "${REUSE:-}" ] || [ "$REUSED" != "cls mae" ]; then
-      $PY train.py $COMMON $flags --objective cls --max_iters $CLS_STEPS --warmup 100 --out_dir $out/cls --overwrite
-    fi
-    if [ -z "${REUSE:-}" ]; then
-      $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 --out_dir $out/mae \
-        --overwrite
-    fi
-    if [ "$REUSED" != "mae ft" ]; then
-      $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
-        --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
-    fi
+    for arm in cls mae ft; do if reused $arm; then reuse_arm "$REUSE/s$seed/$shape/$arm" $out/$arm; fi; done
+    reused cls || $PY train.py $COMMON $flags --objective cls --max_iters $CLS_STEPS --warmup 100 --out_dir $out/cls \
+      --overwrite
+    reused mae || $PY train.py $COMMON $flags --objective mae --max_iters $((1000 * BUDGET)) --warmup 100 \
+      --out_dir $out/mae --overwrite
+    reused ft || $PY train.py $COMMON $flags --objective cls --init_from $out/mae/ckpt.pt --max_iters $FT_STEPS \
+      --warmup 50 --layer_decay $LAYER_DECAY --out_dir $out/ft --overwrite
     for arm in cls mae ft; do  # the log, and a classifier's per-image correctness for paired tests
       cp $out/$arm/log.jsonl results/$NAME/logs/s$seed-$shape-$arm.jsonl
       if [ -f $out/$arm/eval_correct.npy ]; then cp $out/$arm/eval_correct.npy results/$NAME/logs/s$seed-$shape-$arm.npy; fi

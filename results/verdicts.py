@@ -73,16 +73,25 @@ def evaluations(folder, seed, trunk, arm, planned):
     return {r["step"]: r.get("top1") for r in evals}, evals[-1].get("init_trunk_sha256")
 
 
-def same_init_from_logs(folder, seed, trunk, steps):
-    """'logs' where both arms recorded the same initial-weight hash; 'rebuilt' where the runs
-    predate the hash (their analysis rebuilt both initial models: same_init in its JSON)."""
-    hashes = {evaluations(folder, seed, trunk, arm, n)[1] for arm, n in zip(("cls", "mae"), steps)}
-    if None in hashes:
-        return "rebuilt"
-    if len(hashes) != 1:
+def seed_runs(folder, seed, trunk, steps):
+    """One seed's cls and fine-tuning evaluations, each of its three arms read once and refused
+    unless finished, and how its same init is shown: 'logs' where cls and MAE recorded the same
+    initial-weight hash; 'rebuilt' where the runs predate the hash (their analysis rebuilt both
+    initial models: same_init in its JSON)."""
+    (cls, cls_hash), (_, mae_hash), (ft, _) = (
+        evaluations(folder, seed, trunk, arm, n) for arm, n in zip(("cls", "mae", "ft"), steps))
+    if None in (cls_hash, mae_hash):
+        return cls, ft, "rebuilt"
+    if cls_hash != mae_hash:
         raise AnalysisError(f"{folder} seed {seed} {trunk}: cls and MAE started from different "
                             "weights (their logs' init_trunk_sha256 differ)")
-    return "logs"
+    return cls, ft, "logs"
+
+
+def arm_compute(steps, flops):
+    """Training FLOPs per sample of the cls arm and of the MAE arm (pre-training + fine-tuning)."""
+    (n_cls, n_mae, n_ft), (f_cls, f_mae) = steps, flops
+    return n_cls * f_cls, n_mae * f_mae + n_ft * f_cls
 
 
 def seeds_of(folder):
@@ -94,8 +103,8 @@ def matched(cls_evals, ft_evals, steps, flops):
     """(cls step, ft step, compute ratio) where the two arms' compute is nearest equal, reading the
     longer arm at one of its logged evaluations; None where no evaluation comes near."""
     (n_cls, n_mae, n_ft), (f_cls, f_mae) = steps, flops
-    mae_total = n_mae * f_mae + n_ft * f_cls
-    if mae_total > n_cls * f_cls:  # MAE+ft costs more: read its fine-tuning earlier
+    cls_total, mae_total = arm_compute(steps, flops)
+    if mae_total > cls_total:  # MAE+ft costs more: read its fine-tuning earlier
         target = (n_cls * f_cls - n_mae * f_mae) / f_cls
         if target <= 0:
             return None  # MAE's pre-training alone costs as much as cls's whole run
@@ -112,23 +121,22 @@ def design_rows(name):
     rows = []
     for trunk in trunks:
         flops = (step_flops(trunk, image_size, "cls"), step_flops(trunk, image_size, "mae"))
-        runs = {seed: (evaluations(name, seed, trunk, "cls", steps[0])[0],
-                       evaluations(name, seed, trunk, "ft", steps[2])[0])
-                for seed in seeds_of(name)}
-        init = {same_init_from_logs(name, seed, trunk, steps) for seed in runs}  # MAE finished too
-        ratio = (steps[1] * flops[1] + steps[2] * flops[0]) / (steps[0] * flops[0])
-        planned = paired_summary([ft[steps[2]] - cls[steps[0]] for cls, ft in runs.values()])
-        points = [matched(cls, ft, steps, flops) for cls, ft in runs.values()]
+        runs = [seed_runs(name, seed, trunk, steps) for seed in seeds_of(name)]
+        init = {shown for _, _, shown in runs}
+        cls_total, mae_total = arm_compute(steps, flops)
+        planned = paired_summary([ft[steps[2]] - cls[steps[0]] for cls, ft, _ in runs])
+        points = [matched(cls, ft, steps, flops) for cls, ft, _ in runs]
         at_match = None
         if all(points):
             at_match = {"steps": points[0][:2], "ratio": points[0][2], **paired_summary(
-                [ft[k] - cls[s] for (cls, ft), (s, k, _) in zip(runs.values(), points)])}
+                [ft[k] - cls[s] for (cls, ft, _), (s, k, _) in zip(runs, points)])}
         rows.append({"design": name, "experiment": experiment, "trunk": trunk, "varies": varies,
                      "steps": steps, "image_size": image_size, "layer_decay": decay,
-                     "machine": machine, "compute_ratio": ratio, "planned": planned,
+                     "machine": machine, "compute_ratio": mae_total / cls_total,
+                     "planned": planned,
                      "same_init": " and ".join(sorted(init)),
                      "matched": at_match,
-                     "top1": {arm: [run[i][steps[2 * i]] for run in runs.values()]
+                     "top1": {arm: [run[i][steps[2 * i]] for run in runs]
                               for i, arm in enumerate(("cls", "ft"))}})
     return rows
 
