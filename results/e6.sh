@@ -1,96 +1,130 @@
 #!/usr/bin/env bash
-# Experiment 6 (results/e6/PLAN.md): does depth pay under MAE at equal FLOPs? One depth's arms for every
-# seed on one GPU: per seed cls (from scratch), mae (pre-training), ft (fine-tuning the mae, layer decay
-# 0.65) and ft-dm (the depth-matched decay 0.65^(12/depth), secondary). Every command of it stops inside
-# BUDGET seconds with checkpoints (--time_limit) and the next one continues them (--resume), so a machine
-# that allows 10-minute commands loses no work: run it again until it says that every arm is done.
-#   DATA=DIR bash results/e6.sh bamboo-b        DIR holds cifar10-jpeg/; runs go to RUNS (/tmp/e6)
-#   DATA=DIR bash results/e6.sh base-12x768
-#   DEVICE=cpu SAMPLES=32 BATCH=16 ... bash results/e6.sh cifar-tiny    a dry run at tiny scale (the suite's)
-# RESULTS (results/e6) takes the outputs elsewhere; ARM_TIME_LIMIT caps each command's --time_limit (tests).
-# Settings (PLAN.md): SEEDS ("0 1 2 3"), CLS_EPOCHS (15), MAE_EPOCHS (20), FT_EPOCHS (8), SAMPLES (50000
-# training images), BATCH (256), BUDGET (540 s a command), DEVICE (cuda), PROBE_SAMPLES (256).
-# Outputs, small enough to come back from a GPU machine: results/e6/PRESET/ with each arm's log.jsonl, its
-# printed output, eval_correct.npy (per test image), the probe JSON of each finished model, planned.json
-# (each arm's planned steps), status.txt and gpu.txt; ARCHIVE=FILE packs that folder.
+# Experiment 6 (results/e6/PLAN.md): does depth pay under MAE at equal FLOPs? One command per stretch of GPU
+# time: it fixes the design once (results/e6_design.py's rule from bench.py's steps on this GPU), then runs
+# whole seeds while they fit in BUDGET seconds: per seed, the shallow and the deep trunk side by side, each
+# MAE then fine-tuning then the probe of both models. A finished seed lands in results/e6/sN/ and is skipped
+# by every later command, on this machine or a fresh one; a seed that did not finish leaves nothing there.
+#   DATA=DIR bash results/e6.sh             DIR holds cifar10-jpeg/; checkpoints go to RUNS (/tmp/e6)
+#   ARCHIVE=FILE                            also pack results/e6/ into FILE (a runner that returns few files)
+# SEEDS ("0 1 2 3 4 5"), BUDGET (540 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6).
+# The suite's dry run puts a tiny design.json in RESULTS and runs with DEVICE=cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source results/checks.sh
 PY=${PYTHON:-python}
-PRESET=${1:-}
-if [ -z "$PRESET" ]; then echo "usage: bash results/e6.sh PRESET (bamboo-b or base-12x768)" >&2; exit 2; fi
-DATA=${DATA:-../shared/data} RUNS=${RUNS:-/tmp/e6} DEVICE=${DEVICE:-cuda} SEEDS=${SEEDS:-0 1 2 3}
-CLS_EPOCHS=${CLS_EPOCHS:-15} MAE_EPOCHS=${MAE_EPOCHS:-20} FT_EPOCHS=${FT_EPOCHS:-8}
-SAMPLES=${SAMPLES:-50000} BATCH=${BATCH:-256} BUDGET=${BUDGET:-540} PROBE_SAMPLES=${PROBE_SAMPLES:-256}
+DATA=${DATA:-../shared/data} RUNS=${RUNS:-/tmp/e6} DEVICE=${DEVICE:-cuda} SEEDS=${SEEDS:-0 1 2 3 4 5}
+BUDGET=${BUDGET:-540} PROBE_SAMPLES=${PROBE_SAMPLES:-256} OUT=${RESULTS:-results/e6}
 seed_list SEEDS
-for v in CLS_EPOCHS MAE_EPOCHS FT_EPOCHS SAMPLES BATCH BUDGET PROBE_SAMPLES; do positive_whole $v ""; done
+for v in BUDGET PROBE_SAMPLES; do positive_whole $v ""; done
 if [ "$DEVICE" = cuda ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  echo "no CUDA device here: experiment 6 runs on a GPU (DEVICE=cpu runs it at tiny scale)"; exit 1
+  echo "no CUDA device here: experiment 6 runs on a GPU (the suite's dry run uses DEVICE=cpu)"; exit 1
 fi
-OUT=${RESULTS:-results/e6}/$PRESET
-mkdir -p "$OUT"
+if [ ! -d "$DATA/cifar10-jpeg/train" ]; then
+  echo "no CIFAR-10 folder at $DATA/cifar10-jpeg (train/ and test/): set DATA to the folder above it" >&2
+  exit 2
+fi
+start=$SECONDS
+mkdir -p "$OUT" "$RUNS"
 if [ "$DEVICE" = cuda ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/gpu.txt"
 fi
-steps() { echo $(( ($1 * SAMPLES + BATCH - 1) / BATCH )); }  # epochs -> optimizer steps
-DEPTH=$($PY -c "import sys; from bamboo import PRESETS; print(PRESETS[sys.argv[1]]['depth'])" "$PRESET")
-MATCHED=$($PY -c "import sys; print(round(0.65 ** (12 / int(sys.argv[1])), 4))" "$DEPTH")
-echo "{\"cls\": $(steps "$CLS_EPOCHS"), \"mae\": $(steps "$MAE_EPOCHS"), \"ft\": $(steps "$FT_EPOCHS")," \
-  "\"ft-dm\": $(steps "$FT_EPOCHS"), \"depth_matched_decay\": $MATCHED}" > "$OUT/planned.json"
-# The paper's fine-tuning recipe (Table 5, Base) where it applies, for cls and ft alike; MAE's pre-training
-# rate and normalised pixels. AdamW (0.9, 0.95), weight decay 0.05, warmup then cosine: train.py's defaults.
-COMMON="--preset $PRESET --dataset folder --data_dir $DATA/cifar10-jpeg --train_samples 0 --eval_samples 0
-        --batch_size $BATCH --device $DEVICE --log_interval 50"
-SUPERVISED="--objective cls --base_lr 5e-4 --drop_path 0.1 --label_smoothing 0.1"
-start=$SECONDS
+
+if [ ! -f "$OUT/design.json" ]; then  # the rule, once: P1, and P2 only if no length fits P1
+  for pair in P1 P2; do
+    last=""; if [ $pair = P2 ]; then last=--last; fi
+    { read -r mae_specs; read -r ft_specs; } < <($PY results/e6_design.py specs $pair)
+    $PY bench.py $mae_specs --batch_size 1024 --compile auto --rounds 3 --steps 5 \
+      --json "$OUT/bench-$pair-mae.json" > "$OUT/bench-$pair-mae.txt" 2>&1
+    $PY bench.py $ft_specs --batch_size 512 --compile auto --rounds 3 --steps 5 \
+      --json "$OUT/bench-$pair-ft.json" > "$OUT/bench-$pair-ft.txt" 2>&1
+    rc=0
+    $PY results/e6_design.py choose $pair "$OUT/bench-$pair-mae.json" "$OUT/bench-$pair-ft.json" \
+      "$OUT/design.json" $last || rc=$?
+    if [ $rc = 0 ]; then break; elif [ $rc != 3 ]; then exit $rc; fi
+  done
+  echo "design fixed in $((SECONDS - start)) s"
+fi
+eval "$($PY results/e6_design.py shell "$OUT/design.json")"
+
+COMMON="--dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --eval_samples 0
+        --device $DEVICE --log_interval 50"
+MAE="--objective mae --batch_size $MAE_BATCH --base_lr 1.5e-4 --norm_pix_loss --warmup $MAE_WARMUP"
+FT="--objective cls --batch_size $FT_BATCH --base_lr 5e-4 --drop_path 0.1 --label_smoothing 0.1
+    --warmup $FT_WARMUP"
 
 finished() {  # finished RUN PLANNED: the run's log holds an evaluation at its planned step
   [ -f "$1/log.jsonl" ] && grep -q "\"eval\": true, \"step\": $2," "$1/log.jsonl"
 }
 
-arm() {  # arm SEED NAME PLANNED FLAGS...: train or continue one arm inside what is left of BUDGET
-  local seed=$1 name=$2 planned=$3 run=$RUNS/$PRESET/s$1/$2; shift 3
-  local left=$((BUDGET - (SECONDS - start) - 60))  # a minute for start-up, the last evaluation and saving
-  if finished "$run" "$planned" || [ "$left" -lt 30 ]; then return 0; fi
-  local limit=${ARM_TIME_LIMIT:-$left}
+arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what is left of BUDGET
+  local seed=$1 run=$2 planned=$3; shift 3
+  local left=$((BUDGET - (SECONDS - start) - 30))
+  if finished "$run" "$planned" || [ "$left" -lt 10 ]; then return 0; fi
   if [ -f "$run/ckpt.pt" ]; then
-    $PY train.py --resume --out_dir "$run" --time_limit "$limit" --device "$DEVICE"
+    $PY train.py --resume --out_dir "$run" --time_limit "$left" --device "$DEVICE"
   else
     $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
-      --out_dir "$run" --time_limit "$limit" "$@"
-  fi >> "$OUT/s$seed-$name.txt" 2>&1 || echo "seed $seed $name failed: see $OUT/s$seed-$name.txt" >&2
-  for file in log.jsonl eval_correct.npy; do
-    if [ -f "$run/$file" ]; then cp "$run/$file" "$OUT/s$seed-$name.${file#*.}"; fi
-  done
-  if finished "$run" "$planned" && [ ! -f "$OUT/s$seed-$name.probe.json" ]; then
+      --out_dir "$run" --time_limit "$left" "$@"
+  fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
+  if finished "$run" "$planned"; then
     $PY probe.py "$run/ckpt.pt" --dataset folder --data_dir "$DATA/cifar10-jpeg" --device "$DEVICE" \
-      --samples "$PROBE_SAMPLES" --json "$OUT/s$seed-$name.probe.json" > /dev/null
+      --samples "$PROBE_SAMPLES" --json "$run.probe.json" > /dev/null
   fi
 }
 
+trunk() {  # trunk SEED NAME FLAGS DECAY: MAE, then fine-tuning from it
+  local runs=$RUNS/s$1
+  arm "$1" "$runs/$2-mae" "$MAE_STEPS" $MAE $3
+  if finished "$runs/$2-mae" "$MAE_STEPS"; then
+    arm "$1" "$runs/$2-ft" "$FT_STEPS" $FT --layer_decay "$4" --init_from "$runs/$2-mae/ckpt.pt"
+  fi
+}
+
+seed_done() {  # every run of the seed at its planned step, with its probe
+  local runs=$RUNS/s$1 name
+  for name in shallow deep; do
+    finished "$runs/$name-mae" "$MAE_STEPS" && finished "$runs/$name-ft" "$FT_STEPS" &&
+      [ -f "$runs/$name-mae.probe.json" ] && [ -f "$runs/$name-ft.probe.json" ] || return 1
+  done
+}
+
+keep_seed() {  # copy a finished seed's small outputs into OUT/sN, whole or not at all
+  local runs=$RUNS/s$1 part=$OUT/s$1.part run
+  rm -rf "$part" && mkdir -p "$part"
+  for run in shallow-mae shallow-ft deep-mae deep-ft; do
+    cp "$runs/$run/log.jsonl" "$part/$run.jsonl"
+    cp "$runs/$run.txt" "$runs/$run.probe.json" "$part/"
+    if [ -f "$runs/$run/eval_correct.npy" ]; then cp "$runs/$run/eval_correct.npy" "$part/$run.npy"; fi
+  done
+  echo "$2" > "$part/seconds.txt"
+  mv "$part" "$OUT/s$1"
+}
+
+left_over=0 last_seed_s=$PREDICTED_SEED_S
 for seed in $SEEDS; do
-  arm "$seed" cls "$(steps "$CLS_EPOCHS")" $SUPERVISED
-  arm "$seed" mae "$(steps "$MAE_EPOCHS")" --objective mae --base_lr 1.5e-4 --norm_pix_loss
-  if finished "$RUNS/$PRESET/s$seed/mae" "$(steps "$MAE_EPOCHS")"; then
-    arm "$seed" ft "$(steps "$FT_EPOCHS")" $SUPERVISED --layer_decay 0.65 \
-      --init_from "$RUNS/$PRESET/s$seed/mae/ckpt.pt"
-    arm "$seed" ft-dm "$(steps "$FT_EPOCHS")" $SUPERVISED --layer_decay "$MATCHED" \
-      --init_from "$RUNS/$PRESET/s$seed/mae/ckpt.pt"
+  if [ -d "$OUT/s$seed" ]; then continue; fi
+  need=$last_seed_s
+  if [ -d "$RUNS/s$seed" ]; then need=$((last_seed_s / 2)); fi  # a seed begun here goes on
+  if [ $((BUDGET - (SECONDS - start))) -lt "$need" ]; then
+    echo "seed $seed: not started, $((BUDGET - (SECONDS - start))) s left, a seed takes about $need s"
+    left_over=1; break
+  fi
+  seed_start=$SECONDS
+  echo "seed $seed: both trunks side by side ($PAIR, MAE $MAE_STEPS steps, fine-tuning $FT_STEPS)"
+  mkdir -p "$RUNS/s$seed"
+  trunk "$seed" shallow "$SHALLOW_FLAGS" "$SHALLOW_DECAY" &
+  trunk "$seed" deep "$DEEP_FLAGS" "$DEEP_DECAY" &
+  wait
+  if seed_done "$seed"; then
+    last_seed_s=$((SECONDS - seed_start))
+    keep_seed "$seed" "$last_seed_s"
+    echo "seed $seed: done in $last_seed_s s, kept in $OUT/s$seed"
+  else
+    echo "seed $seed: not finished in this command; run it again to continue (on this machine it resumes)"
+    left_over=1; break
   fi
 done
-
-left=0
-: > "$OUT/status.txt"
-for seed in $SEEDS; do
-  for name in cls mae ft ft-dm; do
-    case $name in cls) planned=$(steps "$CLS_EPOCHS") ;; mae) planned=$(steps "$MAE_EPOCHS") ;;
-                  *) planned=$(steps "$FT_EPOCHS") ;; esac
-    if finished "$RUNS/$PRESET/s$seed/$name" "$planned"; then state="done"; else state="not done"; left=1; fi
-    echo "seed $seed $name: $state (planned $planned steps)" >> "$OUT/status.txt"
-  done
-done
-cat "$OUT/status.txt"
-if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" "$OUT"; fi
-if [ "$left" = 1 ]; then echo "run bash results/e6.sh $PRESET again to continue ($((SECONDS - start)) s used)"; else
-  echo "every arm of $PRESET is done; then: python results/e6_analyze.py"; fi
+if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" --exclude='*.part' "$OUT"; fi
+if [ "$left_over" = 1 ]; then echo "run bash results/e6.sh again for the seeds left ($((SECONDS - start)) s used)"
+else echo "every seed is done; then: python results/e6_analyze.py"; fi

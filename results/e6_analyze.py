@@ -1,98 +1,118 @@
-"""Experiment 6's verdict from what results/e6.sh brought back (results/e6/PRESET/), by the rule of PLAN.md.
+"""Experiment 6's verdict from the seeds results/e6.sh kept (results/e6/sN/), by the rule of PLAN.md.
 
-Per seed and depth: the test top-1 of each arm at its planned step (a run that did not reach it is refused),
-and whether the four arms started from the same stem and blocks (their logged initial-trunk hashes must be
-equal). Across seeds, paired by seed (analysis.paired_summary: mean, 95% t-interval, sign test):
-  D    = FT(deep) - FT(wide)                       primary
-  I    = D - (cls(deep) - cls(wide))               primary (the interaction)
-  D_dm = FT-dm(deep) - FT(wide)                    secondary (depth-matched layer decay)
-Verdict on D: confirmed if D > 0 in every seed and its interval excludes 0; refuted at this scale if the
-interval's upper end is below the paper's +0.9; otherwise inconclusive. Writes e6.json, table.md and
-e6.png (abs_cos_centered and erank against relative depth, cls and ft at each depth) into results/e6/.
+Per seed and trunk: the fine-tuned test top-1 at its planned step (a run that did not reach it is refused),
+and whether MAE and fine-tuning started from the same stem and blocks (equal logged initial-trunk hashes).
+Across seeds, paired by seed (analysis.paired_summary: mean, 95% t-interval, sign test):
+  D = FT(deep) - FT(shallow)
+Verdict on D's interval [lo, hi], four regions that never overlap: direction confirmed (lo > 0, hi >= 0.9),
+positive, smaller than the paper's (lo > 0, hi < 0.9), refuted at this scale (hi < 0), inconclusive
+(lo <= 0 <= hi, with the smallest effect the design could detect). Writes e6.json, table.md and e6.png
+(abs_cos_centered and erank against relative depth, each trunk after MAE and after fine-tuning).
 
-Run: python results/e6_analyze.py [--wide base-12x768 --deep bamboo-b]
+Run: python results/e6_analyze.py [--root results/e6]
 """
 import argparse
 import json
+import math
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import AnalysisError, command_line, paired_summary  # noqa: E402
+from analysis import AnalysisError, command_line, paired_summary, t_quantile  # noqa: E402
 
-ARMS = ("cls", "mae", "ft", "ft-dm")
+TRUNKS = ("shallow", "deep")
+RUNS = ("mae", "ft")
 PAPER_GAIN = 0.9  # Bamboo Table 2: Bamboo-B 84.2 against MAE-B 83.3 top-1 on ImageNet
 
 
-def final_top1(folder, seed, arm, planned):
-    """(top-1 at the planned step, the initial-trunk hash) of one arm's log; refuses an unfinished run."""
-    path = os.path.join(folder, f"s{seed}-{arm}.jsonl")
+def final_eval(folder, run, planned):
+    """The last evaluation record of one run's log; refuses a run that did not reach its planned step."""
+    path = os.path.join(folder, f"{run}.jsonl")
     if not os.path.isfile(path):
-        raise AnalysisError(f"no {path}; run results/e6.sh until it says every arm is done")
+        raise AnalysisError(f"no {path}; a seed folder must hold every run (results/e6.sh writes it whole)")
     with open(path) as f:
         evals = [r for r in map(json.loads, f) if r.get("eval")]
     last = evals[-1] if evals else {}
     if last.get("step") != planned:
-        raise AnalysisError(f"{path}: the run ended at step {last.get('step')}, not its planned "
-                            f"{planned}; run results/e6.sh again to finish it")
-    return last.get("top1"), last["init_trunk_sha256"]
+        raise AnalysisError(f"{path}: the run ended at step {last.get('step')}, not its planned {planned}")
+    return last
 
 
-def depth_results(folder, seeds):
-    """{arm: {seed: top-1}} of one depth, with every seed's arms checked to share their initial trunk."""
-    with open(os.path.join(folder, "planned.json")) as f:
-        planned = json.load(f)
-    top1 = {arm: {} for arm in ARMS}
-    for seed in seeds:
-        hashes = set()
-        for arm in ARMS:
-            top1[arm][seed], init = final_top1(folder, seed, arm, planned[arm])
-            hashes.add(init)
-        if len(hashes) != 1:
-            raise AnalysisError(f"{folder}: the arms of seed {seed} did not start from the same stem "
-                                "and blocks (their initial-trunk hashes differ)")
+def seeds_in(root):
+    """The seeds kept under root (folders sN), in order."""
+    names = [n for n in os.listdir(root) if n[:1] == "s" and n[1:].isdigit()]
+    return sorted(int(n[1:]) for n in names if os.path.isdir(os.path.join(root, n)))
+
+
+def seed_top1(root, seed, design):
+    """{trunk: fine-tuned top-1} of one seed, each trunk's MAE and fine-tuning checked to start alike."""
+    folder = os.path.join(root, f"s{seed}")
+    top1 = {}
+    for trunk in TRUNKS:
+        mae = final_eval(folder, f"{trunk}-mae", design["mae"]["steps"])
+        ft = final_eval(folder, f"{trunk}-ft", design["ft"]["steps"])
+        if mae["init_trunk_sha256"] != ft["init_trunk_sha256"]:
+            raise AnalysisError(f"{folder}: the {trunk} MAE and fine-tuning of seed {seed} did not start from "
+                                "the same stem and blocks (their initial-trunk hashes differ)")
+        top1[trunk] = ft["top1"]
     return top1
 
 
+def detectable(sd, n):
+    """The smallest true D that n seeds detect with 80% power at a two-sided 5% level, given sd."""
+    if n < 2:
+        return math.inf
+    return (t_quantile(0.975, n - 1) + t_quantile(0.8, n - 1)) * sd / math.sqrt(n)
+
+
 def verdict(d):
-    if all(v > 0 for v in d["per_seed"]) and d["ci95"][0] > 0:
-        return "confirmed"
-    if d["ci95"][1] < PAPER_GAIN:
+    lo, hi = d["ci95"]
+    if lo > 0:
+        return "direction confirmed" if hi >= PAPER_GAIN else "positive, smaller than the paper's"
+    if hi < 0:
         return "refuted at this scale"
-    return "inconclusive: more seeds, not more variants"
+    return f"inconclusive: the design detects |D| of {detectable(d['sd'], d['n']):.2f} points or more"
 
 
-def analyze(root, wide, deep, seeds):
-    results = {name: depth_results(os.path.join(root, name), seeds) for name in (wide, deep)}
-    w, d = results[wide], results[deep]
-    rows = {"D": [d["ft"][s] - w["ft"][s] for s in seeds],
-            "I": [(d["ft"][s] - w["ft"][s]) - (d["cls"][s] - w["cls"][s]) for s in seeds],
-            "D_dm": [d["ft-dm"][s] - w["ft"][s] for s in seeds]}
-    summary = {name: paired_summary(row) for name, row in rows.items()}
-    return {"seeds": list(seeds), "top1": results, "paired": summary, "verdict": verdict(summary["D"])}
+def analyze(root, seeds=None):
+    with open(os.path.join(root, "design.json")) as f:
+        design = json.load(f)
+    seeds = seeds_in(root) if seeds is None else list(seeds)
+    if not seeds:
+        raise AnalysisError(f"no finished seed under {root}; run results/e6.sh on a GPU first")
+    top1 = {s: seed_top1(root, s, design) for s in seeds}
+    d = paired_summary([top1[s]["deep"] - top1[s]["shallow"] for s in seeds])
+    seconds = []
+    for s in seeds:
+        with open(os.path.join(root, f"s{s}", "seconds.txt")) as f:
+            seconds.append(float(f.read()))
+    return {"seeds": seeds, "pair": design["pair"], "trunks": design["trunks"], "top1": top1, "D": d,
+            "verdict": verdict(d), "detectable_80": detectable(d["sd"], d["n"]),
+            "seed_seconds": seconds, "predicted_seed_s": design["predicted_seed_s"]}
 
 
-def table(report, wide, deep):
-    """The 2x2 table (every seed, mean, 95% interval) and the paired rows, as markdown."""
-    lines = ["| depth | arm | " + " | ".join(f"seed {s}" for s in report["seeds"]) + " | mean [95% interval] |",
-             "|---|---|" + "---|" * (len(report["seeds"]) + 1)]
-    for name in (wide, deep):
-        for arm in ("cls", "ft", "ft-dm"):  # mae is judged by its fine-tuning
-            values = [report["top1"][name][arm][s] for s in report["seeds"]]
-            p = paired_summary(values)
-            lines.append(f"| {name} | {arm} | " + " | ".join(f"{v:.2f}" for v in values)
-                         + f" | {p['mean']:.2f} [{p['ci95'][0]:.2f}, {p['ci95'][1]:.2f}] |")
-    lines.append("")
-    for key, d in report["paired"].items():
-        lines.append(f"- {key}: {' '.join(f'{v:+.2f}' for v in d['per_seed'])} -> {d['mean']:+.2f}, 95% "
-                     f"interval [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sign test p {d['sign_test_p']:.3g}")
-    lines.append(f"- verdict on D: {report['verdict']}")
+def table(report):
+    """Every seed's top-1s, D, its interval and the verdict, as markdown."""
+    seeds = report["seeds"]
+    lines = ["| trunk | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---|" + "---|" * (len(seeds) + 1)]
+    for trunk in TRUNKS:
+        values = [report["top1"][s][trunk] for s in seeds]
+        flags = report["trunks"][trunk]["flags"]
+        lines.append(f"| {trunk} ({flags}) | " + " | ".join(f"{v:.2f}" for v in values)
+                     + f" | {sum(values) / len(values):.2f} |")
+    d = report["D"]
+    per_seed = " ".join(f"{v:+.2f}" for v in d["per_seed"])
+    seconds = ", ".join(f"{s:.0f}" for s in report["seed_seconds"])
+    lines += ["", (f"- D = FT(deep) - FT(shallow): {per_seed} -> {d['mean']:+.2f}, 95% interval "
+                   f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sd {d['sd']:.2f}, sign test p {d['sign_test_p']:.3g}"),
+              f"- verdict on D ({len(seeds)} seeds): {report['verdict']}",
+              f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})"]
     return "\n".join(lines) + "\n"
 
 
-def plot(root, wide, deep, seeds, path):
-    """abs_cos_centered and erank against relative depth, cls and ft at each depth, mean over seeds."""
+def plot(root, seeds, path):
+    """abs_cos_centered and erank against relative depth, per trunk after MAE and after fine-tuning."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,16 +120,16 @@ def plot(root, wide, deep, seeds, path):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ("abs_cos_centered", "erank")):
-        for name in (wide, deep):
-            for arm in ("cls", "ft"):
+        for trunk in TRUNKS:
+            for run, style in zip(RUNS, ("--", "-")):
                 curves = []
                 for seed in seeds:
-                    with open(os.path.join(root, name, f"s{seed}-{arm}.probe.json")) as f:
+                    with open(os.path.join(root, f"s{seed}", f"{trunk}-{run}.probe.json")) as f:
                         curves.append(next(iter(json.load(f)["metrics"][metric].values())))
                 mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(curves[0]))]
-                ax.plot([i / (len(mean) - 1) for i in range(len(mean))], mean, marker="o", markersize=2,
-                        label=f"{name} {arm}")
-        ax.set(title=metric, xlabel="relative depth (layer / depth)")
+                ax.plot([i / (len(mean) - 1) for i in range(len(mean))], mean, style, marker="o",
+                        markersize=2, label=f"{trunk} after {'MAE' if run == 'mae' else 'fine-tuning'}")
+        ax.set(title=f"{metric}, mean over {len(seeds)} seeds", xlabel="relative depth (layer / depth)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -120,19 +140,17 @@ def plot(root, wide, deep, seeds, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Experiment 6's verdict.", allow_abbrev=False)
     p.add_argument("--root", default=os.path.join(HERE, "e6"), help="what e6.sh wrote (results/e6)")
-    p.add_argument("--wide", default="base-12x768")
-    p.add_argument("--deep", default="bamboo-b")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: every seed kept")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the probe figure")
     args = p.parse_args(argv)
-    report = analyze(args.root, args.wide, args.deep, args.seeds)
+    report = analyze(args.root, args.seeds)
     with open(os.path.join(args.root, "e6.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(args.root, "table.md"), "w") as f:
-        f.write(table(report, args.wide, args.deep))
+        f.write(table(report))
     if args.plot:
-        plot(args.root, args.wide, args.deep, args.seeds, os.path.join(args.root, "e6.png"))
-    print(table(report, args.wide, args.deep))
+        plot(args.root, report["seeds"], os.path.join(args.root, "e6.png"))
+    print(table(report))
     return report
 
 

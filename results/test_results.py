@@ -499,82 +499,133 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
 # ---------------------------------------------------------------- experiment 6 (results/e6/PLAN.md)
 
 def test_experiment_6_without_a_gpu_says_so_in_one_line(tmp_path):
-    done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh"), "bamboo-b"], capture_output=True,
+    done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh")], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
                                                       "CUDA_VISIBLE_DEVICES": "", "RESULTS": str(tmp_path)})
     assert done.returncode == 1 and done.stdout.startswith("no CUDA device here") and done.stdout.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
 
 
-def test_experiment_6_runs_its_arms_in_commands_that_stop_and_continue(tiny_data, tmp_path):
-    """A dry run at tiny scale on the CPU: the first command's arms stop after a step (a time limit
-    stands in for the GPU machine's), the second continues them to their planned step and fine-tunes
-    from the finished MAE; the analysis reads what came back."""
+TINY_E6 = {"pair": "tiny", "train_samples": 32, "predicted_seed_s": 60,
+           "trunks": {"shallow": {"flags": "--depth 1 --width 32 --heads 1 --decoder_depth 1 --decoder_width 32 "
+                                           "--decoder_heads 1", "layer_decay": 0.65},
+                      "deep": {"flags": "--depth 4 --width 16 --heads 1 --decoder_depth 1 --decoder_width 32 "
+                                        "--decoder_heads 1", "layer_decay": 0.8979}},
+           "mae": {"batch": 8, "steps": 3, "warmup": 1}, "ft": {"batch": 8, "steps": 2, "warmup": 1}}
+
+
+def test_experiment_6_keeps_whole_seeds_and_a_fresh_machine_skips_them(tiny_data, tmp_path):
+    """A dry run at tiny scale on the CPU: seed 0 runs both trunks (MAE, fine-tuning from it, probes) and
+    lands whole in RESULTS/s0; a second command on a "fresh machine" (no checkpoints) skips seed 0 and does
+    not start seed 1, for which too little of its budget is left; the analysis reads the kept seed."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
-    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "SEEDS": "0", "SAMPLES": "32", "BATCH": "16",
-           "CLS_EPOCHS": "1", "MAE_EPOCHS": "1", "FT_EPOCHS": "1", "PROBE_SAMPLES": "4", "OMP_NUM_THREADS": "1",
-           "DATA": str(tmp_path / "data"), "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "e6")}
-    script = ["bash", os.path.join(REPO, "results", "e6.sh"), "cifar-tiny"]
-    first = subprocess.run(script, capture_output=True, text=True, timeout=120, env={**env, "ARM_TIME_LIMIT": "1e-9"})
-    assert first.returncode == 0 and "seed 0 cls: not done" in first.stdout and "again to continue" in first.stdout
-    assert not (tmp_path / "runs" / "cifar-tiny" / "s0" / "ft").exists()  # no fine-tuning of an unfinished MAE
-    second = subprocess.run(script, capture_output=True, text=True, timeout=180, env=env)
-    out = tmp_path / "e6" / "cifar-tiny"
-    assert second.returncode == 0 and "every arm of cifar-tiny is done" in second.stdout, second.stdout + second.stderr
-    assert "resumed from" in (out / "s0-cls.txt").read_text() and (out / "s0-ft-dm.probe.json").exists()
-    assert len(np.load(out / "s0-ft.npy")) == 32  # per test image
-    top1 = results_module("e6_analyze").depth_results(str(out), [0])
-    assert set(top1) == {"cls", "mae", "ft", "ft-dm"} and 0 <= top1["ft"][0] <= 100
+    out = tmp_path / "e6"
+    out.mkdir()
+    (out / "design.json").write_text(json.dumps(TINY_E6))
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "SEEDS": "0", "PROBE_SAMPLES": "4",
+           "OMP_NUM_THREADS": "1", "DATA": str(tmp_path / "data"), "RUNS": str(tmp_path / "runs"),
+           "RESULTS": str(out), "BUDGET": "300"}
+    script = ["bash", os.path.join(REPO, "results", "e6.sh")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=240, env=env)
+    assert first.returncode == 0 and "seed 0: done in" in first.stdout, first.stdout + first.stderr
+    kept = sorted(p.name for p in (out / "s0").iterdir())
+    assert kept == sorted([f"{t}-{r}{ext}" for t in ("shallow", "deep") for r in ("mae", "ft")
+                           for ext in (".jsonl", ".txt", ".probe.json")] + ["deep-ft.npy", "shallow-ft.npy",
+                                                                           "seconds.txt"])
+    assert "mae 4x16" in (out / "s0" / "deep-mae.txt").read_text()
+    assert "cls 4x16" in (out / "s0" / "deep-ft.txt").read_text()  # the trunk of its MAE
+    second = subprocess.run(script, capture_output=True, text=True, timeout=60,
+                            env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"), "BUDGET": "30"})
+    assert second.returncode == 0 and "seed 1: not started" in second.stdout and "seed 0" not in second.stdout
+    assert not (out / "s1").exists() and not (tmp_path / "fresh" / "s0").exists()
+    e6 = results_module("e6_analyze")
+    top1 = e6.seed_top1(str(out), 0, TINY_E6)
+    assert set(top1) == {"shallow", "deep"} and all(0 <= v <= 100 for v in top1.values())
 
 
-def write_e6_arm(folder, seed, arm, top1, planned=10, step=None, init="a"):
-    record = {"eval": True, "step": planned if step is None else step, "top1": top1, "init_trunk_sha256": init}
-    (folder / f"s{seed}-{arm}.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + json.dumps(record) + "\n")
-
-
-def synthetic_e6(root, ft_gain, cls_gain):
-    """Two depths x four arms x three seeds whose top-1s are known: the deep trunk's ft and cls arms
-    differ from the wide one's by ft_gain and cls_gain, seed by seed."""
-    for name in ("wide", "deep"):
-        folder = root / name
+def synthetic_e6(root, gains, planned=10):
+    """Seeds whose fine-tuned top-1s are known: the deep trunk's differs from the shallow one's by gains."""
+    (root / "design.json").write_text(json.dumps({**TINY_E6, "mae": {"steps": planned}, "ft": {"steps": planned}}))
+    for seed, gain in enumerate(gains):
+        folder = root / f"s{seed}"
         folder.mkdir(parents=True)
-        (folder / "planned.json").write_text(json.dumps({"cls": 10, "mae": 10, "ft": 10, "ft-dm": 10}))
-        for seed in range(3):
-            deep = name == "deep"
-            write_e6_arm(folder, seed, "cls", 70.0 + seed + (cls_gain[seed] if deep else 0))
-            write_e6_arm(folder, seed, "mae", None)
-            write_e6_arm(folder, seed, "ft", 75.0 + seed + (ft_gain[seed] if deep else 0))
-            write_e6_arm(folder, seed, "ft-dm", 75.0 + seed + (ft_gain[seed] + 1 if deep else 0))
+        (folder / "seconds.txt").write_text("200\n")
+        for trunk, top1 in (("shallow", 75.0 + seed), ("deep", 75.0 + seed + gain)):
+            for run in ("mae", "ft"):
+                record = {"eval": True, "step": planned, "top1": top1 if run == "ft" else None,
+                          "init_trunk_sha256": trunk}
+                (folder / f"{trunk}-{run}.jsonl").write_text(json.dumps(record) + "\n")
 
 
-@pytest.mark.parametrize("ft_gain,verdict", [([2.0, 2.1, 1.9], "confirmed"),
-                                             ([1.0, 2.0, 3.0], "inconclusive"),
-                                             ([-1.0, -0.5, -1.5], "refuted at this scale")])
-def test_experiment_6_analysis_gives_the_plans_verdict_on_known_inputs(tmp_path, ft_gain, verdict):
+@pytest.mark.parametrize("gains,verdict", [([2.0, 2.1, 1.9], "direction confirmed"),
+                                           ([0.3, 0.35, 0.4], "positive, smaller than the paper's"),
+                                           ([1.0, -2.0, 3.0], "inconclusive: the design detects"),
+                                           ([-1.0, -1.1, -0.9], "refuted at this scale")])
+def test_experiment_6_analysis_gives_each_region_of_the_plans_rule(tmp_path, gains, verdict):
     e6 = results_module("e6_analyze")
-    synthetic_e6(tmp_path, ft_gain, cls_gain=[0.5, 0.5, 0.5])
-    report = e6.main(["--root", str(tmp_path), "--wide", "wide", "--deep", "deep", "--seeds", "0", "1", "2",
-                      "--no-plot"])
-    d, i, dm = (report["paired"][k] for k in ("D", "I", "D_dm"))
-    assert d["per_seed"] == pytest.approx(ft_gain) and d["mean"] == pytest.approx(sum(ft_gain) / 3)
-    assert i["per_seed"] == pytest.approx([g - 0.5 for g in ft_gain])
-    assert dm["per_seed"] == pytest.approx([g + 1 for g in ft_gain])
-    half = 4.3027 * (sum((g - d["mean"]) ** 2 for g in ft_gain) / 2) ** 0.5 / 3 ** 0.5
+    synthetic_e6(tmp_path, gains)
+    report = e6.main(["--root", str(tmp_path), "--no-plot"])
+    d = report["D"]
+    assert d["per_seed"] == pytest.approx(gains) and d["mean"] == pytest.approx(sum(gains) / 3)
+    half = 4.3027 * (sum((g - d["mean"]) ** 2 for g in gains) / 2) ** 0.5 / 3 ** 0.5
     assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half], rel=1e-3)
-    assert report["verdict"].startswith(verdict)
-    assert "| deep | ft |" in (tmp_path / "table.md").read_text() and (tmp_path / "e6.json").exists()
+    assert report["verdict"].startswith(verdict) and report["seeds"] == [0, 1, 2]
+    assert "verdict on D (3 seeds)" in (tmp_path / "table.md").read_text()
 
 
-def test_experiment_6_analysis_refuses_unfinished_or_differently_started_arms(tmp_path):
+def test_experiment_6_regions_never_overlap_and_cover_every_interval():
     e6 = results_module("e6_analyze")
-    synthetic_e6(tmp_path, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
-    write_e6_arm(tmp_path / "deep", 1, "ft", 80.0, step=6)
+    edges = [-2.0, -0.1, 0.0, 0.1, 0.89, 0.9, 0.91, 3.0]
+    for lo in edges:
+        for hi in edges:
+            if lo <= hi:
+                held = [lo > 0 and hi >= 0.9, lo > 0 and hi < 0.9, hi < 0, lo <= 0 <= hi]
+                assert sum(held) == 1
+                names = ["direction confirmed", "positive, smaller", "refuted", "inconclusive"]
+                got = e6.verdict({"ci95": [lo, hi], "sd": 1.0, "n": 6})
+                assert got.startswith(names[held.index(True)])
+    # 6 seeds at sd 1: (t(.975, 5) + t(.8, 5)) / sqrt(6) = (2.571 + 0.920) / 2.449
+    assert e6.detectable(1.0, 6) == pytest.approx(1.425, abs=0.002)
+
+
+def test_experiment_6_analysis_refuses_unfinished_or_differently_started_runs(tmp_path):
+    e6 = results_module("e6_analyze")
+    synthetic_e6(tmp_path, [1.0, 1.0, 1.0])
+    good = (tmp_path / "s1" / "deep-ft.jsonl").read_text()
+    (tmp_path / "s1" / "deep-ft.jsonl").write_text(good.replace('"step": 10', '"step": 6'))
     with pytest.raises(e6.AnalysisError, match="ended at step 6, not its planned 10"):
-        e6.analyze(str(tmp_path), "wide", "deep", [0, 1, 2])
-    write_e6_arm(tmp_path / "deep", 1, "ft", 80.0, init="b")
-    with pytest.raises(e6.AnalysisError, match="arms of seed 1 did not start from the same stem and blocks"):
-        e6.analyze(str(tmp_path), "wide", "deep", [0, 1, 2])
+        e6.analyze(str(tmp_path))
+    (tmp_path / "s1" / "deep-ft.jsonl").write_text(good.replace('"deep"', '"other"'))
+    with pytest.raises(e6.AnalysisError, match="deep MAE and fine-tuning of seed 1 did not start from the same"):
+        e6.analyze(str(tmp_path))
+
+
+def test_experiment_6_design_rule_takes_the_longest_mae_that_fits_and_falls_back(tmp_path):
+    design = results_module("e6_design")
+    mae, ft = {"shallow": 5.0, "deep": 10.0}, {"shallow": 4.0, "deep": 8.0}
+    epochs, trace = design.choose("P1", mae, ft)
+    # the deep trunk is the longer: E=200 is 9,766 MAE steps of 1,024 and 25 epochs = 2,442 steps of 512
+    assert trace[200] == pytest.approx(9766 * 0.010 + 2442 * 0.008 + 120, abs=0.1)
+    assert trace[200] < 270 < trace[300]
+    assert epochs == 200
+    slow = {"shallow": 50.0, "deep": 100.0}
+    assert design.choose("P1", slow, ft)[0] is None and design.choose("P2", slow, ft, last=True)[0] == 100
+    for name, ms in (("mae", mae), ("ft", ft)):
+        rows = [{"spec": design.spec(name, shape), "step_ms": ms[trunk]}
+                for trunk, shape in design.PAIRS["P1"].items()]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "design.json"
+    assert design.main(["choose", "P1", str(tmp_path / "mae.json"), str(tmp_path / "ft.json"), str(out)]) == 0
+    chosen = json.loads(out.read_text())
+    assert chosen["mae_epochs"] == 200 and chosen["ft_epochs"] == 25 and chosen["mae"]["steps"] == 9766
+    assert chosen["trunks"]["deep"]["layer_decay"] == pytest.approx(0.65 ** 0.25, abs=1e-4)
+    assert chosen["mae"]["warmup"] == round(0.05 * 9766) and chosen["ft"]["steps"] == 2442
+    shell = design.shell(str(out))
+    assert "DEEP_FLAGS='--depth 48 --width 128 --heads 2'" in shell and "MAE_STEPS='9766'" in shell
+    (tmp_path / "ft.json").write_text(json.dumps({"rows": rows[:1]}))
+    with pytest.raises(design.AnalysisError, match="has no row for"):
+        design.main(["choose", "P1", str(tmp_path / "mae.json"), str(tmp_path / "ft.json"), str(out)])
 
 
 # ----------------------------------------------------------------------------- verdicts.py

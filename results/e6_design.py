@@ -1,0 +1,126 @@
+"""Experiment 6's design rule (PLAN.md): the pair of trunks and the MAE epochs from measured steps.
+
+    python results/e6_design.py specs PAIR                 bench.py's specs of a pair, one a line
+    python results/e6_design.py choose PAIR MAE.json FT.json OUT.json [--last]
+                                                           the rule; exit 3 if nothing fits PAIR
+    python results/e6_design.py shell DESIGN.json          the design as shell variables for e6.sh
+"""
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from analysis import AnalysisError, command_line  # noqa: E402
+
+PAIRS = {  # (depth, width, heads): equal trunk FLOPs per token, 12 x w^2 = 48 x (w / 2)^2
+    "P1": {"shallow": (12, 256, 4), "deep": (48, 128, 2)},
+    "P2": {"shallow": (12, 192, 6), "deep": (48, 96, 3)},
+}
+EPOCHS = (400, 300, 200, 150, 100)  # MAE epochs, largest first; fine-tuning gets ceil(E / 8)
+TRAIN_IMAGES, MAE_BATCH, FT_BATCH = 50_000, 1024, 512
+PROCESS_S = 60  # per process: start, data, compilation, final evaluation, probe
+SEED_BUDGET_S = 270  # two whole seeds in one 10-minute command
+BASE_DECAY = 0.65  # MAE's layer decay for 12 blocks; depth L gets 0.65^(12 / L)
+
+
+def spec(objective, shape):
+    depth, width, heads = shape
+    return f"{objective}:base-12x768,depth={depth},width={width},heads={heads}"
+
+
+def steps(epochs, batch, images=TRAIN_IMAGES):
+    return math.ceil(epochs * images / batch)
+
+
+def seed_seconds(mae_ms, ft_ms, epochs):
+    """Predicted wall time of one seed: each trunk runs MAE then fine-tuning in its own process,
+    the two trunks side by side, so the longer trunk sets the time."""
+    mae_steps, ft_steps = steps(epochs, MAE_BATCH), steps(math.ceil(epochs / 8), FT_BATCH)
+    return max(mae_steps * mae_ms[t] / 1000 + ft_steps * ft_ms[t] / 1000 + 2 * PROCESS_S
+               for t in ("shallow", "deep"))
+
+
+def bench_ms(path, pair):
+    """{trunk: step ms} from a bench.py --json file of the pair's two specs."""
+    with open(path) as f:
+        rows = {r["spec"].split(":", 1)[1]: r["step_ms"] for r in json.load(f)["rows"]}
+    try:
+        return {t: rows[spec("x", shape).split(":", 1)[1]] for t, shape in PAIRS[pair].items()}
+    except KeyError as e:
+        raise AnalysisError(f"{path} has no row for {e}; bench the specs of "
+                            f"'e6_design.py specs {pair}'") from None
+
+
+def choose(pair, mae_ms, ft_ms, last=False):
+    """The largest E whose seed fits SEED_BUDGET_S, with the rule's trace; None if none fits
+    (with last, the pair's smallest E instead)."""
+    trace = {e: round(seed_seconds(mae_ms, ft_ms, e), 1) for e in EPOCHS}
+    fits = [e for e in EPOCHS if trace[e] <= SEED_BUDGET_S]
+    chosen = fits[0] if fits else (EPOCHS[-1] if last else None)
+    return chosen, trace
+
+
+def design(pair, epochs, mae_ms, ft_ms, trace):
+    """Everything e6.sh needs to run a seed, and why."""
+    mae_steps, ft_steps = steps(epochs, MAE_BATCH), steps(math.ceil(epochs / 8), FT_BATCH)
+    trunks = {}
+    for name, (depth, width, heads) in PAIRS[pair].items():
+        trunks[name] = {"flags": f"--depth {depth} --width {width} --heads {heads}",
+                        "layer_decay": round(BASE_DECAY ** (12 / depth), 4)}
+    return {"pair": pair, "trunks": trunks, "mae_epochs": epochs,
+            "ft_epochs": math.ceil(epochs / 8), "train_samples": 0,
+            "mae": {"batch": MAE_BATCH, "steps": mae_steps, "warmup": round(0.05 * mae_steps)},
+            "ft": {"batch": FT_BATCH, "steps": ft_steps, "warmup": round(0.05 * ft_steps)},
+            "bench_ms": {"mae": mae_ms, "ft": ft_ms}, "seed_s_by_epochs": trace,
+            "predicted_seed_s": trace[epochs], "rule": f"largest E in {list(EPOCHS)} with a "
+            f"predicted seed of at most {SEED_BUDGET_S} s"}
+
+
+def shell(path):
+    """The design as shell assignments (values quoted for eval)."""
+    with open(path) as f:
+        d = json.load(f)
+    values = {"PAIR": d["pair"], "SAMPLES": d["train_samples"],
+              "MAE_BATCH": d["mae"]["batch"], "MAE_STEPS": d["mae"]["steps"],
+              "MAE_WARMUP": d["mae"]["warmup"], "FT_BATCH": d["ft"]["batch"],
+              "FT_STEPS": d["ft"]["steps"], "FT_WARMUP": d["ft"]["warmup"],
+              "PREDICTED_SEED_S": math.ceil(d["predicted_seed_s"])}
+    for name, trunk in d["trunks"].items():
+        values[f"{name.upper()}_FLAGS"] = trunk["flags"]
+        values[f"{name.upper()}_DECAY"] = trunk["layer_decay"]
+    return "\n".join(f"{k}='{v}'" for k, v in values.items())
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: e6_design.py specs PAIR | choose PAIR MAE.json FT.json OUT.json [--last] | shell DESIGN.json"
+    if not argv or argv[0] not in ("specs", "choose", "shell"):
+        raise AnalysisError(usage)
+    verb, rest = argv[0], argv[1:]
+    if verb in ("specs", "choose") and (not rest or rest[0] not in PAIRS):
+        raise AnalysisError(f"unknown pair {rest[:1]}; choose one of {', '.join(PAIRS)}")
+    if verb == "specs":
+        print(" ".join(spec("mae", s) for s in PAIRS[rest[0]].values()))
+        print(" ".join(spec("cls", s) for s in PAIRS[rest[0]].values()))
+        return 0
+    if verb == "shell":
+        print(shell(rest[0]))
+        return 0
+    if len(rest) not in (4, 5):
+        raise AnalysisError(usage)
+    pair, mae_json, ft_json, out = rest[:4]
+    mae_ms, ft_ms = bench_ms(mae_json, pair), bench_ms(ft_json, pair)
+    epochs, trace = choose(pair, mae_ms, ft_ms, last=rest[4:] == ["--last"])
+    print(f"{pair}: predicted seconds per seed by MAE epochs {trace}")
+    if epochs is None:
+        print(f"{pair}: no MAE length of at least {EPOCHS[-1]} epochs fits {SEED_BUDGET_S} s")
+        return 3
+    with open(out, "w") as f:
+        json.dump(design(pair, epochs, mae_ms, ft_ms, trace), f, indent=1)
+    print(f"{pair} with {epochs} MAE epochs: written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    command_line(lambda: sys.exit(main()))
