@@ -116,8 +116,10 @@ for seed in $SEEDS; do
   trunk "$seed" shallow "$SHALLOW_FLAGS" "$SHALLOW_DECAY" &
   trunk "$seed" deep "$DEEP_FLAGS" "$DEEP_DECAY" &
   wait
+  spent=$(( $(cat "$RUNS/s$seed/seconds" 2> /dev/null || echo 0) + SECONDS - seed_start ))
+  echo "$spent" > "$RUNS/s$seed/seconds"  # a seed continued on this machine adds its commands' times
   if seed_done "$seed"; then
-    last_seed_s=$((SECONDS - seed_start))
+    last_seed_s=$spent
     keep_seed "$seed" "$last_seed_s"
     echo "seed $seed: done in $last_seed_s s, kept in $OUT/s$seed"
   else

@@ -67,6 +67,8 @@ def detectable(sd, n):
 
 
 def verdict(d):
+    if d["n"] < 2:
+        return "no verdict from one seed (the plan has 6)"
     lo, hi = d["ci95"]
     if lo > 0:
         return "direction confirmed" if hi >= PAPER_GAIN else "positive, smaller than the paper's"
@@ -106,7 +108,7 @@ def table(report):
     seconds = ", ".join(f"{s:.0f}" for s in report["seed_seconds"])
     lines += ["", (f"- D = FT(deep) - FT(shallow): {per_seed} -> {d['mean']:+.2f}, 95% interval "
                    f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sd {d['sd']:.2f}, sign test p {d['sign_test_p']:.3g}"),
-              f"- verdict on D ({len(seeds)} seeds): {report['verdict']}",
+              f"- verdict on D ({len(seeds)} seed{'s' * (len(seeds) > 1)}): {report['verdict']}",
               f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})"]
     return "\n".join(lines) + "\n"
 
@@ -129,7 +131,7 @@ def plot(root, seeds, path):
                 mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(curves[0]))]
                 ax.plot([i / (len(mean) - 1) for i in range(len(mean))], mean, style, marker="o",
                         markersize=2, label=f"{trunk} after {'MAE' if run == 'mae' else 'fine-tuning'}")
-        ax.set(title=f"{metric}, mean over {len(seeds)} seeds", xlabel="relative depth (layer / depth)")
+        ax.set(title=f"{metric}, mean over {len(seeds)} seed{'s' * (len(seeds) > 1)}", xlabel="relative depth (layer / depth)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -3,6 +3,9 @@
 #   bash results/gpu.sh            the GPU issue's targets: the CUDA tests (test_all.py section 8), the bench tables of the
 #                                  targets, a short CIFAR-10 run and a probe of it; then results/gpu_targets.py
 #                                  fills the targets table from the steps that passed (results/gpu/targets.md)
+#   bash results/gpu.sh verify     the flagship path as a user runs it, in about 5 minutes: the CUDA tests,
+#                                  train.py --objective mae --depth 48 --width 384 for 300 steps, a resume to
+#                                  400 under CUDA graphs, look.py and probe.py on its checkpoint (results/gpu/verify/)
 #   bash results/gpu.sh explore    not targets, candidates for them, in results/gpu/explore/: attention kernels
 #                                  for short sequences, inductor's GEMM autotuning, and a kernel profile
 #   DATA=DIR      an ImageFolder tree of CIFAR-10 (train/ and test/) for the short real run and the probe;
@@ -20,7 +23,8 @@ PART=${1:-targets}
 case $PART in
   targets) OUT=results/gpu ;;
   explore) OUT=results/gpu/explore ;;
-  *) echo "unknown part '$PART': bash results/gpu.sh [targets|explore]" >&2; exit 2 ;;
+  verify) OUT=results/gpu/verify ;;
+  *) echo "unknown part '$PART': bash results/gpu.sh [targets|verify|explore]" >&2; exit 2 ;;
 esac
 if ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "no CUDA device: nothing to check (the recorded outputs in $OUT are left as they are)"
@@ -79,6 +83,24 @@ targets() {
   fi
 }
 
+verify() {  # the flagship command as the README gives it, on real data, then what a user does next
+  step tests 150 $PY -m pytest -q test_all.py -k cuda
+  if [ -z "${DATA:-}" ] || [ ! -d "$DATA/train" ]; then
+    echo "flagship skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
+    return
+  fi
+  local run="$OUT/flagship" data="--dataset folder --data_dir $DATA"
+  step flagship 150 $PY train.py --objective mae --depth 48 --width 384 $data --max_iters 300 \
+    --eval_interval 300 --log_interval 50 --out_dir "$run" --overwrite
+  step resume 90 $PY train.py --resume --out_dir "$run" --max_iters 400
+  step reconstruct 40 $PY look.py reconstruct "$run/ckpt.pt" --out "$OUT/reconstruct.png"
+  step attention 40 $PY look.py attention "$run/ckpt.pt" --layers 0,23,-1 --out "$OUT/attention.png"
+  step curves 30 $PY look.py curves "$run" --out "$OUT/curves.png"
+  step probe 60 $PY probe.py "$run/ckpt.pt" --device cuda --samples 256 --json "$OUT/probe.json" \
+    --plot "$OUT/probe.png"
+  cp "$run/log.jsonl" "$OUT/flagship-log.jsonl" 2> /dev/null || true
+}
+
 explore() {  # the deep-narrow trunks at batch 256 under CUDA graphs, as in the targets
   local models="cls:bamboo-b mae:bamboo-b cls:base-12x768" common="--batch_size 256 --rounds 3 --steps 5"
   # Attention for 64 tokens (cls) and MAE's 16 visible ones: PyTorch's pick among its fused kernels against
@@ -105,8 +127,11 @@ sys.exit(bench.main(sys.argv[1:]))" $models --attention sdpa --compile graphs $c
 }
 
 "$PART"
-$PY results/gpu_targets.py results/gpu > results/gpu/targets.md && cat results/gpu/targets.md
+if [ "$PART" != verify ]; then
+  $PY results/gpu_targets.py results/gpu > results/gpu/targets.md && cat results/gpu/targets.md
+fi
 if [ -n "${ARCHIVE:-}" ]; then
-  tar czf "$ARCHIVE" --exclude='*.pt' results/gpu && echo "archived results/gpu/ in $ARCHIVE"
+  packed=results/gpu; if [ "$PART" = verify ]; then packed=$OUT; fi
+  tar czf "$ARCHIVE" --exclude='*.pt' "$packed" && echo "archived results/gpu/ in $ARCHIVE"
 fi
 echo "outputs in $OUT/"

@@ -235,7 +235,8 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_keeps_the_recorded_
     ((), "gpu", ["tests", "mae-bamboo-b", "table1", "train-cifar-small", "probe", "compile-cold", "against-cls",
                  "against-text"]),
     (("explore",), "gpu/explore", ["attention", "attention-no-cudnn", "autotune", "autotune-mae", "profile",
-                                   "profile-next"])])
+                                   "profile-next"]),
+    (("verify",), "gpu/verify", ["tests", "flagship", "resume", "reconstruct", "attention", "curves", "probe"])])
 def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, folder, steps):
     """results/gpu.sh with a stand-in interpreter that reports a GPU and succeeds at everything: every step of the
     part is recorded in its status.txt in order, each with its exit status, and ARCHIVE packs results/gpu/."""
@@ -248,16 +249,20 @@ def test_the_gpu_check_runs_every_step_of_each_part_in_order(tmp_path, part, fol
     assert [line.split(" rc=")[0] for line in status] == steps
     assert all(" rc=0 " in line for line in status)
     with tarfile.open(archive) as packed:
-        assert f"results/{folder}/status.txt" in packed.getnames() and "results/gpu/targets.md" in packed.getnames()
+        names = packed.getnames()
+    assert f"results/{folder}/status.txt" in names
+    assert ("results/gpu/targets.md" in names) == (part != ("verify",))  # verify packs its own folder
 
 
 @pytest.mark.parametrize("part,programs", [((), {"bench.py": 5, "train.py": 1, "probe.py": 1}),
-                                           (("explore",), {"bench.py": 5, "-c": 1})])
+                                           (("explore",), {"bench.py": 5, "-c": 1}),
+                                           (("verify",), {"train.py": 2, "look.py": 3, "probe.py": 1})])
 def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, monkeypatch, part, programs):
     """gpu.sh's commands run only on a GPU, where a misspelt flag would cost a GPU session: with a stand-in
     interpreter that records its arguments, every bench.py (and bench.main through -c), train.py and probe.py
     command line it gives passes its program's own argument checks."""
     import bench
+    import look
     import probe
     import train
 
@@ -273,8 +278,8 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
         elif argv[0] == "-c" and "bench.main" in argv[1]:
             compile(argv[1], "gpu.sh", "exec")
             bench.check_args(bench.build_parser().parse_args(argv[2:]))
-        elif argv[0] in ("train.py", "probe.py"):
-            (train if argv[0] == "train.py" else probe).build_parser().parse_args(argv[1:])
+        elif argv[0] in ("train.py", "probe.py", "look.py"):
+            {"train.py": train, "probe.py": probe, "look.py": look}[argv[0]].build_parser().parse_args(argv[1:])
         else:
             continue
         seen[argv[0]] = seen.get(argv[0], 0) + 1
@@ -283,7 +288,7 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
 
 def test_the_gpu_check_names_its_parts_when_given_another(tmp_path):
     done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true"}, args=["all"])
-    assert done.returncode == 2 and done.stderr.strip() == "unknown part 'all': bash results/gpu.sh [targets|explore]"
+    assert done.returncode == 2 and done.stderr.strip() == "unknown part 'all': bash results/gpu.sh [targets|verify|explore]"
     assert not (tmp_path / "results" / "gpu").exists()
 
 
@@ -534,6 +539,7 @@ def test_experiment_6_keeps_whole_seeds_and_a_fresh_machine_skips_them(tiny_data
                            for ext in (".jsonl", ".txt", ".probe.json")] + ["deep-ft.npy", "shallow-ft.npy",
                                                                            "seconds.txt"])
     assert "mae 4x16" in (out / "s0" / "deep-mae.txt").read_text()
+    assert 0 < int((out / "s0" / "seconds.txt").read_text()) < 240
     assert "cls 4x16" in (out / "s0" / "deep-ft.txt").read_text()  # the trunk of its MAE
     second = subprocess.run(script, capture_output=True, text=True, timeout=60,
                             env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"), "BUDGET": "30"})
@@ -571,6 +577,7 @@ def test_experiment_6_analysis_gives_each_region_of_the_plans_rule(tmp_path, gai
     half = 4.3027 * (sum((g - d["mean"]) ** 2 for g in gains) / 2) ** 0.5 / 3 ** 0.5
     assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half], rel=1e-3)
     assert report["verdict"].startswith(verdict) and report["seeds"] == [0, 1, 2]
+    assert e6.analyze(str(tmp_path), [0])["verdict"].startswith("no verdict from one seed")
     assert "verdict on D (3 seeds)" in (tmp_path / "table.md").read_text()
 
 
