@@ -104,7 +104,7 @@ def training_state(run):
             "scaler": run.scaler.state_dict(), "step": run.step,
             "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks},
             "classes": getattr(run.data, "classes", None),  # image runs: each label's folder
-            "init_hash": run.init_hash}
+            "init_hash": run.init_hash, "made_by": run.made_by}
 
 
 def save(path, state):

@@ -195,7 +195,8 @@ def read_log(out_dir):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
-            (evals if record.get("eval") else train).append(record)
+            if "run" not in record:  # an invocation's first record says what made it
+                (evals if record.get("eval") else train).append(record)
     if not train and not evals:
         raise ValueError(f"{path} holds no step yet; look again once the run has logged")
     return train, evals

@@ -25,7 +25,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bamboo import PRESETS, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
+from bamboo import (
+    PRESETS,
+    Bamboo,
+    Config,
+    patchify,
+    random_masking,
+    take_tokens,
+    unpatchify,
+)
 from neutreno import Attention, explicit_attention
 
 # The suite's models are tiny: splitting their ops over two threads costs more in hand-offs than it
@@ -1124,9 +1132,10 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
 
 
 def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
+    import housekeeping
     import train
 
-    advice = train.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
+    advice = housekeeping.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
     assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
 
@@ -1147,10 +1156,10 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(cap
     calls = {"n": 0}
     dumps = train.json.dumps
 
-    # step 1's log line and evaluation, then the disk is full
+    # the run's first record (what made it), step 1's log line and evaluation, then the disk is full
     def disk_fills_at_step_2(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > 2:
+        if calls["n"] > 3:
             raise OSError(28, "No space left on device")
         return dumps(*args, **kwargs)
 
@@ -1239,7 +1248,29 @@ def test_the_log_reaches_the_disk_line_by_line_while_the_run_goes(tiny_data, tmp
 
     monkeypatch.setattr(train, "get_lr", look_then_step)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3"), out_dir=tmp_path)
-    assert code == 0 and lines_on_disk == [0, 1, 2], (lines_on_disk, out)
+    # the run's first record (what made it) is on disk before step 1, then one line per step
+    assert code == 0 and lines_on_disk == [1, 2, 3], (lines_on_disk, out)
+
+
+def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_data, tmp_path,
+                                                                           monkeypatch):
+    """The first record of log.jsonl and the checkpoint say what made the run; a resume adds its
+    own record, so that every invocation of a run is on file."""
+    flags = [*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")]
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
+    code, out, records = run_train(*flags, out_dir=tmp_path)
+    assert code == 0, out
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    made = records[0]["run"]
+    assert made["commit"] == (head or None) and records[0]["from_step"] == 0
+    assert isinstance(made["uncommitted_changes"], bool) == bool(head)
+    assert made["command"] == " ".join([os.path.basename(sys.executable), "train.py", *flags])
+    assert made["torch"] == torch.__version__ and made["device"] == "cpu"
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["made_by"] == made
+    code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    resumes = [r for r in records if "run" in r]
+    assert code == 0 and len(resumes) == 2 and resumes[1]["from_step"] == 2, out
 
 
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
@@ -1527,7 +1558,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
-    import train
+    import housekeeping
 
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
     code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
@@ -1536,7 +1567,7 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
     progress = [line for line in lines if re.match(r"step \d/6: loss [\d.]+, lr ", line)]
     assert len(progress) == 1 and "min left" in progress[0]  # the first, then at most every 30 s
     assert lines[-1].startswith("done: top1 ")
-    monkeypatch.setattr(train, "PROGRESS_EVERY_S", 0)
+    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0)
     code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "b")
     lines = out.splitlines()
     assert code == 0 and "time limit reached at step 1; checkpoint saved to" in lines[-2], out
@@ -1546,8 +1577,9 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
 
 
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
-    import train
     from tqdm import tqdm
+
+    import train
 
     run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10), torch.device("cpu"))
     run.step, run.step_times, run.t_start = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
@@ -1602,7 +1634,7 @@ def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
     folder = ["--dataset", "folder", "--data_dir", str(tmp_path)]
 
     def settings(*argv):
-        return train.settings_of(train.build_parser().parse_args([*argv, *folder]))[0]
+        return train.resolve_settings(train.build_parser().parse_args([*argv, *folder]))[0]
 
     cfg = settings("--preset", "cifar-small")
     assert (cfg.lr, cfg.warmup, cfg.max_iters, cfg.batch_size) == (2e-3, 200, 3600, 128)
@@ -2275,8 +2307,9 @@ def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, ti
 def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(monkeypatch):
     """Offline stand-ins for the hub: the image model is normalised with its processor's mean and
     std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
-    import adapters
     import transformers
+
+    import adapters
 
     def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
         _, name, settings = adapters.parse(spec)
@@ -2312,9 +2345,10 @@ def byte_level_tokenizer(folder):
 
 def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
                                                                    monkeypatch):
+    import transformers
+
     import adapters
     import data
-    import transformers
 
     folder = byte_level_tokenizer(tmp_path / "tok")
     tok = data.get_tokenizer(f"hf:{folder}")
@@ -2793,7 +2827,8 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # ==================================================================================================
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py")
+                   "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py",
+                   "housekeeping.py")
 
 
 def instance_attributes(model):

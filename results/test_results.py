@@ -540,6 +540,7 @@ def test_experiment_6_keeps_whole_seeds_and_a_fresh_machine_skips_them(tiny_data
                                                                            "seconds.txt"])
     assert "mae 4x16" in (out / "s0" / "deep-mae.txt").read_text()
     assert 0 < int((out / "s0" / "seconds.txt").read_text()) < 240
+    assert len(np.load(out / "s0" / "deep-ft.npy")) == 32  # per test image, all of them
     assert "cls 4x16" in (out / "s0" / "deep-ft.txt").read_text()  # the trunk of its MAE
     second = subprocess.run(script, capture_output=True, text=True, timeout=60,
                             env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"), "BUDGET": "30"})

@@ -1,0 +1,500 @@
+"""The operations around a training run, kept out of train.py's way.
+
+Flags from dataclass fields, settings checks, resuming safely, the out_dir and its lock, signals
+and the time limit, stopping on a non-finite loss, log repair after a kill, progress lines, the
+summary, and main's one-line errors. train.py calls each by what it does; none is a step verb.
+"""
+import argparse
+import inspect
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import fast
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
+
+PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
+
+
+class TrainingError(Exception):
+    """The run cannot go on; the message is one line and says what to do."""
+
+
+# ----------------------------------------------------------------------------- settings
+
+def field_comments(cls):
+    """The comment after each field of a dataclass: the --help text."""
+    return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+
+
+def parser_of(groups, choices):
+    """Every field of each (dataclass, title) as a flag. Flags not given stay unset, so that a
+    preset, a pretrained trunk or a resumed checkpoint can fill them."""
+    parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    for cls, title in groups:
+        group, comments = parser.add_argument_group(title), field_comments(cls)
+        for f in fields(cls):
+            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})",
+                          default=argparse.SUPPRESS)
+            if isinstance(f.default, bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = type(f.default)
+                if choices.get(f.name):
+                    kwargs["choices"] = choices[f.name]
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def flags_given(args, cls):
+    """The flags of dataclass cls that the command line set."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def check_invocation(args):
+    """What no setting can fix: torch too old, or --resume with --overwrite."""
+    if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
+        raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
+                            "this code runs on; pip install -r requirements.txt")
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        raise TrainingError("--resume continues the run in --out_dir and --overwrite "
+                            "replaces it; choose one")
+
+
+def check_settings(cfg):
+    """Every training setting (after schedule_defaults): one line naming the flag and the fix."""
+    checks = [
+        ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
+        ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
+        ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
+        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
+         "must be a finite number >= 0"),
+        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr),
+         "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
+        ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0),
+         f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
+        ("warmup", cfg.warmup >= 0, "must be >= 0, or -1 (max(100, 10 x depth))"),
+        ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
+        ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
+        ("grad_clip", cfg.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
+        ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
+        ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
+        ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
+        ("train_samples", cfg.train_samples >= 0,
+         "must be >= 0 (0 means the whole training split)"),
+        ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
+        ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
+        ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise TrainingError(f"--{name} {getattr(cfg, name)!r} {why}")
+
+
+def check_dataset_fits(objective, dataset, image_objectives):
+    """An image objective needs an image dataset, a text objective a text one."""
+    image = objective in image_objectives
+    if image != (dataset in IMAGE_DATASETS):
+        wanted = IMAGE_DATASETS if image else TEXT_DATASETS
+        raise TrainingError(f"--objective {objective} needs "
+                            f"{'an image' if image else 'a text'} dataset "
+                            f"({', '.join(wanted)}), not --dataset {dataset}")
+
+
+def resumed_settings(args, train_config, model_config, resumable, per_invocation):
+    """(the saved run's train_config with the `resumable` flags given now, the checkpoint); any
+    other flag given must agree with the saved run."""
+    path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
+    ckpt = checkpoint.load(path)
+    saved = ckpt.get("train")
+    if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(train_config)}:
+        raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
+                                         "fine-tune from it with --init_from instead")
+    now = flags_given(args, train_config)
+    if now.get("init_from", saved.get("init_from")) != saved.get("init_from"):
+        raise TrainingError(f"--resume continues from {path}; --init_from counts only when a run "
+                            f"starts (this one started from {saved.get('init_from') or 'scratch'})"
+                            "; drop --init_from")
+    for name, value in {**now, **flags_given(args, model_config)}.items():
+        before = saved.get(name, ckpt["config"].get(name))
+        if name not in resumable + per_invocation and value != before:
+            hint = " or fine-tune from it with --init_from" if name == "objective" else ""
+            may = " ".join("--" + n for n in resumable[:-1])
+            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
+                                f"{name}={before!r}, not {value!r}; "
+                                f"--resume may change only {may}; drop --{name}{hint}")
+    # fields added since: defaults
+    settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}
+    for f in fields(train_config):
+        kinds = (int, float) if f.type is float else f.type
+        value = settings[f.name]
+        if not isinstance(value, kinds) or (f.type is not bool and isinstance(value, bool)):
+            raise checkpoint.CheckpointError(f"{path}: its training setting {f.name}={value!r} is "
+                                             "damaged; train again")
+    settings.update({name: getattr(train_config, name) for name in per_invocation})
+    settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
+    try:
+        return train_config(**settings), ckpt
+    except TypeError as e:
+        raise checkpoint.CheckpointError(f"{path}: its training settings are damaged ({e})") \
+            from None
+
+
+def check_same_classes(run, resumed):
+    """A resumed image run must see the class folders it was trained on, in the same order: labels
+    are class indices, so renamed or reordered folders would train on permuted labels."""
+    saved = resumed.get("classes")
+    now = getattr(run.data, "classes", None)
+    if saved is not None and now is not None and list(saved) != list(now):
+        raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
+                            f"{run.cfg.data_dir} holds {now[:6]}; point --data_dir at the same "
+                            "class folders (same names, so the same order)")
+
+
+def check_trunk_loaded(model, loaded, path):
+    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
+    from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
+    would silently train from scratch. Fewer blocks than the checkpoint is allowed."""
+    stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
+    missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem)
+               and name not in loaded]
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} "
+                            f"tensors are absent or shaped differently ({names}); fine-tune from "
+                            "a checkpoint of the same modality and tokenizer, without flags that "
+                            "reshape its trunk (--width, --mlp_ratio, --patch_size)")
+
+
+# ----------------------------------------------------------------------------- the out_dir
+
+def claim_out_dir(run):
+    """Check out_dir before any data is decoded: a writable folder that no other train.py is using
+    (a lock held for the whole run), with no other run's files unless --resume or --overwrite.
+    --overwrite removes the old run's checkpoint and log now, so that a new run stopped before its
+    first checkpoint cannot leave its log beside the old run's checkpoint."""
+    out = run.cfg.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
+    run.created_out_dir = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); "
+                            f"choose another --out_dir") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
+                            f"fix its permissions")
+    run.lock = lock_out_dir(out)
+    taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
+    if taken and not run.cfg.resume and not run.cfg.overwrite:
+        raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
+                            f"continue it with --resume, "
+                            "choose another --out_dir, or pass --overwrite to replace it")
+    if run.cfg.overwrite:
+        for name in taken:  # files train.py wrote, which the user asked to replace
+            os.remove(os.path.join(out, name))
+
+
+def lock_out_dir(out):
+    """An exclusive lock on out_dir/.lock for this process's lifetime (None where the platform has
+    no flock): a second run into the same folder stops at once instead of interleaving its log."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return None
+    f = open(os.path.join(out, ".lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
+                            "finish or choose another --out_dir") from None
+    return f
+
+
+def release_out_dir(run):
+    """Drop the lock, and remove out_dir again if this run created it and left nothing in it."""
+    if run.lock is None:
+        return
+    run.lock.close()
+    run.lock = None
+    out = run.cfg.out_dir
+    with suppress(FileNotFoundError):  # someone removed it meanwhile
+        os.remove(os.path.join(out, ".lock"))
+    if run.created_out_dir and not os.listdir(out):
+        os.rmdir(out)
+
+
+def logged_step(line):
+    """The step of a log.jsonl line; infinite for a line a kill cut short (never kept)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
+
+
+def forget_unsaved_steps(run):
+    """log.jsonl without the records after the checkpoint's step: the run repeats those steps, and a
+    killed run's log would otherwise hold them twice."""
+    if not run.master or not os.path.exists(run.log_path):
+        return
+    with open(run.log_path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if logged_step(line) <= run.step]
+    if len(kept) < len(lines):
+        checkpoint.atomic_write(run.log_path, lambda f: f.write("".join(kept).encode()))
+
+
+def code_and_machine(device):
+    """What made a run: the commit (and whether the tree had uncommitted changes), the command
+    line, torch and the device. Outside a git checkout the commit is None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True,
+                              timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changes = git("status", "--porcelain", "--untracked-files=no")  # to tracked files
+    except (OSError, subprocess.SubprocessError):  # no git on this machine
+        commit, changes = None, None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return {"commit": commit, "uncommitted_changes": bool(changes) if commit else None,
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "torch": str(torch.__version__), "device": name}
+
+
+# ----------------------------------------------------------------------------- stopping
+
+def any_rank(run, flag):
+    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag."""
+    if not run.ddp:
+        return flag
+    value = torch.tensor([float(flag)], device=run.device if run.device.type == "cuda" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def time_to_stop(run):
+    """Whether the run stops after this step: a signal came (stop_signals) or --time_limit passed.
+    DDP ranks agree (a host sync) only at the steps that read the loss anyway."""
+    cfg = run.cfg
+    if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
+        run.stop = run.stop or "time limit reached"
+    if run.ddp:
+        return run.step % cfg.log_interval == 0 and any_rank(run, run.stop is not None)
+    return run.stop is not None
+
+
+@contextmanager
+def stop_signals(run):
+    """Ctrl-C and SIGTERM (what schedulers send) set run.stop: the loop finishes the step (under
+    DDP, the steps up to the next one that logs the loss), saves and exits; a second Ctrl-C stops at
+    once. The handlers before are put back on the way out."""
+    def handler(signum, frame):
+        if run.stop == "interrupted" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        run.stop = "interrupted"
+        when = "the next step that logs the loss" if run.ddp else "this step"
+        if run.master:
+            print(f"\nstop requested: finishing {when}, then saving a checkpoint (Ctrl-C again "
+                  "stops at once, without saving)", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
+
+
+def last_good_state(run):
+    """Where the last good state is, said truthfully."""
+    if run.saved_step is None:
+        return (f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), "
+                "so this run is lost")
+    return (f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from "
+            "it with --resume")
+
+
+def divergence_advice(cfg):
+    """What to change after a non-finite loss: the rate and the warmup first, then clipping."""
+    clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
+    return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
+
+
+def read_loss(run, total):
+    """The training loss as a number (a host sync), refusing a non-finite one before any save."""
+    train_loss = total.item()
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"loss is {train_loss} at step {run.step} (read every "
+                            f"--log_interval steps); nothing "
+                            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}")
+    return train_loss
+
+
+def stop_if_non_finite(run, metrics):
+    """Stop every rank, before anything is saved, where rank 0 found the weights or its evaluation
+    non-finite (other ranks pass metrics None)."""
+    problem = None
+    if run.master:
+        weights_finite = all(torch.isfinite(p).all() for p in run.params)
+        finite = weights_finite and math.isfinite(metrics["val_loss"])
+        if not finite:
+            problem = (f"the weights or the evaluation went non-finite at step {run.step}; "
+                       f"nothing was saved; "
+                       f"{last_good_state(run)}; {divergence_advice(run.cfg)}")
+    if any_rank(run, problem is not None):
+        raise TrainingError(problem or "rank 0 stopped the run")
+
+
+# ----------------------------------------------------------------------------- logging
+
+def selection_metric(objective):
+    """The metric that decides the best checkpoint, and whether larger is better."""
+    return {"cls": ("top1", True), "mlm": ("mlm_acc", True), "next": ("ppl", False),
+            "mae": ("val_loss", False)}[objective]
+
+
+@contextmanager
+def log_and_progress(run):
+    """(log.jsonl, progress bar) for the loop; each invocation's first record says what made it.
+    On the way out the bar is closed before any error line and a DDP rank leaves its group."""
+    from tqdm import tqdm
+
+    # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
+    bar = tqdm(total=run.cfg.max_iters, initial=run.step,
+               disable=not (run.master and sys.stderr.isatty()),
+               dynamic_ncols=True, mininterval=1.0)
+    mode = "a" if run.cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
+    try:
+        # Line-buffered: `tail -f log.jsonl` follows the run; a killed run keeps what it logged.
+        with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as log:
+            if run.master:
+                log.write(json.dumps({"run": run.made_by, "from_step": run.step}) + "\n")
+            yield log, bar
+    finally:
+        bar.close()
+        release_out_dir(run)
+        if run.ddp:
+            dist.destroy_process_group()
+
+
+def show_progress(run, bar, train_loss, lr):
+    """The loss on the progress bar, whose end is where --time_limit will stop the run if it comes
+    first; in a log file (no bar), a progress line with the time left at most every 30 s."""
+    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+    step_s = run.seconds_per_step(last=50)
+    if step_s is None:
+        return
+    left = run.cfg.max_iters - run.step
+    if run.cfg.time_limit:
+        left = max(0, min(left, int((run.cfg.time_limit - (time.time() - run.t_start)) / step_s)))
+        bar.total = run.step + left
+        bar.refresh()
+    if bar.disable and run.master and time.time() - run.said >= PROGRESS_EVERY_S:
+        run.said = time.time()
+        print(f"step {run.step}/{run.cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+              f"{step_s * 1000:.0f} ms/step, about {left * step_s / 60:.1f} min left", flush=True)
+
+
+def record_evaluation(run, metrics, train_loss, log, bar, correct):
+    """Keep the best, write the evaluation to log.jsonl (with the initial trunk's hash) and print
+    it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint."""
+    name, larger_is_better = selection_metric(run.model.config.objective)
+    value = metrics[name]
+    if run.best is None or (value > run.best if larger_is_better else value < run.best):
+        run.best = value
+    run.metrics = metrics
+    elapsed = time.time() - run.t_start
+    record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
+    log.write(json.dumps({"eval": True, **record, "init_trunk_sha256": run.init_hash["trunk"]})
+              + "\n")
+    if correct:
+        flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
+        path = os.path.join(run.cfg.out_dir, "eval_correct.npy")
+        checkpoint.atomic_write(path, lambda f: np.save(f, flags))
+    bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in record.items()))
+
+
+def summary(run):
+    """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
+    if not run.step_times or not run.master or run.metrics is None:
+        return
+    c, cfg = run.model.config, run.cfg
+    name, _ = selection_metric(c.objective)
+    unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
+    step_s = run.seconds_per_step()
+    line = (f"{'done' if run.stop is None else 'stopped'}: {name} {run.metrics[name]:.4g} "
+            f"(best {run.best:.4g}), "
+            f"{step_s * 1000:.1f} ms/step, "
+            f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
+    peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
+    if peak:
+        flops = run.model.flops_per_sample() * cfg.batch_size / step_s
+        line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
+    run.log(line)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+def last_checkpoint(out_dir):
+    """What a failed run leaves to resume from, said truthfully."""
+    if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+        return "the last checkpoint is as it was; continue with --resume"
+    return "no checkpoint was written, so there is nothing to resume"
+
+
+def out_of_memory(e):
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def run_with_one_line_errors(train, args, out_dir):
+    """train(args), with every failure the user can fix said in one line (exit code 2)."""
+    try:
+        return train(args)
+    except (DataError, TrainingError, ValueError) as e:
+        message = str(e)
+    except OSError as e:  # mostly the log: a full disk, a removed folder
+        message = (f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
+                   f"{last_checkpoint(out_dir)}, once space is free or the path is back")
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
+                   f"--grad_accum to keep the batch) or --eval_samples; "
+                   f"{last_checkpoint(out_dir)}")
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
+        print(f"error: interrupted twice; stopped at once; {last_checkpoint(out_dir)}",
+              file=sys.stderr)
+        return 130
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def exit_process(code):
+    """Exit with code. A finished DDP rank leaves without the interpreter's shutdown, where gloo's
+    threads can still touch Python objects and now and then abort a rank after a good run."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
