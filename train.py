@@ -2,9 +2,10 @@
 
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
-it top to bottom: settings, the learning rate, evaluation, set-up, then the loop, which holds the
-whole step. What surrounds a run (the out_dir's lock, signals, progress lines, one-line errors)
-is in housekeeping.py, the checkpoint format in checkpoint.py, the speedups in fast.py.
+it top to bottom: the settings, the learning rate, set-up, then the loop, which holds the whole
+step; below it, the pieces they call, evaluation among them. What surrounds a run (the out_dir's
+lock, signals, progress lines, one-line errors) is in housekeeping.py, the checkpoint format in
+checkpoint.py, the speedups in fast.py.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
@@ -24,33 +25,15 @@ import checkpoint
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, to_device
-from housekeeping import (
-    TrainingError,
-    check_dataset_fits,
-    check_invocation,
-    check_same_classes,
-    check_settings,
-    check_trunk_loaded,
-    claim_out_dir,
-    code_and_machine,
-    exit_process,
-    flags_given,
-    forget_unsaved_steps,
-    log_and_progress,
-    parser_of,
-    read_loss,
-    record_evaluation,
-    release_out_dir,
-    resumed_settings,
-    run_with_one_line_errors,
-    show_progress,
-    stop_if_non_finite,
-    stop_signals,
-    summary,
-    time_to_stop,
-)
+from housekeeping import (TrainingError, check_dataset_fits, check_invocation,
+                          check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
+                          code_and_machine, exit_process, flags_given, forget_unsaved_steps,
+                          log_and_progress, parser_of, read_loss, record_evaluation,
+                          release_out_dir, resumed_settings, run_with_one_line_errors,
+                          show_progress, stop_if_non_finite, stop_signals, summary, time_to_stop)
 
-# ----------------------------------------------------------------------------- settings
+
+# --------------------------------------------------------------------- settings
 
 
 @dataclass
@@ -88,6 +71,7 @@ class TrainConfig:
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
 
 
+
 # The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
 # run needs to learn on a 2-core CPU (the README gives each one's measured outcome).
 RECIPES = {
@@ -109,12 +93,6 @@ PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overw
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno")
-
-
-def build_parser():
-    """Every TrainConfig and Config field as a flag, with its comment as the help."""
-    return parser_of(((TrainConfig, "training"),
-                      (Config, "model (defaults shown; a --preset sets its own)")), CHOICES)
 
 
 def resolve_settings(args):
@@ -141,17 +119,7 @@ def resolve_settings(args):
     return cfg, resumed, pretrained, settings
 
 
-def schedule_defaults(cfg, depth):
-    """--lr -1 and --warmup -1 made concrete. The peak rate grows with the batch, as DeiT and MAE
-    scale it; deep trunks get a longer warmup, which a 48-block trunk needed to stay finite."""
-    warmup = max(100, 10 * depth) if cfg.warmup == -1 else cfg.warmup
-    if cfg.lr != -1:
-        return replace(cfg, warmup=warmup)
-    lr = cfg.base_lr * cfg.batch_size / 256
-    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
-
-
-# ----------------------------------------------------------------------------- the learning rate
+# ------------------------------------------------------------ the learning rate
 
 def get_lr(it, cfg):
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters."""
@@ -161,55 +129,7 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
-def evaluate(model, data, cfg, batch_size, device, per_sample=None):
-    """The metric each objective is judged by, on fixed held-out data with fixed masks. A classifier
-    appends each held-out image's correctness (bool, in order) to per_sample if a list is given, so
-    that paired tests between runs can be recomputed from files. Sums stay on the device."""
-    objective = model.config.objective
-    was_training = model.training
-    model.eval()
-    loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device)
-                                for _ in range(3))
-    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
-    # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.compiler.set_stance("force_eager"):
-        torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
-        for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
-            x = x.to(device)
-            if objective == "cls":
-                y = y.to(device)
-                logits, loss = model(x, y)
-                right = logits.argmax(-1) == y
-                correct += right.sum()
-                weight = len(x)
-                if per_sample is not None:
-                    per_sample.append(right)
-            elif objective == "mlm":
-                inputs, targets = model.mask_tokens(x)
-                logits, loss = model(inputs, targets)
-                chosen = targets[targets != -100]  # lines up with logits' rows
-                correct += (logits.argmax(-1) == chosen).sum()
-                weight = (targets != -100).sum()
-            else:  # mae: masked-patch loss; next: loss per predicted token
-                _, loss = model(x)
-                weight = len(x) if objective == "mae" else x[:, 1:].numel()
-            loss_sum += loss.double() * weight
-            count += weight
-    model.train(was_training)
-    loss_sum, count, correct = loss_sum.item(), count.item(), correct.item()
-    metrics = {"val_loss": loss_sum / count}
-    if objective in ("cls", "mlm"):
-        metrics["top1" if objective == "cls" else "mlm_acc"] = 100 * correct / count
-    elif objective == "next":
-        metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
-    return metrics
-
-
-# ----------------------------------------------------------------------------- set-up
+# ----------------------------------------------------------------------- set-up
 
 @dataclass
 class Run:
@@ -268,57 +188,6 @@ class Run:
         as warm-up unless it is the only one; None before any step."""
         timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
         return sum(timed) / len(timed) if timed else None
-
-
-def start_processes(cfg):
-    """(device, rank, world): one process, or this rank of a torchrun DDP group."""
-    rank, world, local_rank = 0, 1, 0
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ["LOCAL_RANK"])
-    device = fast.pick_device(cfg.device, local_rank)
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
-                            f"processes x grad_accum = {world} x {cfg.grad_accum}")
-    return device, rank, world
-
-
-def load_data(cfg, settings, device):
-    """The dataset, decoded or tokenized once; images live on the device as uint8."""
-    if cfg.dataset in IMAGE_DATASETS:
-        return ImageData(cfg.dataset, cfg.data_dir, device,
-                         settings.get("image_size", Config.image_size),
-                         train_samples=cfg.train_samples)
-    return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
-                    cfg.cache_dir, settings.get("seq_len", Config.seq_len))
-
-
-def model_config(settings, data):
-    """The final Config: what the data dictates (classes, image size, vocabulary) over the
-    settings."""
-    if isinstance(data, ImageData):
-        settings = {**settings, "image_size": data.image_size, "channels": data.channels,
-                    "num_classes": data.num_classes}
-    else:
-        asked = settings.get("vocab_size", data.vocab_size)
-        if asked != data.vocab_size:
-            raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
-                                f"{data.vocab_size} ids; drop --vocab_size (the --tokenizer sets "
-                                "it)")
-        settings = {**settings, "vocab_size": data.vocab_size}
-    return Config.from_dict(settings)
-
-
-def load_pretrained_trunk(run, pretrained):
-    """--init_from: the pretrained stem and blocks, checked to be whole."""
-    loaded, skipped = run.model.load_encoder(pretrained["model"])
-    check_trunk_loaded(run.model, loaded, run.cfg.init_from)
-    run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
-            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
 def setup(args):
@@ -382,16 +251,7 @@ def setup(args):
     return run
 
 
-def micro_batch(run, draws, k):
-    """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
-    cfg = run.cfg
-    part = {name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
-            for name, v in draws.items()}
-    x, y = run.data.train_batch(part)
-    return to_device(x, run.device), y
-
-
-# ----------------------------------------------------------------------------- the training loop
+# ------------------------------------------------------------ the training loop
 
 def train(args):
     run = setup(args)
@@ -462,6 +322,130 @@ def train(args):
                 break
     summary(run)
     return 130 if run.stop == "interrupted" else 0
+
+
+# -------------------------------------- what set-up and the loop call, in order
+
+def build_parser():
+    """Every TrainConfig and Config field as a flag, with its comment as the help."""
+    return parser_of(((TrainConfig, "training"),
+                      (Config, "model (defaults shown; a --preset sets its own)")), CHOICES)
+
+
+def schedule_defaults(cfg, depth):
+    """--lr -1 and --warmup -1 made concrete. The peak rate grows with the batch, as DeiT and MAE
+    scale it; deep trunks get a longer warmup, which a 48-block trunk needed to stay finite."""
+    warmup = max(100, 10 * depth) if cfg.warmup == -1 else cfg.warmup
+    if cfg.lr != -1:
+        return replace(cfg, warmup=warmup)
+    lr = cfg.base_lr * cfg.batch_size / 256
+    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
+
+
+def start_processes(cfg):
+    """(device, rank, world): one process, or this rank of a torchrun DDP group."""
+    rank, world, local_rank = 0, 1, 0
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+    device = fast.pick_device(cfg.device, local_rank)
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+                            f"processes x grad_accum = {world} x {cfg.grad_accum}")
+    return device, rank, world
+
+
+def load_data(cfg, settings, device):
+    """The dataset, decoded or tokenized once; images live on the device as uint8."""
+    if cfg.dataset in IMAGE_DATASETS:
+        return ImageData(cfg.dataset, cfg.data_dir, device,
+                         settings.get("image_size", Config.image_size),
+                         train_samples=cfg.train_samples)
+    return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
+                    cfg.cache_dir, settings.get("seq_len", Config.seq_len))
+
+
+def model_config(settings, data):
+    """The final Config: what the data dictates (classes, image size, vocabulary) over the
+    settings."""
+    if isinstance(data, ImageData):
+        settings = {**settings, "image_size": data.image_size, "channels": data.channels,
+                    "num_classes": data.num_classes}
+    else:
+        asked = settings.get("vocab_size", data.vocab_size)
+        if asked != data.vocab_size:
+            raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
+                                f"{data.vocab_size} ids; drop --vocab_size (the --tokenizer sets "
+                                "it)")
+        settings = {**settings, "vocab_size": data.vocab_size}
+    return Config.from_dict(settings)
+
+
+def load_pretrained_trunk(run, pretrained):
+    """--init_from: the pretrained stem and blocks, checked to be whole."""
+    loaded, skipped = run.model.load_encoder(pretrained["model"])
+    check_trunk_loaded(run.model, loaded, run.cfg.init_from)
+    run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
+
+
+def micro_batch(run, draws, k):
+    """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
+    cfg = run.cfg
+    part = {name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
+            for name, v in draws.items()}
+    x, y = run.data.train_batch(part)
+    return to_device(x, run.device), y
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg, batch_size, device, per_sample=None):
+    """The metric each objective is judged by, on fixed held-out data with fixed masks. A classifier
+    appends each held-out image's correctness (bool, in order) to per_sample if a list is given, so
+    that paired tests between runs can be recomputed from files. Sums stay on the device."""
+    objective = model.config.objective
+    was_training = model.training
+    model.eval()
+    loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device)
+                                for _ in range(3))
+    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
+    # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.compiler.set_stance("force_eager"):
+        torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
+        for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
+            x = x.to(device)
+            if objective == "cls":
+                y = y.to(device)
+                logits, loss = model(x, y)
+                right = logits.argmax(-1) == y
+                correct += right.sum()
+                weight = len(x)
+                if per_sample is not None:
+                    per_sample.append(right)
+            elif objective == "mlm":
+                inputs, targets = model.mask_tokens(x)
+                logits, loss = model(inputs, targets)
+                chosen = targets[targets != -100]  # lines up with logits' rows
+                correct += (logits.argmax(-1) == chosen).sum()
+                weight = (targets != -100).sum()
+            else:  # mae: masked-patch loss; next: loss per predicted token
+                _, loss = model(x)
+                weight = len(x) if objective == "mae" else x[:, 1:].numel()
+            loss_sum += loss.double() * weight
+            count += weight
+    model.train(was_training)
+    loss_sum, count, correct = loss_sum.item(), count.item(), correct.item()
+    metrics = {"val_loss": loss_sum / count}
+    if objective in ("cls", "mlm"):
+        metrics["top1" if objective == "cls" else "mlm_acc"] = 100 * correct / count
+    elif objective == "next":
+        metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
+    return metrics
 
 
 def main(argv=None):
