@@ -370,7 +370,7 @@ class Bamboo(nn.Module):
 
     def __init__(self, config, explicit_attention=False):
         """explicit_attention: attention as matmul-softmax-matmul instead of the fused kernel, the
-        same math (fast.explicit_attention_pays says where it is faster); not part of the config."""
+        same math (fast.use_explicit_attention says where it is faster); not part of the config."""
         super().__init__()
         self.config = c = config
         self.explicit_attention = explicit_attention

@@ -4,9 +4,10 @@ bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_at
 F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and it never
 changes a live model: train.py and bench.py build the model with its options
 (Bamboo(config, explicit_attention=...)), then call for_training(model, device, dtype, compile),
-which returns the model itself or a wrapper module whose forward says what it calls. The
-model's API stays: out, loss = module(x, y), with logits for every objective (under --compile
-blocks or graphs without gradient where noted: the loss carries it).
+which returns the model itself or a wrapper module whose forward says what it calls. The API
+stays out, loss = module(x, y): the model returns logits for every objective; ChunkedNextToken
+returns (None, loss), since its point is never to hold all the logits, and CompiledNextToken's
+logits carry no gradient (the loss does).
 
   device and dtype         pick_device (cuda, then mps, then cpu) and pick_dtype (bf16 where the
                            hardware computes it natively)

@@ -2536,6 +2536,15 @@ def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
     assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
 
 
+def test_every_fast_name_the_code_and_readme_cite_exists():
+    """A docstring or the README that names one of fast's functions names a real one."""
+    import fast
+
+    texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
+    cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
+    assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
+
+
 def test_fast_wraps_next_token_training_on_cpu_only():
     import fast
 
