@@ -1473,12 +1473,12 @@ def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_dat
 
 def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
                                                                         monkeypatch):
-    import data
+    import downloads
 
     def offline(url, timeout=30):
         raise OSError("no network")
 
-    monkeypatch.setattr(data, "_fetch", offline)
+    monkeypatch.setattr(downloads, "_fetch", offline)
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
@@ -2675,6 +2675,7 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     import zipfile
 
     import data
+    import downloads
 
     def fake_zip(members):
         buffer = _io.BytesIO()
@@ -2684,16 +2685,16 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
         return buffer.getvalue()
 
     seen = []
-    monkeypatch.setattr(data, "_fetch",
+    monkeypatch.setattr(downloads, "_fetch",
                         lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
-    target = data.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    target = downloads.download_wikitext("wikitext2", str(tmp_path / "ok"))
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
     assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
     # an archive without its test split is refused; the fallback failing too leaves nothing behind
-    monkeypatch.setattr(data, "_fetch", lambda url: fake_zip(["train", "valid"]))
+    monkeypatch.setattr(downloads, "_fetch", lambda url: fake_zip(["train", "valid"]))
     with pytest.raises(data.DataError, match="could not download wikitext2"):
-        data.download_wikitext("wikitext2", str(tmp_path / "bad"))
+        downloads.download_wikitext("wikitext2", str(tmp_path / "bad"))
     assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
 
 
@@ -2837,7 +2838,7 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
                    "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py",
-                   "housekeeping.py")
+                   "housekeeping.py", "downloads.py")
 
 
 def instance_attributes(model):
