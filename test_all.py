@@ -2545,6 +2545,30 @@ def test_every_fast_name_the_code_and_readme_cite_exists():
     assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
 
 
+def test_every_file_py_name_in_the_readme_and_guide_exists():
+    """The where-is table and the guide point at functions, classes and methods that exist."""
+    import ast
+
+    defined = {}
+    for path in os.listdir(REPO):
+        if path.endswith(".py"):
+            tree = ast.parse(open(os.path.join(REPO, path)).read())
+            names = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    names |= {f"{node.name}.{m.name}" for m in node.body
+                              if isinstance(m, ast.FunctionDef)}
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                if isinstance(node, ast.Assign):
+                    names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            defined[path] = names
+    text = "".join(open(os.path.join(REPO, p)).read() for p in ("README.md", "docs/guide.md"))
+    cited = re.findall(r"`(\w+\.py):([\w.]+)`", text)
+    assert len(cited) > 20
+    assert [(f, n) for f, n in cited if n not in defined.get(f, ())] == []
+
+
 def test_fast_wraps_next_token_training_on_cpu_only():
     import fast
 
