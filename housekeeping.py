@@ -26,6 +26,7 @@ import fast
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
+RUN_FILES = ("ckpt.pt", "log.jsonl", "eval_correct.npy")  # what train.py writes into an out_dir
 
 
 class TrainingError(Exception):
@@ -96,7 +97,8 @@ def check_settings(cfg):
         ("train_samples", cfg.train_samples >= 0,
          "must be >= 0 (0 means the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
-        ("time_limit", cfg.time_limit >= 0, "must be >= 0 (0 means no limit)"),
+        ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
+         "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
     ]
     for name, ok, why in checks:
@@ -184,8 +186,7 @@ def check_trunk_loaded(model, loaded, path):
 def claim_out_dir(run):
     """Check out_dir before any data is decoded: a writable folder that no other train.py is using
     (a lock held for the whole run), with no other run's files unless --resume or --overwrite.
-    --overwrite removes the old run's checkpoint and log now, so that a new run stopped before its
-    first checkpoint cannot leave its log beside the old run's checkpoint."""
+    Temporary files of a write that a kill cut short are removed (the lock says none is ours)."""
     out = run.cfg.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
@@ -199,14 +200,23 @@ def claim_out_dir(run):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
     run.lock = lock_out_dir(out)
+    for name in os.listdir(out):
+        if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
+            os.remove(os.path.join(out, name))
     taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
     if taken and not run.cfg.resume and not run.cfg.overwrite:
         raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
                             f"continue it with --resume, "
                             "choose another --out_dir, or pass --overwrite to replace it")
-    if run.cfg.overwrite:
-        for name in taken:  # files train.py wrote, which the user asked to replace
-            os.remove(os.path.join(out, name))
+
+
+def replace_old_run(run):
+    """--overwrite, once the new run has passed every check: remove what the old run wrote, so
+    that a new run stopped before its first checkpoint leaves nothing of the old one beside it."""
+    if run.master and run.cfg.overwrite:
+        for name in RUN_FILES:
+            with suppress(FileNotFoundError):
+                os.remove(os.path.join(run.cfg.out_dir, name))
 
 
 def lock_out_dir(out):
@@ -294,8 +304,9 @@ def any_rank(run, flag):
 def time_to_stop(run):
     """Whether the run stops after this step: a signal came (stop_signals) or --time_limit passed.
     DDP ranks agree (a host sync) only at the steps that read the loss anyway."""
-    cfg = run.cfg
-    if cfg.time_limit and time.time() - run.t_start > cfg.time_limit and run.step < cfg.max_iters:
+    cfg, next_step = run.cfg, run.seconds_per_step() or 0.0
+    late = time.time() - run.t_start + next_step > cfg.time_limit  # the next step would overrun
+    if cfg.time_limit and late and run.step < cfg.max_iters:
         run.stop = run.stop or "time limit reached"
     if run.ddp:
         return run.step % cfg.log_interval == 0 and any_rank(run, run.stop is not None)
@@ -322,6 +333,25 @@ def stop_signals(run):
     finally:
         for sig, handler_before in previous.items():
             signal.signal(sig, handler_before)
+
+
+def held_out_count(data):
+    """How many held-out samples the data has: images, or text windows."""
+    if hasattr(data, "test_x"):
+        return len(data.test_x)
+    return (len(data.val) - 1) // data.seq_len
+
+
+def evaluation_fits(run):
+    """Whether this evaluation fits in what is left of --time_limit (always, unless the limit is
+    what stops the run): its last measured time, or before the first, a forward pass over the
+    held-out batches at a third of a training step each."""
+    if run.stop != "time limit reached":
+        return True
+    left = run.cfg.time_limit - (time.time() - run.t_start)
+    samples = min(run.cfg.eval_samples or math.inf, held_out_count(run.data))
+    guess = math.ceil(samples / run.cfg.batch_size) * (run.seconds_per_step() or 0.0) / 3
+    return (run.eval_s if run.eval_s is not None else guess) <= left
 
 
 def last_good_state(run):
@@ -355,7 +385,7 @@ def stop_if_non_finite(run, metrics):
     problem = None
     if run.master:
         weights_finite = all(torch.isfinite(p).all() for p in run.params)
-        finite = weights_finite and math.isfinite(metrics["val_loss"])
+        finite = weights_finite and (metrics is None or math.isfinite(metrics["val_loss"]))
         if not finite:
             problem = (f"the weights or the evaluation went non-finite at step {run.step}; "
                        f"nothing was saved; "
@@ -398,25 +428,41 @@ def log_and_progress(run):
 
 def show_progress(run, bar, train_loss, lr):
     """The loss on the progress bar, whose end is where --time_limit will stop the run if it comes
-    first; in a log file (no bar), a progress line with the time left at most every 30 s."""
+    first; in a log file (no bar), a progress line at most every 30 s with the time left, which
+    counts the evaluations once one is timed, and says where a time limit will stop the run."""
     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
     step_s = run.seconds_per_step(last=50)
     if step_s is None:
         return
-    left = run.cfg.max_iters - run.step
-    if run.cfg.time_limit:
-        left = max(0, min(left, int((run.cfg.time_limit - (time.time() - run.t_start)) / step_s)))
-        bar.total = run.step + left
+    cfg = run.cfg
+    steps = cfg.max_iters - run.step
+    evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
+    whole = steps * step_s + evals * (run.eval_s or 0.0)
+    left, where = whole, ""
+    if cfg.time_limit:
+        limit_left = max(0.0, cfg.time_limit - (time.time() - run.t_start))
+        steps = max(0, min(steps, int(limit_left / step_s)))
+        bar.total = run.step + steps
         bar.refresh()
+        if run.step + steps < cfg.max_iters:
+            left = limit_left
+            where = (f": --time_limit stops the run at about step {run.step + steps} "
+                     f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
     if bar.disable and run.master and time.time() - run.said >= PROGRESS_EVERY_S:
         run.said = time.time()
-        print(f"step {run.step}/{run.cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
-              f"{step_s * 1000:.0f} ms/step, about {left * step_s / 60:.1f} min left", flush=True)
+        print(f"step {run.step}/{cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+              f"{step_s * 1000:.0f} ms/step, about {left / 60:.1f} min left{where}", flush=True)
 
 
 def record_evaluation(run, metrics, train_loss, log, bar, correct):
     """Keep the best, write the evaluation to log.jsonl (with the initial trunk's hash) and print
-    it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint."""
+    it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint.
+    metrics None: the evaluation did not fit in --time_limit, and the line says so."""
+    if metrics is None:
+        bar.write(f"evaluation skipped at step {run.step}: it would not end within --time_limit "
+                  f"{run.cfg.time_limit:g} s; a resumed run evaluates at its next --eval_interval "
+                  "or at its end")
+        return
     name, larger_is_better = selection_metric(run.model.config.objective)
     value = metrics[name]
     if run.best is None or (value > run.best if larger_is_better else value < run.best):
@@ -436,14 +482,16 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
 
 def summary(run):
     """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
-    if not run.step_times or not run.master or run.metrics is None:
+    if not run.step_times or not run.master:
         return
     c, cfg = run.model.config, run.cfg
     name, _ = selection_metric(c.objective)
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
     step_s = run.seconds_per_step()
-    line = (f"{'done' if run.stop is None else 'stopped'}: {name} {run.metrics[name]:.4g} "
-            f"(best {run.best:.4g}), "
+    result = "not evaluated"
+    if run.metrics is not None:
+        result = f"{name} {run.metrics[name]:.4g} (best {run.best:.4g})"
+    line = (f"{'done' if run.stop is None else 'stopped'}: {result}, "
             f"{step_s * 1000:.1f} ms/step, "
             f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
     peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None

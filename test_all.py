@@ -1570,10 +1570,32 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
     monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0)
     code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "b")
     lines = out.splitlines()
-    assert code == 0 and "time limit reached at step 1; checkpoint saved to" in lines[-2], out
-    assert lines[-1].startswith("stopped: top1 ")
+    # the limit leaves no time for an evaluation: skipped, and said, before the checkpoint
+    assert code == 0 and lines[-3].startswith("evaluation skipped at step 1: it would not end"), out
+    assert "time limit reached at step 1; checkpoint saved to" in lines[-2], out
+    assert lines[-1].startswith("stopped: not evaluated, ") and "ms/step" in lines[-1]
     code, out, _ = run_train(*flags, out_dir=tmp_path / "c")
     assert len([line for line in out.splitlines() if re.match(r"step \d/6: ", line)]) == 5  # 2-6
+
+
+def test_a_time_limit_bounds_the_evaluation_too_and_must_be_finite(capsys, tiny_data, tmp_path):
+    """At a --time_limit stop the evaluation runs only if it fits in what is left: its last
+    measured time, or before the first, a third of a step per held-out batch; inf is refused."""
+    import train
+    from housekeeping import evaluation_fits
+
+    data = types.SimpleNamespace(test_x=torch.zeros(32, 3, 8, 8))
+    run = train.Run(train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0),
+                    torch.device("cpu"), data=data, stop="time limit reached")
+    run.t_start, run.step_times = time.time() - 9, [1.0, 1.0]  # about 1 s left, 1 s per step
+    assert evaluation_fits(run)  # 2 batches x 1 s / 3
+    run.eval_s = 5.0
+    assert not evaluation_fits(run)
+    run.stop = "interrupted"  # a signal: the evaluation runs whatever its time
+    assert evaluation_fits(run)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2")
+    err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
+    assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
 
 
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
@@ -1585,11 +1607,16 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     run.step, run.step_times, run.t_start = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
     bar = tqdm(total=1000, disable=True)
     train.show_progress(run, bar, 2.5, 1e-3)
-    line = "step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left"
+    line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
+            "--time_limit stops the run at about step 15 (all 1000 steps would take about "
+            "16.5 min)")
     assert bar.total == 15 and line in capsys.readouterr().out
     run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
     train.show_progress(run, bar, 2.5, 1e-3)  # without a time limit: the bar ends at max_iters
-    assert bar.total == 1000 and "about 16.5 min left" in capsys.readouterr().out
+    assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")
+    run.said, run.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
+    train.show_progress(run, bar, 2.5, 1e-3)
+    assert capsys.readouterr().out.endswith("about 17.0 min left\n")
 
 
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
@@ -1673,6 +1700,38 @@ def test_a_text_file_that_is_not_utf8_is_named(capsys, tiny_data, tmp_path):
     err = cli_error(capsys, *text_flags(tiny_data, "next"), "--data_dir", str(tmp_path),
                     "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "out"))
     assert "train.txt is not UTF-8 text (byte 3 is 0xe9)" in err and "iconv" in err
+
+
+def test_overwrite_replaces_a_run_only_after_every_check_and_then_all_of_it(capsys, tiny_data,
+                                                                            tmp_path):
+    """A mistyped --data_dir or --tokenizer under --overwrite costs nothing; a good replacement
+    removes every file the old run wrote (its per-image correctness too), and nothing else."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert {"ckpt.pt", "log.jsonl", "eval_correct.npy"} <= set(before)
+    err = cli_error(capsys, *flags, "--data_dir", str(tmp_path / "nosuch"), "--overwrite",
+                    "--out_dir", str(tmp_path))
+    assert err.startswith("error: ") and "nosuch" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    (tmp_path / "notes.txt").write_text("the user's own")
+    mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*mae, "--overwrite", out_dir=tmp_path)[0] == 0
+    assert not (tmp_path / "eval_correct.npy").exists()  # the classifier's, not this run's
+    assert (tmp_path / "notes.txt").read_text() == "the user's own"
+
+
+def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(tiny_data,
+                                                                             tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    left = [".ckpt.pt.k1l2.tmp", ".log.jsonl.a1.tmp", ".eval_correct.npy.b2.tmp"]
+    for name in [*left, ".notes.x.tmp", "ckpt.pt.tmp"]:
+        (tmp_path / name).write_bytes(b"x" * 100)
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    assert code == 0, out
+    assert not [n for n in left if (tmp_path / n).exists()]
+    assert (tmp_path / ".notes.x.tmp").exists() and (tmp_path / "ckpt.pt.tmp").exists()
 
 
 def test_an_overwrite_run_stopped_early_cannot_resume_the_run_it_replaced(capsys, tiny_data,

@@ -27,10 +27,11 @@ from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, to_device
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
-                          code_and_machine, exit_process, flags_given, forget_unsaved_steps,
-                          log_and_progress, parser_of, read_loss, record_evaluation,
-                          release_out_dir, resumed_settings, run_with_one_line_errors,
-                          show_progress, stop_if_non_finite, stop_signals, summary, time_to_stop)
+                          code_and_machine, evaluation_fits, exit_process, flags_given,
+                          forget_unsaved_steps, log_and_progress, parser_of, read_loss,
+                          record_evaluation, release_out_dir, replace_old_run, resumed_settings,
+                          run_with_one_line_errors, show_progress, stop_if_non_finite,
+                          stop_signals, summary, time_to_stop)
 
 
 # --------------------------------------------------------------------- settings
@@ -161,6 +162,7 @@ class Run:
     created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
     said: float = 0.0  # wall clock of the last progress line in a log file
     init_hash: dict = None  # sha256 of the initial weights: {"trunk": stem and blocks, "model"}
+    eval_s: float = None  # seconds the last evaluation took
     made_by: dict = None  # the commit, command, torch and device of this invocation
 
     @property
@@ -236,6 +238,7 @@ def setup(args):
             cache = run.compile_mode != "graphs"
             run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
         run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
+        replace_old_run(run)  # --overwrite: only now that every check has passed
     except BaseException:
         release_out_dir(run)
         raise
@@ -306,9 +309,10 @@ def train(args):
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
                 metrics, correct = None, []
-                if run.master:
-                    batch = run.micro_batch * cfg.grad_accum
+                if run.master and evaluation_fits(run):  # a time limit bounds the evaluation too
+                    batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
+                    run.eval_s = time.time() - t_eval
                 stop_if_non_finite(run, metrics)
                 if run.master:
                     record_evaluation(run, metrics, train_loss, log, bar, correct)
