@@ -14,6 +14,7 @@ kernels return none; a test checks them against the libraries' explicit attentio
 
 Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
 """
+import pickle
 from types import SimpleNamespace
 
 import torch
@@ -33,6 +34,8 @@ def parse(spec):
         key, _, value = pair.partition("=")
         if not key or not value:
             raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value")
+        if key in settings:
+            raise ValueError(f"{key} is given twice in {spec!r}; give it once")
         for kind in (int, float):
             try:
                 value = kind(value)
@@ -58,9 +61,16 @@ def load(spec):
         return Foreign(model.eval(), spec, statistics, hf_tokenizer(model.config, name, pretrained))
     except ImportError as e:
         raise ValueError(f"{spec} needs {e.name}; pip install timm transformers") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) refused it: no code ran
+        raise ValueError(f"{spec}: its weights are a pickle with more than tensors, which is not "
+                         "loaded (it could run code); use safetensors or plain tensor weights") \
+            from None
     except OSError as e:  # offline, or a name the hub does not know
-        raise ValueError(f"{spec}: could not load the weights ({str(e).splitlines()[0][:120]}); "
-                         "check the name and the network, or pass pretrained=0") from None
+        advice = "check the name and the network, or pass pretrained=0" if pretrained else (
+            f"with pretrained=0 the name must be a model type ({', '.join(FAMILIES)})")
+        what = "the weights" if pretrained else "its configuration"
+        raise ValueError(f"{spec}: could not load {what} ({str(e).splitlines()[0][:120]}); "
+                         f"{advice}") from None
 
 
 def timm_model(name, pretrained, settings):
@@ -68,7 +78,12 @@ def timm_model(name, pretrained, settings):
 
     if name not in timm.list_models(pretrained=False) and not timm.is_model(name.split(".")[0]):
         raise ValueError(f"timm knows no model {name!r}; timm.list_models('*vit*') lists them")
-    return timm.create_model(name, pretrained=pretrained, **settings)
+    try:
+        return timm.create_model(name, pretrained=pretrained, **settings)
+    except TypeError as e:  # a key the model does not take, or a value of the wrong type
+        raise ValueError(f"timm's {name} refuses the settings {settings} "
+                         f"({str(e).splitlines()[0][:120]}); give its constructor's arguments, "
+                         "e.g. depth=6,embed_dim=192,num_heads=3") from None
 
 
 def hf_model(name, pretrained, settings):
@@ -77,9 +92,17 @@ def hf_model(name, pretrained, settings):
     if pretrained:
         return transformers.AutoModel.from_pretrained(name, attn_implementation="eager", **settings)
     try:
-        config = transformers.AutoConfig.for_model(name, **settings)
+        default = transformers.AutoConfig.for_model(name)
     except ValueError:  # not a model type: a hub name, whose configuration needs the network
-        config = transformers.AutoConfig.from_pretrained(name, **settings)
+        default = transformers.AutoConfig.from_pretrained(name)
+    known = default.to_dict()  # the keys this family takes, with their default values
+    for key, value in settings.items():
+        if key not in known:
+            raise ValueError(f"{name} takes no setting {key!r}; it takes: "
+                             f"{', '.join(sorted(known))}")
+        if isinstance(known[key], (int, float)) and not isinstance(value, (int, float)):
+            raise ValueError(f"{name}'s {key} takes a number, not {value!r}")
+    config = type(default).from_dict({**known, **settings})
     config._attn_implementation = "eager"
     return transformers.AutoModel.from_config(config)
 

@@ -82,6 +82,8 @@ class Config:
              "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
             ("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)"),
+            ("label_smoothing", self.label_smoothing == 0 or self.objective == "cls",
+             f"smooths a classifier's targets and does nothing for {self.objective}; drop it"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
@@ -143,12 +145,16 @@ class Config:
         name, *pairs = spec.split(",")
         types = {f.name: f.type for f in fields(cls)}
         settings = dict(defaults)
+        seen = set()
         for pair in pairs:
             key, _, value = pair.partition("=")
             if key not in types or not value:
                 raise ValueError(
                     f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key"
                 )
+            if key in seen:
+                raise ValueError(f"{key} is given twice in {spec!r}; give it once")
+            seen.add(key)
             try:
                 settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
             except ValueError:

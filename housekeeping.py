@@ -116,6 +116,16 @@ def check_dataset_fits(objective, dataset, image_objectives):
                             f"({', '.join(wanted)}), not --dataset {dataset}")
 
 
+def check_recipe_fits(preset, dataset, text_preset):
+    """A laptop preset carries a recipe for one modality: a text preset's on images, or the other
+    way round, would train with the wrong recipe."""
+    if text_preset == (dataset in IMAGE_DATASETS):
+        kind = "a text" if text_preset else "an image"
+        raise TrainingError(f"--preset {preset} is {kind} preset (its recipe is for "
+                            f"{'text' if text_preset else 'images'}), not for --dataset {dataset};"
+                            " choose a preset of the dataset's kind or set the model flags")
+
+
 def resumed_settings(args, train_config, model_config, resumable, per_invocation):
     """(the saved run's train_config with the `resumable` flags given now, the checkpoint); any
     other flag given must agree with the saved run."""

@@ -224,7 +224,9 @@ def load_samples(args, model, train_cfg):
 @torch.no_grad()
 def probe_model(model, samples, batch_size, mask=False):
     """Every per-layer metric (embedding output, then every block), averaged over all samples."""
-    if mask and not (model.config.is_image and model.config.mask_ratio):
+    mae = (model.config.objective == "mae" if isinstance(model, Bamboo)
+           else bool(getattr(model.config, "mask_ratio", 0)))
+    if mask and not (model.config.is_image and mae):
         raise ValueError("--mask probes MAE's visible patches; it needs an MAE model, ours or "
                          "Hugging Face's vit_mae (other models are probed unmasked)")
     sums = {}  # (metric, layer) -> sum over samples
@@ -386,6 +388,10 @@ def run(args):
         report["depth"][label] = model.config.depth
         report["attn_entropy_ceiling"][label] = round(raw[label].pop("attn_entropy_ceiling")[-1], 6)
         report["source"][label] = spec
+    probed = min(len(s) for s in sample_sets.values())
+    if probed < args.samples:
+        print(f"note: the held-out split has {probed} samples; probed {probed}, not {args.samples}")
+    report["samples"] = probed  # what was run, not what was asked
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
     order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS

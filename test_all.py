@@ -2152,13 +2152,57 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     import probe
 
-    model, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
     samples = torch.rand(4, 3, 16, 16)
+    classifier, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
+    with pytest.raises(ValueError, match="--mask probes MAE's visible patches; it needs an MAE"):
+        probe.probe_model(classifier, samples, 4, mask=True)  # every Config has a mask_ratio
+    model, _ = probe.load_model("init:cifar-tiny,image_size=16,objective=mae", "folder")
     full = probe.probe_model(model, samples, 4)
     masked = probe.probe_model(model, samples, 4, mask=True)
     assert full["std"] != masked["std"]
     visible = model.hidden_states(samples, mask_ratio=0.75, noise=torch.rand(4, 16))[-1]
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
+
+
+def test_silent_inputs_are_refused_or_recorded_as_run(capsys, tiny_data, tmp_path):
+    """A flag with no effect, a contradictory or doubled spec key, a preset of the other modality,
+    an index past the data: one line each; --samples beyond the split records what was probed."""
+    import bench
+    import look
+    import probe
+
+    flags = image_flags(tiny_data, "mae", "--max_iters", "2", "--out_dir", str(tmp_path / "a"))
+    err = cli_error(capsys, *flags, "--label_smoothing", "0.1")
+    assert "label_smoothing=0.1 smooths a classifier's targets and does nothing for mae" in err
+    err = cli_error(capsys, "--preset", "wikitext-small", "--dataset", "folder", "--data_dir",
+                    str(tiny_data / "images"), "--out_dir", str(tmp_path / "b"))
+    assert "--preset wikitext-small is a text preset (its recipe is for text)" in err
+    for spec, says in (("cls:cifar-tiny,depth=2,depth=1", "depth is given twice"),
+                       ("cls:cifar-tiny,objective=mae", "says objective mae after its prefix cls")):
+        assert bench.main([spec]) == 2 and says in capsys.readouterr().err
+    ckpt = trained_checkpoint(tiny_data, "cls", tmp_path / "run")
+    assert look.main(["attention", str(ckpt), "--index", "100000", "--out",
+                      str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--index 100000 is past the 32 held-out samples; choose 0 to 31" in err
+    report = probe.main([str(ckpt), "--samples", "1000", "--json", str(tmp_path / "p.json")])
+    assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
+    assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
+
+
+def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_take():
+    import adapters
+
+    cases = {"timm:vit_tiny_patch16_224,pretrained=0,foo=1": "unexpected keyword argument 'foo'",
+             "timm:vit_tiny_patch16_224,pretrained=0,depth=abc": "refuses the settings",
+             "hf:gpt2,pretrained=0,n_layer=abc": "gpt2's n_layer takes a number, not 'abc'",
+             "hf:gpt2,pretrained=0,n_layers=6": "gpt2 takes no setting 'n_layers'; it takes: ",
+             "hf:gpt2,pretrained=0,n_layer=2,n_layer=3": "n_layer is given twice"}
+    for spec, says in cases.items():
+        with pytest.raises(ValueError, match=re.escape(says)):
+            adapters.load(spec)
+    assert "n_layer" in str(pytest.raises(ValueError, adapters.load,
+                                          "hf:gpt2,pretrained=0,n_layers=6").value)
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():

@@ -25,7 +25,7 @@ import checkpoint
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, to_device
-from housekeeping import (TrainingError, check_dataset_fits, check_invocation,
+from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, evaluation_fits, exit_process, flags_given,
                           forget_unsaved_steps, log_and_progress, parser_of, read_loss,
@@ -108,6 +108,8 @@ def resolve_settings(args):
     else:
         given = flags_given(args, TrainConfig)
         cfg = TrainConfig(**{**RECIPES.get(given.get("preset", ""), {}), **given})
+        if cfg.preset in RECIPES:
+            check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
         settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
         if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
             pretrained = checkpoint.load(cfg.init_from)

@@ -178,8 +178,14 @@ def finished_log(path, planned):
     (a log copied from a run that stopped early, or a missing one, is one line)."""
     if not os.path.exists(path):
         raise AnalysisError(f"no log at {path}")
+    records = []
     with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except ValueError:
+                raise AnalysisError(f"{path} line {n} is not JSON (a line cut short by a kill?); "
+                                    "the run's log is damaged: run the arm again") from None
     steps = [r["step"] for r in records if r.get("eval")]
     if not steps or steps[-1] != planned:
         last = max((r.get("step", 0) for r in records), default=0)

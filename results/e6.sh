@@ -9,6 +9,10 @@
 # SEEDS ("0 1 2 3 4 5"), BUDGET (540 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6).
 # The suite's dry run puts a tiny design.json in RESULTS and runs with DEVICE=cpu.
 set -euo pipefail
+if [ $# -gt 0 ]; then
+  echo "results/e6.sh takes no arguments (got '$*'): its settings are environment variables (see its head)" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 source results/checks.sh
 PY=${PYTHON:-python}

@@ -503,6 +503,13 @@ def test_experiment_1_gpu_script_trains_three_arms_per_seed_and_fine_tunes_with_
 
 # ---------------------------------------------------------------- experiment 6 (results/e6/PLAN.md)
 
+def test_experiment_6_refuses_arguments_in_one_line_and_writes_nothing(tmp_path):
+    done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh"), "nosuch"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "RESULTS": str(tmp_path / "e6")})
+    assert done.returncode == 2 and done.stderr.startswith("results/e6.sh takes no arguments (got 'nosuch')")
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "e6").exists()
+
+
 def test_experiment_6_without_a_gpu_says_so_in_one_line(tmp_path):
     done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh")], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
@@ -660,6 +667,10 @@ def test_an_analysis_refuses_a_log_that_stopped_before_its_planned_step(tmp_path
         analysis.finished_log(tmp_path / "cut.jsonl", 1500)
     with pytest.raises(analysis.AnalysisError, match="no log at"):
         analysis.finished_log(tmp_path / "missing.jsonl", 1000)
+    with open(tmp_path / "cut.jsonl", "a") as f:  # killed in the middle of writing a line
+        f.write('{"step": 1160, "lo')
+    with pytest.raises(analysis.AnalysisError, match="line 6 is not JSON .a line cut short"):
+        analysis.finished_log(tmp_path / "cut.jsonl", 1500)
 
 
 def test_matched_compute_reads_the_longer_arm_where_the_shorter_one_ends():
