@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 import fast
 from bamboo import Bamboo, Config, training_flops
-from checkpoint import atomic_write, check_output_path, unwritable
+from checkpoint import atomic_write, check_output_path
 from fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
+from housekeeping import one_line_errors
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 
@@ -424,23 +425,7 @@ def check_args(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
-        check_args(args)
-        run(args)
-    except ImportError as e:
-        print(
-            f"error: --against needs {e.name}; install timm, transformers and vit-pytorch in a"
-            " scratch venv",
-            file=sys.stderr,
-        )
-        return 2
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk or a folder that vanished while writing --json
-        print(f"error: {unwritable(e)}", file=sys.stderr)
-        return 2
-    return 0
+    return one_line_errors(args, check_args, run)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,10 @@ def atomic_write(path, write):
     path: a crash, a full disk or a second process writing the same path never leaves it
     half-written. On failure the temp file (ours) is removed, and an OSError names path."""
     folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    except OSError as e:  # a read-only or vanished folder: name the file asked for, not the temp
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -253,10 +253,10 @@ def release_out_dir(run):
     run.lock.close()
     run.lock = None
     out = run.cfg.out_dir
-    with suppress(FileNotFoundError):  # someone removed it meanwhile
-        os.remove(os.path.join(out, ".lock"))
-    if run.created_out_dir and not os.listdir(out):
-        os.rmdir(out)
+    with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
+        os.remove(os.path.join(out, ".lock"))  # stopped the run is the one to report
+        if run.created_out_dir and not os.listdir(out):
+            os.rmdir(out)
 
 
 def logged_step(line):
@@ -522,6 +522,28 @@ def last_checkpoint(out_dir):
 
 def out_of_memory(e):
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def one_line_errors(args, *steps):
+    """Each step(args) in turn, for probe.py, look.py and bench.py: a user's mistake, a missing
+    package, an unwritable output or running out of memory is one line and exit status 2."""
+    try:
+        for step in steps:
+            step(args)
+        return 0
+    except (checkpoint.CheckpointError, DataError, TrainingError, ValueError) as e:
+        message = str(e)
+    except ImportError as e:
+        message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
+    except OSError as e:  # a full disk or a folder that vanished while writing an output
+        message = checkpoint.unwritable(e)
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size or "
+                   "the model's size")
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def run_with_one_line_errors(train, args, out_dir):

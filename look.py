@@ -21,10 +21,10 @@ import sys
 import torch
 
 from bamboo import patchify, unpatchify
-from checkpoint import (CheckpointError, check_output_path, model_from_checkpoint, save_figure,
-                        unwritable)
-from data import (IMAGE_DATASETS, TEXT_DATASETS, DataError, first_samples, get_tokenizer, held_out,
+from checkpoint import check_output_path, model_from_checkpoint, save_figure
+from data import (IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out,
                   read_text)
+from housekeeping import one_line_errors
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -286,15 +286,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"sample": sample, "reconstruct": reconstruct, "attention": attention,
                 "curves": curves}
-    try:
-        check_args(args)
-        commands[args.command](args)
-    except (CheckpointError, DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {unwritable(e)}", file=sys.stderr)
-        return 2
+    code = one_line_errors(args, check_args, commands[args.command])
+    if code:
+        return code
     if getattr(args, "out", ""):
         print(f"wrote {args.out}")
     return 0

@@ -44,10 +44,10 @@ import sys
 import torch
 
 from bamboo import Bamboo, Config
-from checkpoint import (CheckpointError, atomic_write, check_output_path, model_from_checkpoint,
-                        save_figure, unwritable)
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, first_samples, held_out
+from checkpoint import atomic_write, check_output_path, model_from_checkpoint, save_figure
+from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, held_out
 from fast import pick_device
+from housekeeping import one_line_errors
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 # defined from block 1 (attn_sim: block 2) on
@@ -432,22 +432,18 @@ def build_parser():
     return p
 
 
+def check_args(args):
+    """One line for the first bad argument, before any model is loaded."""
+    if args.samples < 2 or args.batch_size < 1:
+        raise ValueError("--samples must be at least 2 and --batch_size at least 1")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_path(flag, path)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
-        if args.samples < 2 or args.batch_size < 1:
-            raise ValueError("--samples must be at least 2 and --batch_size at least 1")
-        for flag, path in (("--json", args.json), ("--plot", args.plot)):
-            if path:
-                check_output_path(flag, path)
-        run(args)
-    except (CheckpointError, DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk or a folder that vanished while writing the outputs
-        print(f"error: {unwritable(e)}", file=sys.stderr)
-        return 2
-    return 0
+    return one_line_errors(args, check_args, run)
 
 
 if __name__ == "__main__":

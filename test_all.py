@@ -2205,6 +2205,33 @@ def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_ta
                                           "hf:gpt2,pretrained=0,n_layers=6").value)
 
 
+def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys,
+                                                                                   tmp_path,
+                                                                                   monkeypatch):
+    """The tools share one mapping of errors to lines; an output that cannot be written is named
+    as the user gave it, never as its hidden temporary file."""
+    import tempfile
+
+    import bench
+    import checkpoint
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(bench, "run", out_of_memory)
+    assert bench.main(["cls:cifar-tiny,width=100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory (CUDA out of memory.") and err.count("\n") == 1
+
+    def read_only(dir, prefix, suffix):
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1" + suffix))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OSError) as e:
+        checkpoint.save_figure(None, str(tmp_path / "fig.png"))
+    assert e.value.filename == str(tmp_path / "fig.png")
+
+
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
     import probe
 
