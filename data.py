@@ -184,6 +184,7 @@ class ImageData:
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
         # Per-channel statistics of the training pixels (test pixels without a train split).
+        # normalisation statistics of the first 10,000 images (all of CIFAR's test split)
         self.mean, self.std = channel_statistics((self.train_x if train else self.test_x)[:10000])
         # A channel that barely varies (a colour unused by the dataset, a single image) would divide
         # by ~0 and make every input non-finite: it is only centred. 1/255 is one grey level.

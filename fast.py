@@ -1,12 +1,12 @@
 """What depends on the hardware: the device, the dtype, and speedups that pay only on some of it.
 
 bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention,
-F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here, and it never
-changes a live model: train.py and bench.py build the model with its options
-(Bamboo(config, explicit_attention=...)), then call for_training(model, device, dtype, compile),
-which returns the model itself or a wrapper module whose forward says what it calls. The API
-stays out, loss = module(x, y): the model returns logits for every objective; ChunkedNextToken
-returns (None, loss), since its point is never to hold all the logits, and CompiledNextToken's
+F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here: train.py and
+bench.py build the model with its options (Bamboo(config, explicit_attention=...)), then call
+for_training(model, device, dtype, compile), which returns the model itself or a wrapper module
+whose forward says what it calls; its one change to the model is nn.Module.compile on each Block
+(compile_blocks). Every module returns (out, loss): the model's out is the logits of every
+objective; ChunkedNextToken's is None (it never holds all the logits), and CompiledNextToken's
 logits carry no gradient (the loss does).
 
   device and dtype         pick_device (cuda, then mps, then cpu) and pick_dtype (bf16 where the

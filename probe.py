@@ -191,8 +191,8 @@ def beta(model, reference):
 # ----------------------------------------------------------------------------- models and data
 
 def load_model(spec, dataset):
-    """A checkpoint path, or init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
-    are equal)."""
+    """A checkpoint path, init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
+    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (adapters.py)."""
     if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
         import adapters
 

@@ -56,7 +56,7 @@ class TrainConfig:
     weight_decay: float = 0.05       # AdamW decay on matrices (not on biases, norms, positions)
     beta2: float = 0.95              # AdamW beta2
     grad_clip: float = 1.0           # clip the global gradient norm; 0 turns it off
-    layer_decay: float = 1.0         # fine-tuning: block i's lr times layer_decay^(depth + 1 - i)
+    layer_decay: float = 1.0         # fine-tuning: block i (from 1)'s lr x decay^(depth + 1 - i)
     eval_interval: int = 200         # evaluate and checkpoint every this many steps
     eval_samples: int = 10000        # held-out images or text windows per evaluation; 0 means all
     train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
