@@ -546,6 +546,13 @@ def one_line_errors(args, *steps):
     return 2
 
 
+def peer_lost(e):
+    """Whether e is a DDP collective that failed because another rank went away."""
+    words = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "nccl communicator was aborted", "timed out")
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1 and any(w in str(e).lower() for w in words)
+
+
 def run_with_one_line_errors(train, args, out_dir):
     """train(args), with every failure the user can fix said in one line (exit code 2)."""
     try:
@@ -556,11 +563,15 @@ def run_with_one_line_errors(train, args, out_dir):
         message = (f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
                    f"{last_checkpoint(out_dir)}, once space is free or the path is back")
     except RuntimeError as e:
-        if not out_of_memory(e):
+        if out_of_memory(e):
+            message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
+                       f"--grad_accum to keep the batch) or --eval_samples; "
+                       f"{last_checkpoint(out_dir)}")
+        elif peer_lost(e):
+            message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]}); "
+                       f"{last_checkpoint(out_dir)}, with every rank")
+        else:
             raise
-        message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
-                   f"--grad_accum to keep the batch) or --eval_samples; "
-                   f"{last_checkpoint(out_dir)}")
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
         print(f"error: interrupted twice; stopped at once; {last_checkpoint(out_dir)}",
               file=sys.stderr)

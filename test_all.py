@@ -1619,6 +1619,25 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
 
 
+def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
+                                                                                  monkeypatch):
+    from housekeeping import run_with_one_line_errors
+
+    def peer_gone(args):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+                           "by peer [127.0.0.1]:2")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert run_with_one_line_errors(peer_gone, None, str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: another rank of this DDP run stopped ([../third_party/gloo")
+    assert err.count("\n") == 1 and "nothing to resume" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same words are not about a peer
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        run_with_one_line_errors(peer_gone, None, str(tmp_path))
+
+
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
     import train
 
@@ -2664,6 +2683,48 @@ def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
     assert logits.shape == (4, model.config.seq_len - 1, model.config.vocab_size)
     assert torch.allclose(loss, chunked, atol=1e-6)
     assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+
+
+def readme_commands(*pages):
+    """The train.py, torchrun, look.py and probe.py commands of the pages' bash blocks, in order,
+    continuation lines joined and comments dropped, as argument lists."""
+    commands = []
+    for page in pages:
+        text = open(os.path.join(REPO, page)).read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                argv = line.split("#")[0].split()
+                if "train.py" in argv or argv[:2] in (["python", "look.py"], ["python", "probe.py"],
+                                                      ["mkdir", "-p"]):
+                    commands.append(argv)
+    return commands
+
+
+def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
+    """Run one after another as written, the README's and the guide's commands never collide: each
+    new run has an out_dir of its own, and every checkpoint, run or output path they use lies in
+    an out_dir an earlier command made."""
+    made = []
+    commands = readme_commands("README.md", "docs/guide.md")
+    assert len(commands) > 10
+    for argv in commands:
+        flags = dict(zip(argv, argv[1:]))
+        if argv[0] == "mkdir":
+            made += argv[2:]
+            continue
+        if "train.py" in argv and "--resume" not in argv:
+            assert flags.get("--out_dir") not in made + [None], argv
+            if "--init_from" in argv:
+                assert os.path.dirname(flags["--init_from"]) in made, argv
+            made.append(flags["--out_dir"])
+            continue
+        used = [a for a in argv if a.endswith("ckpt.pt")]
+        used += [os.path.dirname(flags[f]) + "/x" for f in ("--out", "--json", "--plot")
+                 if f in flags]
+        used += [flags["--out_dir"] + "/x"] if "--resume" in argv else []
+        used += [a + "/x" for a in argv[argv.index("curves") + 1:] if not a.startswith("-")
+                 and a != flags.get("--out")] if "curves" in argv else []
+        assert all(os.path.dirname(path) in made for path in used), (argv, made)
 
 
 def test_every_fast_name_the_code_and_readme_cite_exists():
