@@ -2307,7 +2307,9 @@ def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
         assert generic[name] == pytest.approx(values, abs=1e-5, nan_ok=False), name
 
 
-def test_tiny_timm_and_hugging_face_models_probe_end_to_end(capsys, tiny_data, tmp_path):
+def test_tiny_timm_and_hugging_face_models_probe_end_to_end(capsys, tiny_data, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a model with no run of its own caches tokens in ./data/cache
     code, out = probe_cli(capsys, TIMM_VIT, "init:cifar-tiny,image_size=16", "--labels", "vit,ours",
                           "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples",
                           "4", "--json", tmp_path / "v.json")
