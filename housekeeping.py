@@ -40,11 +40,11 @@ def field_comments(cls):
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
 
 
-def parser_of(groups, choices):
+def parser_of(groups, choices, epilog=""):
     """Every field of each (dataclass, title) as a flag. Flags not given stay unset, so that a
     preset, a pretrained trunk or a resumed checkpoint can fill them."""
     parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+                                     formatter_class=argparse.RawTextHelpFormatter, epilog=epilog)
     for cls, title in groups:
         group, comments = parser.add_argument_group(title), field_comments(cls)
         for f in fields(cls):
@@ -63,6 +63,25 @@ def parser_of(groups, choices):
 def flags_given(args, cls):
     """The flags of dataclass cls that the command line set."""
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def settings_block(values, sources, width=100):
+    """The settings a run uses, grouped by where each came from (flags, a resumed run, a preset or
+    its recipe, the --init_from trunk, derived); the defaults are left to --help."""
+    groups = {}
+    for name, source in sources.items():
+        if name in values:
+            groups.setdefault(source, []).append(f"{name}={values[name]}")
+    lines = []
+    for source, items in groups.items():
+        line = f"from {source}:"
+        for item in items:
+            if len(line) + 1 + len(item) > width:
+                lines.append(line)
+                line = "   "
+            line += " " + item
+        lines.append(line)
+    return lines + ["every other setting: its default (python train.py --help)"]
 
 
 def check_invocation(args):

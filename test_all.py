@@ -1273,6 +1273,25 @@ def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_
     assert code == 0 and len(resumes) == 2 and resumes[1]["from_step"] == 2, out
 
 
+def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
+    import train
+
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
+             "--preset", "cifar-tiny", "--image_size", "16", "--depth", "2", "--max_iters", "1",
+             "--batch_size", "16"]
+    code, out, _ = run_train(*flags, out_dir=tmp_path)
+    lines = out.replace("\n    ", " ").splitlines()  # a group's continuation lines joined
+    assert code == 0 and any(line.startswith("from the data: channels=3 num_classes=")
+                             for line in lines), out
+    preset = next(line for line in lines if line.startswith("from the cifar-tiny preset:"))
+    assert "width=64" in preset and " depth=" not in preset  # --depth is a flag here
+    assert any(line.startswith("from flags:") and "max_iters=1" in line for line in lines)
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path)
+    assert code == 0 and "from the resumed run: " in out, out
+    assert "from flags: max_iters=2" in out and "every other setting: its default" in out
+    assert "cifar-small: batch_size=128, max_iters=3600" in train.build_parser().format_help()
+
+
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
                                                                             tmp_path):
     import shutil

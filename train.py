@@ -30,7 +30,8 @@ from housekeeping import (TrainingError, check_dataset_fits, check_invocation, c
                           code_and_machine, evaluation_fits, exit_process, flags_given,
                           forget_unsaved_steps, log_and_progress, parser_of, read_loss,
                           record_evaluation, release_out_dir, replace_old_run, resumed_settings,
-                          run_with_one_line_errors, show_progress, stop_if_non_finite,
+                          run_with_one_line_errors, settings_block, show_progress,
+                          stop_if_non_finite,
                           stop_signals, summary, time_to_stop)
 
 
@@ -97,29 +98,37 @@ TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size
 
 
 def resolve_settings(args):
-    """(training settings, resumed checkpoint, pretrained checkpoint, model settings), checked
-    before any work. Precedence, lowest first: defaults < the preset and its recipe < a resumed
-    run's saved settings < the --init_from trunk's shape < the flags given."""
+    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
+    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
+    and its recipe < a resumed run's saved settings < the --init_from trunk's shape < flags."""
     check_invocation(args)
     resumed = pretrained = None
+    given = {**flags_given(args, TrainConfig), **flags_given(args, Config)}
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
         cfg, resumed = resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
         settings = dict(resumed["config"])
+        sources = dict.fromkeys([*settings, *vars(cfg)], "the resumed run")
     else:
-        given = flags_given(args, TrainConfig)
-        cfg = TrainConfig(**{**RECIPES.get(given.get("preset", ""), {}), **given})
+        recipe = RECIPES.get(given.get("preset", ""), {})
+        cfg = TrainConfig(**{**recipe, **flags_given(args, TrainConfig)})
         if cfg.preset in RECIPES:
             check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
         settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
+        sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
+                   **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
         if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
             pretrained = checkpoint.load(cfg.init_from)
             settings.update({k: pretrained["config"][k] for k in TRUNK_SHAPE})
+            sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
         settings.update(flags_given(args, Config))
+    sources.update(dict.fromkeys(given, "flags"))
     check_dataset_fits(settings.get("objective", Config.objective), cfg.dataset, IMAGE_OBJECTIVES)
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
+    derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
+    sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
     check_settings(cfg)
-    return cfg, resumed, pretrained, settings
+    return cfg, resumed, pretrained, settings, sources
 
 
 # ------------------------------------------------------------ the learning rate
@@ -197,7 +206,7 @@ class Run:
 def setup(args):
     """Everything before the first step, in order. What can be checked is checked before any data
     is decoded, and a run that fails here leaves no empty out_dir behind."""
-    cfg, resumed, pretrained, settings = resolve_settings(args)
+    cfg, resumed, pretrained, settings, sources = resolve_settings(args)
     device, rank, world = start_processes(cfg)
     run = Run(cfg, device, rank, world, made_by=code_and_machine(device))
     try:
@@ -244,15 +253,7 @@ def setup(args):
     except BaseException:
         release_out_dir(run)
         raise
-    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{run.model.num_params() / 1e6:.2f}M params, "
-            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-            f"{device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
-            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
-            f"{cfg.warmup} steps")
-    if cfg.warmup >= cfg.max_iters:
-        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
-                "rate never reaches its peak and never decays")
+    describe(run, config, sources)
     return run
 
 
@@ -334,8 +335,12 @@ def train(args):
 
 def build_parser():
     """Every TrainConfig and Config field as a flag, with its comment as the help."""
+    recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
+                         for name, recipe in RECIPES.items())
     return parser_of(((TrainConfig, "training"),
-                      (Config, "model (defaults shown; a --preset sets its own)")), CHOICES)
+                      (Config, "model (defaults shown; a --preset sets its own)")), CHOICES,
+                     "a laptop preset also sets its training recipe (flags override it):\n"
+                     + recipes)
 
 
 def schedule_defaults(cfg, depth):
@@ -397,6 +402,23 @@ def load_pretrained_trunk(run, pretrained):
     check_trunk_loaded(run.model, loaded, run.cfg.init_from)
     run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
             f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
+
+
+def describe(run, config, sources):
+    """The model, the batch and the schedule in a line, then every setting by where it came from."""
+    cfg = run.cfg
+    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+            f"{run.model.num_params() / 1e6:.2f}M params, "
+            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{run.device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
+            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
+            f"{cfg.warmup} steps")
+    dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
+    sources.update(dict.fromkeys(dictated, "the data"))
+    run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))
+    if cfg.warmup >= cfg.max_iters:
+        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
+                "rate never reaches its peak and never decays")
 
 
 def micro_batch(run, draws, k):
