@@ -506,7 +506,7 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
         path = os.path.join(run.cfg.out_dir, "eval_correct.npy")
         checkpoint.atomic_write(path, lambda f: np.save(f, flags))
     bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in record.items()))
+                       for k, v in record.items() if not isinstance(v, dict)))
 
 
 def summary(run):

@@ -1,7 +1,7 @@
 """Look at what a model does: text samples, MAE reconstructions, attention maps, training curves.
 
-Four commands, one for each way of looking; each reads checkpoints written by train.py (or out_dirs,
-for the curves) and writes one file or prints text:
+Five commands, one for each way of looking; each reads checkpoints written by train.py (or out_dirs,
+for the curves and the smoothing) and writes one file or prints text:
 
   sample       continue a prompt with a next-token model (nanoGPT's sample.py): temperature, top-k
   reconstruct  MAE on held-out images as one grid, as the MAE paper's demo shows it: original,
@@ -9,6 +9,7 @@ for the curves) and writes one file or prints text:
   attention    the attention maps (queries x keys) of chosen layers and heads for one held-out
                image or text window
   curves       training loss and held-out metric against steps, for one or more out_dirs
+  smoothing    a probe metric per layer at each evaluation (train.py logs them), for out_dirs
 
 Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
 """
@@ -230,6 +231,46 @@ def curves(args):
     return {d: (len(t), len(e)) for d, (t, e) in logs.items()}
 
 
+def smoothing(args):
+    """Over-smoothing as it formed: a probe metric per layer at each evaluation, as one heatmap
+    per run (layer against step, one colour scale for all) and the last layer against step."""
+    from matplotlib.ticker import MaxNLocator
+
+    from probe import AXES
+
+    runs = {}
+    for out_dir in args.out_dirs:
+        evals = [r for r in read_log(out_dir)[1] if "layers" in r]
+        if not evals:
+            raise ValueError(f"{out_dir}/log.jsonl has no per-layer metrics; train with "
+                             "--probe_samples N (on by default) to log them at each evaluation")
+        label = os.path.basename(os.path.normpath(out_dir)) or out_dir
+        runs[out_dir if label in runs else label] = (
+            [r["step"] for r in evals], [r["layers"][args.metric] for r in evals])
+    values = [v for _, rows in runs.values() for row in rows for v in row if v is not None]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3.8),
+                             squeeze=False, layout="constrained")
+    for ax, (label, (steps, rows)) in zip(axes[0], runs.items()):
+        by_layer = [[float("nan") if v is None else v for v in layer] for layer in zip(*rows)]
+        image = ax.imshow(by_layer, origin="lower", aspect="auto", vmin=min(values),
+                          vmax=max(values), extent=(0, len(steps), -0.5, len(by_layer) - 0.5))
+        ax.set_xticks([i + 0.5 for i in range(len(steps))], [str(s) for s in steps], fontsize=7)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(title=label, xlabel="step (each evaluation)", ylabel="layer (0 = embedding)")
+    fig.colorbar(image, ax=axes[0][:len(runs)].tolist(), label=args.metric)
+    last = axes[0][-1]
+    for label, (steps, rows) in runs.items():
+        last.plot(steps, [row[-1] for row in rows], marker="o", ms=3, label=label)
+        print(f"{label}: {args.metric} of the last layer at steps {steps}: "
+              + " ".join(f"{row[-1]:.4f}" for row in rows))
+    last.set(title="the last layer", xlabel="step", ylabel=args.metric)
+    last.grid(alpha=0.3)
+    last.legend(fontsize=8)
+    fig.suptitle(f"{args.metric} per layer as training went ({AXES[args.metric]})", fontsize=11)
+    save_figure(fig, args.out)
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -265,6 +306,12 @@ def build_parser():
     c = commands.add_parser("curves", help="training curves of out_dirs", allow_abbrev=False)
     c.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders")
     c.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
+    m = commands.add_parser("smoothing", help="per-layer probe metrics against step, of out_dirs",
+                            allow_abbrev=False)
+    m.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders")
+    m.add_argument("--metric", default="abs_cos_centered",
+                   choices=("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"))
+    m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")
     return p
 
 
@@ -285,7 +332,7 @@ def check_args(args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"sample": sample, "reconstruct": reconstruct, "attention": attention,
-                "curves": curves}
+                "curves": curves, "smoothing": smoothing}
     code = one_line_errors(args, check_args, commands[args.command])
     if code:
         return code

@@ -1292,6 +1292,47 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     assert "cifar-small: batch_size=128, max_iters=3600" in train.build_parser().format_help()
 
 
+def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_nothing(
+        capsys, tiny_data, tmp_path):
+    """Over-smoothing as it forms: every evaluation record holds probe.py's per-layer metrics on
+    the first N held-out samples, equal to probe.py's own numbers for the checkpoint; a run with
+    them trains bit for bit as one without; look.py draws them for several runs."""
+    import shutil
+
+    import look
+    import probe
+
+    flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2")
+    code, out, logged = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
+    assert code == 0, out
+    evals = [r for r in logged if r.get("eval")]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(len(r["layers"]["abs_cos_centered"]) == 3 for r in evals)  # stem + 2 blocks
+    ckpt = str(tmp_path / "a" / "ckpt.pt")
+    assert probe.main([ckpt, "--samples", "8", "--json", str(tmp_path / "p.json")]) == 0
+    report = json.loads((tmp_path / "p.json").read_text())["metrics"]
+    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"):
+        ours, probes = evals[-1]["layers"][name], report[name][ckpt]
+        assert [v is None for v in ours] == [v is None for v in probes], name  # attn_entropy[0]
+        assert [v for v in ours if v is not None] == pytest.approx(
+            [v for v in probes if v is not None], rel=1e-5), name
+    code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
+    assert code == 0 and not any("layers" in r for r in plain)
+    assert train_losses(plain) == train_losses(logged)
+    weights = [torch.load(tmp_path / run / "ckpt.pt", weights_only=True)["model"] for run in "ab"]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    capsys.readouterr()
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    assert look.main(["smoothing", str(tmp_path / "a"), str(tmp_path / "c"), "--out",
+                      str(tmp_path / "s.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "a: abs_cos_centered of the last layer at steps [2, 4]: " in printed
+    assert "\nc: abs_cos_centered of the last layer" in printed
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
+    assert "has no per-layer metrics; train with --probe_samples" in capsys.readouterr().err
+
+
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
                                                                             tmp_path):
     import shutil

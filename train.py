@@ -23,8 +23,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import checkpoint
 import fast
+from probe import TOKEN_METRICS, probe_model
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, to_device
+from data import (IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, held_out,
+                  to_device)
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, evaluation_fits, exit_process, flags_given,
@@ -60,6 +62,7 @@ class TrainConfig:
     layer_decay: float = 1.0         # fine-tuning: block i (from 1)'s lr x decay^(depth + 1 - i)
     eval_interval: int = 200         # evaluate and checkpoint every this many steps
     eval_samples: int = 10000        # held-out images or text windows per evaluation; 0 means all
+    probe_samples: int = 64          # each evaluation logs probe.py's per-layer metrics on these
     train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
     log_interval: int = 10           # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"             # checkpoint and log.jsonl go here
@@ -90,7 +93,8 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
 # What --resume may change: length and learning rate, where the data lives, logging. The settings
 # of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
-             "eval_samples", "log_interval", "data_dir", "cache_dir", "init_from")
+             "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
+             "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
@@ -174,6 +178,7 @@ class Run:
     said: float = 0.0  # wall clock of the last progress line in a log file
     init_hash: dict = None  # sha256 of the initial weights: {"trunk": stem and blocks, "model"}
     eval_s: float = None  # seconds the last evaluation took
+    probe_x: torch.Tensor = None  # the held-out samples probed at every evaluation (rank 0)
     made_by: dict = None  # the commit, command, torch and device of this invocation
 
     @property
@@ -249,6 +254,8 @@ def setup(args):
             cache = run.compile_mode != "graphs"
             run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
         run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
+        if run.master and cfg.probe_samples:  # probe.py's own samples of this run's data
+            run.probe_x = first_samples(held_out(config, vars(cfg)), cfg.probe_samples)
         replace_old_run(run)  # --overwrite: only now that every check has passed
     except BaseException:
         release_out_dir(run)
@@ -315,6 +322,9 @@ def train(args):
                 if run.master and evaluation_fits(run):  # a time limit bounds the evaluation too
                     batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
+                    if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
+                        # over-smoothing as it forms, layer by layer
+                        metrics["layers"] = layer_metrics(run.model, run.probe_x, batch)
                     run.eval_s = time.time() - t_eval
                 stop_if_non_finite(run, metrics)
                 if run.master:
@@ -474,6 +484,18 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     elif objective == "next":
         metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
     return metrics
+
+
+def layer_metrics(model, samples, batch_size):
+    """probe.py's token metrics and attention entropy per layer (0: the stem's output), on the
+    plain model as evaluation runs it, unmasked; the numbers probe.py gives this checkpoint."""
+    was_training = model.training
+    model.eval()
+    with torch.compiler.set_stance("force_eager"):
+        probed = probe_model(model, samples, batch_size)
+    model.train(was_training)
+    return {name: [None if v is None else round(v, 6) for v in probed[name]]
+            for name in (*TOKEN_METRICS, "attn_entropy")}
 
 
 def main(argv=None):
