@@ -116,6 +116,8 @@ def check_settings(cfg):
         ("train_samples", cfg.train_samples >= 0,
          "must be >= 0 (0 means the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
+        ("probe_samples", cfg.probe_samples >= 0, "must be >= 0 (0 turns the per-layer metrics "
+         "off)"),
         ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
          "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
@@ -333,7 +335,7 @@ def any_rank(run, flag):
 def time_to_stop(run):
     """Whether the run stops after this step: a signal came (stop_signals) or --time_limit passed.
     DDP ranks agree (a host sync) only at the steps that read the loss anyway."""
-    cfg, next_step = run.cfg, run.seconds_per_step() or 0.0
+    cfg, next_step = run.cfg, timed_step_s(run)
     late = time.time() - run.t_start + next_step > cfg.time_limit  # the next step would overrun
     if cfg.time_limit and late and run.step < cfg.max_iters:
         run.stop = run.stop or "time limit reached"
@@ -371,15 +373,21 @@ def held_out_count(data):
     return (len(data.val) - 1) // data.seq_len
 
 
-def evaluation_fits(run):
-    """Whether this evaluation fits in what is left of --time_limit (always, unless the limit is
-    what stops the run): its last measured time, or before the first, a forward pass over the
-    held-out batches at a third of a training step each."""
-    if run.stop != "time limit reached":
+def timed_step_s(run):
+    """Seconds per step once a step after the first (compilation, graph capture) is timed; or 0."""
+    return run.seconds_per_step() if len(run.step_times) > 1 else 0.0
+
+
+def evaluation_fits(run, stopping):
+    """Whether the evaluation of a --time_limit stop fits in what is left of the limit: its last
+    measured time, or before the first, a forward pass over the held-out batches at a third of a
+    training step each. Every other evaluation runs, the last step's too (a resume could not)."""
+    cfg = run.cfg
+    if not stopping or run.stop != "time limit reached" or run.step >= cfg.max_iters:
         return True
-    left = run.cfg.time_limit - (time.time() - run.t_start)
-    samples = min(run.cfg.eval_samples or math.inf, held_out_count(run.data))
-    guess = math.ceil(samples / run.cfg.batch_size) * (run.seconds_per_step() or 0.0) / 3
+    left = cfg.time_limit - (time.time() - run.t_start)
+    samples = min(cfg.eval_samples or math.inf, held_out_count(run.data))
+    guess = math.ceil(samples / (run.micro_batch * cfg.grad_accum)) * timed_step_s(run) / 3
     return (run.eval_s if run.eval_s is not None else guess) <= left
 
 

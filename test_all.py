@@ -1405,6 +1405,7 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys,
     (["--lr", "1e-5", "--min_lr", "1e-4"], "--min_lr 0.0001 must be in [0, --lr 1e-05]"),
     (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
     (["--resume", "--overwrite"], "choose one"),
+    (["--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
 ])
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
     assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
@@ -1648,11 +1649,15 @@ def test_a_time_limit_bounds_the_evaluation_too_and_must_be_finite(capsys, tiny_
     run = train.Run(train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0),
                     torch.device("cpu"), data=data, stop="time limit reached")
     run.t_start, run.step_times = time.time() - 9, [1.0, 1.0]  # about 1 s left, 1 s per step
-    assert evaluation_fits(run)  # 2 batches x 1 s / 3
+    run.micro_batch, run.step = 16, 10
+    assert evaluation_fits(run, stopping=True)  # 2 batches x 1 s / 3
     run.eval_s = 5.0
-    assert not evaluation_fits(run)
-    run.stop = "interrupted"  # a signal: the evaluation runs whatever its time
-    assert evaluation_fits(run)
+    assert not evaluation_fits(run, stopping=True)
+    assert evaluation_fits(run, stopping=False)  # an evaluation the limit did not call
+    run.step = run.cfg.max_iters  # the last step's: a resume could never make it up
+    assert evaluation_fits(run, stopping=True)
+    run.step, run.stop = 10, "interrupted"  # a signal: the evaluation runs whatever its time
+    assert evaluation_fits(run, stopping=True)
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
     err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
@@ -2784,8 +2789,10 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
         used += [os.path.dirname(flags[f]) + "/x" for f in ("--out", "--json", "--plot")
                  if f in flags]
         used += [flags["--out_dir"] + "/x"] if "--resume" in argv else []
-        used += [a + "/x" for a in argv[argv.index("curves") + 1:] if not a.startswith("-")
-                 and a != flags.get("--out")] if "curves" in argv else []
+        listed = [a for a in ("curves", "smoothing") if a in argv]
+        rest = argv[argv.index(listed[0]) + 1:] if listed else []
+        used += [a + "/x" for i, a in enumerate(rest)
+                 if not a.startswith("-") and not (i and rest[i - 1].startswith("-"))]
         assert all(os.path.dirname(path) in made for path in used), (argv, made)
 
 

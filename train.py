@@ -111,7 +111,8 @@ def resolve_settings(args):
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
         cfg, resumed = resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
         settings = dict(resumed["config"])
-        sources = dict.fromkeys([*settings, *vars(cfg)], "the resumed run")
+        saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
+        sources = dict.fromkeys([*settings, *saved], "the resumed run")
     else:
         recipe = RECIPES.get(given.get("preset", ""), {})
         cfg = TrainConfig(**{**recipe, **flags_given(args, TrainConfig)})
@@ -319,7 +320,7 @@ def train(args):
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
                 metrics, correct = None, []
-                if run.master and evaluation_fits(run):  # a time limit bounds the evaluation too
+                if run.master and evaluation_fits(run, stopping):  # within a time limit's stop
                     batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
                     if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
@@ -491,9 +492,14 @@ def layer_metrics(model, samples, batch_size):
     plain model as evaluation runs it, unmasked; the numbers probe.py gives this checkpoint."""
     was_training = model.training
     model.eval()
-    with torch.compiler.set_stance("force_eager"):
-        probed = probe_model(model, samples, batch_size)
-    model.train(was_training)
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            probed = probe_model(model, samples, batch_size)
+    except ValueError as e:  # non-finite hidden states: the run goes on, the record says why
+        print(f"note: no per-layer metrics at this evaluation ({e})", flush=True)
+        return None
+    finally:
+        model.train(was_training)
     return {name: [None if v is None else round(v, 6) for v in probed[name]]
             for name in (*TOKEN_METRICS, "attn_entropy")}
 

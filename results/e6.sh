@@ -61,19 +61,20 @@ finished() {  # finished RUN PLANNED: the run's log holds an evaluation at its p
   [ -f "$1/log.jsonl" ] && grep -q "\"eval\": true, \"step\": $2," "$1/log.jsonl"
 }
 
-arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what is left of BUDGET
+arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what is left of BUDGET, then probe it
   local seed=$1 run=$2 planned=$3; shift 3
   local left=$((BUDGET - (SECONDS - start) - 30))
-  if finished "$run" "$planned" || [ "$left" -lt 10 ]; then return 0; fi
-  if [ -f "$run/ckpt.pt" ]; then
-    $PY train.py --resume --out_dir "$run" --time_limit "$left" --device "$DEVICE"
-  else
-    $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
-      --out_dir "$run" --time_limit "$left" "$@"
-  fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
-  if finished "$run" "$planned"; then
+  if ! finished "$run" "$planned" && [ "$left" -ge 10 ]; then
+    if [ -f "$run/ckpt.pt" ]; then
+      $PY train.py --resume --out_dir "$run" --time_limit "$left" --device "$DEVICE"
+    else
+      $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
+        --out_dir "$run" --time_limit "$left" "$@"
+    fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
+  fi
+  if finished "$run" "$planned" && [ ! -f "$run.probe.json" ]; then  # a probe that failed is tried again
     $PY probe.py "$run/ckpt.pt" --dataset folder --data_dir "$DATA/cifar10-jpeg" --device "$DEVICE" \
-      --samples "$PROBE_SAMPLES" --json "$run.probe.json" > /dev/null
+      --samples "$PROBE_SAMPLES" --json "$run.probe.json" > /dev/null || echo "probe of $run failed" >&2
   fi
 }
 
