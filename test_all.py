@@ -2316,6 +2316,49 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
     assert e.value.filename == str(tmp_path / "fig.png")
 
 
+def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
+    """A pickle behind a spec is refused in one line (no code ran); an unknown name offline
+    advises pretrained=0 only where it was not given."""
+    import pickle
+
+    import adapters
+
+    def refused(name, pretrained, settings):
+        raise pickle.UnpicklingError("Weights only load failed")
+
+    monkeypatch.setattr(adapters, "hf_model", refused)
+    with pytest.raises(ValueError, match="a pickle with more than tensors, which is not loaded"):
+        adapters.load("hf:./local-folder")
+
+    def offline(name, pretrained, settings):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(adapters, "hf_model", offline)
+    with pytest.raises(ValueError) as e:
+        adapters.load("hf:gpt3,pretrained=0")
+    assert "with pretrained=0 the name must be a model type (" in str(e.value)
+    assert "pass pretrained=0" not in str(e.value)
+    with pytest.raises(ValueError, match="check the name and the network, or pass pretrained=0"):
+        adapters.load("hf:gpt3")
+
+
+def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
+                                                                               monkeypatch):
+    import train
+    from housekeeping import claim_out_dir, release_out_dir
+
+    run = train.Run(train.TrainConfig(out_dir=str(tmp_path / "run")), torch.device("cpu"))
+    claim_out_dir(run)
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
+
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "remove", read_only)
+    release_out_dir(run)  # the lock's removal fails quietly: the write's error is the one shown
+    assert run.lock is None
+
+
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
     import probe
 
@@ -3289,6 +3332,21 @@ if torch.cuda.is_available():
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
                                             for k in b), (a, b)
 
+
+    def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data, tmp_path):
+        """The measurement at each evaluation runs on the plain model: under CUDA graphs the
+        replayed step is untouched (the same losses with and without it) and the metrics are
+        logged."""
+        flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2",
+                            "--compile", "graphs", "--dtype", "float32")
+        code, out, probed = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
+        assert code == 0 and "compile: graphs" in out, out
+        code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
+        assert code == 0, out
+        a, b = train_losses(probed), train_losses(plain)
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 * max(1, abs(b[k]))
+                                            for k in b), (a, b)
+        assert all(len(r["layers"]["erank"]) == 3 for r in probed if r.get("eval"))
 
     def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
         """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it
