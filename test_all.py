@@ -3344,7 +3344,7 @@ if torch.cuda.is_available():
         code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
         assert code == 0, out
         a, b = train_losses(probed), train_losses(plain)
-        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 * max(1, abs(b[k]))
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
                                             for k in b), (a, b)
         assert all(len(r["layers"]["erank"]) == 3 for r in probed if r.get("eval"))
 
