@@ -17,6 +17,7 @@ what is missing, where to put it, and which flag points elsewhere.
 Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt',
      'cache', 128).vocab_size)"
 """
+import copy
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -183,16 +184,21 @@ class ImageData:
             self.test_x, self.test_y = self.test_x[order], self.test_y[order]
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # Per-channel statistics of the training pixels (test pixels without a train split).
-        # normalisation statistics of the first 10,000 images (all of CIFAR's test split)
-        self.mean, self.std = channel_statistics((self.train_x if train else self.test_x)[:10000])
-        # A channel that barely varies (a colour unused by the dataset, a single image) would divide
-        # by ~0 and make every input non-finite: it is only centred. 1/255 is one grey level.
-        self.std = torch.where(self.std > 1 / 255, self.std, torch.ones_like(self.std))
+        # the training pixels' statistics (the test split's without a train split)
+        self.mean, self.std = normalisation((self.train_x if train else self.test_x))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
 
     def num_train(self):
         return len(self.train_x)
+
+    def as_held_out(self):
+        """This data as held_out() loads it (train=False: the test split on the CPU, normalised by
+        its own statistics), without decoding a file again."""
+        view = copy.copy(self)
+        view.test_x, view.test_y = self.test_x.cpu(), self.test_y.cpu()
+        view.train_x, view.train_y = view.test_x[:0], view.test_y[:0]
+        view.mean, view.std = normalisation(view.test_x)
+        return view
 
     def normalize(self, x):
         return (x.float() / 255 - self.mean) / self.std
@@ -216,6 +222,14 @@ class ImageData:
         for i in range(0, n, batch_size):
             j = min(i + batch_size, n)
             yield self.normalize(self.test_x[i:j]), self.test_y[i:j]
+
+
+def normalisation(images):
+    """(mean, std) per channel of the first 10,000 images. A channel that barely varies (a colour
+    the dataset does not use, one image) is only centred: dividing by ~0 would make every input
+    non-finite. 1/255 is one grey level."""
+    mean, std = channel_statistics(images[:10000])
+    return mean, torch.where(std > 1 / 255, std, torch.ones_like(std))
 
 
 def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=""):
@@ -373,6 +387,10 @@ class TextData:
         starts = draws["start"].tolist()
         return torch.from_numpy(np.stack([self.train[s: s + self.seq_len]
                                           for s in starts]).astype(np.int64)), None
+
+    def as_held_out(self):
+        """This data as held_out() loads it: the validation windows are the same already."""
+        return self
 
     def num_train(self):
         return len(self.train) - self.seq_len + 1

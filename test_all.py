@@ -1273,6 +1273,22 @@ def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_
     assert code == 0 and len(resumes) == 2 and resumes[1]["from_step"] == 2, out
 
 
+def test_a_runs_held_out_view_is_what_held_out_loads_without_decoding_again(tiny_data, tmp_path):
+    """The samples train.py probes at each evaluation are probe.py's for the checkpoint."""
+    from data import ImageData, TextData, first_samples, held_out
+
+    images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
+    loaded = held_out(Config(image_size=16), {"dataset": "folder",
+                                              "data_dir": str(tiny_data / "images")})
+    assert torch.equal(first_samples(images.as_held_out(), 8), first_samples(loaded, 8))
+    assert not torch.equal(first_samples(images, 8), first_samples(loaded, 8))  # train statistics
+    cfg = {"dataset": "text", "data_dir": str(tiny_data / "text"), "tokenizer": "bytes",
+           "val_file": "val.txt", "cache_dir": str(tmp_path)}
+    text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32)
+    loaded = held_out(Config(objective="next", vocab_size=256, seq_len=32), cfg)
+    assert torch.equal(first_samples(text.as_held_out(), 8), first_samples(loaded, 8))
+
+
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     import train
 

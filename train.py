@@ -25,8 +25,7 @@ import checkpoint
 import fast
 from probe import TOKEN_METRICS, probe_model
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import (IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, held_out,
-                  to_device)
+from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, to_device
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, evaluation_fits, exit_process, flags_given,
@@ -255,8 +254,8 @@ def setup(args):
             cache = run.compile_mode != "graphs"
             run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
         run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
-        if run.master and cfg.probe_samples:  # probe.py's own samples of this run's data
-            run.probe_x = first_samples(held_out(config, vars(cfg)), cfg.probe_samples)
+        if run.master and cfg.probe_samples:  # the samples probe.py takes for this checkpoint
+            run.probe_x = first_samples(run.data.as_held_out(), cfg.probe_samples)
         replace_old_run(run)  # --overwrite: only now that every check has passed
     except BaseException:
         release_out_dir(run)
