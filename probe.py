@@ -268,6 +268,11 @@ def entropy_ceiling(T, causal):
 
 # ----------------------------------------------------------------------------- report
 
+def rounded(values):
+    """A metric's per-layer values as reported: 6 decimals, None where it is undefined."""
+    return [None if v is None else round(v, 6) for v in values]
+
+
 def pad(values, length):
     return list(values) + [None] * (length - len(values))
 
@@ -395,9 +400,8 @@ def run(args):
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
     order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
-    report["metrics"] = {name: {label: [None if v is None else round(v, 6)
-                                        for v in pad(raw[label][name], layers)]
-                                for label in labels} for name in order}
+    report["metrics"] = {name: {label: rounded(pad(raw[label][name], layers)) for label in labels}
+                         for name in order}
     print_table(report)
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))

@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import checkpoint
 import fast
-from probe import TOKEN_METRICS, probe_model
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, to_device
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
@@ -32,11 +31,11 @@ from housekeeping import (TrainingError, check_dataset_fits, check_invocation, c
                           forget_unsaved_steps, log_and_progress, parser_of, read_loss,
                           record_evaluation, release_out_dir, replace_old_run, resumed_settings,
                           run_with_one_line_errors, settings_block, show_progress,
-                          stop_if_non_finite,
-                          stop_signals, summary, time_to_stop)
+                          stop_if_non_finite, stop_signals, summary, time_to_stop)
+from probe import TOKEN_METRICS, probe_model, rounded
 
 
-# --------------------------------------------------------------------- settings
+# ----------------------------------------------------------------------------- settings
 
 
 @dataclass
@@ -73,7 +72,6 @@ class TrainConfig:
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
-
 
 
 # The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
@@ -135,7 +133,7 @@ def resolve_settings(args):
     return cfg, resumed, pretrained, settings, sources
 
 
-# ------------------------------------------------------------ the learning rate
+# ----------------------------------------------------------------------------- the learning rate
 
 def get_lr(it, cfg):
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters."""
@@ -145,7 +143,7 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# ----------------------------------------------------------------------- set-up
+# ----------------------------------------------------------------------------- set-up
 
 @dataclass
 class Run:
@@ -264,7 +262,7 @@ def setup(args):
     return run
 
 
-# ------------------------------------------------------------ the training loop
+# ----------------------------------------------------------------------------- the training loop
 
 def train(args):
     run = setup(args)
@@ -341,7 +339,7 @@ def train(args):
     return 130 if run.stop == "interrupted" else 0
 
 
-# -------------------------------------- what set-up and the loop call, in order
+# ---------------------------------------------------------- what set-up and the loop call, in order
 
 def build_parser():
     """Every TrainConfig and Config field as a flag, with its comment as the help."""
@@ -494,13 +492,12 @@ def layer_metrics(model, samples, batch_size):
     try:
         with torch.compiler.set_stance("force_eager"):
             probed = probe_model(model, samples, batch_size)
-    except ValueError as e:  # non-finite hidden states: the run goes on, the record says why
+    except ValueError as e:  # non-finite hidden states: the run goes on, the note says why
         print(f"note: no per-layer metrics at this evaluation ({e})", flush=True)
         return None
     finally:
         model.train(was_training)
-    return {name: [None if v is None else round(v, 6) for v in probed[name]]
-            for name in (*TOKEN_METRICS, "attn_entropy")}
+    return {name: rounded(probed[name]) for name in (*TOKEN_METRICS, "attn_entropy")}
 
 
 def main(argv=None):

@@ -25,8 +25,13 @@ BASE_DECAY = 0.65  # MAE's layer decay for 12 blocks; depth L gets 0.65^(12 / L)
 
 
 def spec(objective, shape):
+    """bench.py's spec of a trunk (depth, width, heads) under objective."""
+    return f"{objective}:" + trunk_spec(shape)
+
+
+def trunk_spec(shape):
     depth, width, heads = shape
-    return f"{objective}:base-12x768,depth={depth},width={width},heads={heads}"
+    return f"base-12x768,depth={depth},width={width},heads={heads}"
 
 
 def steps(epochs, batch, images=TRAIN_IMAGES):
@@ -46,7 +51,7 @@ def bench_ms(path, pair):
     with open(path) as f:
         rows = {r["spec"].split(":", 1)[1]: r["step_ms"] for r in json.load(f)["rows"]}
     try:
-        return {t: rows[spec("x", shape).split(":", 1)[1]] for t, shape in PAIRS[pair].items()}
+        return {t: rows[trunk_spec(shape)] for t, shape in PAIRS[pair].items()}
     except KeyError as e:
         raise AnalysisError(f"{path} has no row for {e}; bench the specs of "
                             f"'e6_design.py specs {pair}'") from None
