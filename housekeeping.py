@@ -517,6 +517,23 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
                        for k, v in record.items() if not isinstance(v, dict)))
 
 
+def describe_run(run, config, sources):
+    """The model, the batch and the schedule in a line, then every setting by where it came from."""
+    cfg = run.cfg
+    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+            f"{run.model.num_params() / 1e6:.2f}M params, "
+            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{run.device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
+            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
+            f"{cfg.warmup} steps")
+    dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
+    sources.update(dict.fromkeys(dictated, "the data"))
+    run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))
+    if cfg.warmup >= cfg.max_iters:
+        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
+                "rate never reaches its peak and never decays")
+
+
 def summary(run):
     """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
     if not run.step_times or not run.master:

@@ -27,10 +27,10 @@ from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, to_device
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
-                          code_and_machine, evaluation_fits, exit_process, flags_given,
-                          forget_unsaved_steps, log_and_progress, parser_of, read_loss,
-                          record_evaluation, release_out_dir, replace_old_run, resumed_settings,
-                          run_with_one_line_errors, settings_block, show_progress,
+                          code_and_machine, describe_run, evaluation_fits, exit_process,
+                          flags_given, forget_unsaved_steps, log_and_progress, parser_of,
+                          read_loss, record_evaluation, release_out_dir, replace_old_run,
+                          resumed_settings, run_with_one_line_errors, show_progress,
                           stop_if_non_finite, stop_signals, summary, time_to_stop)
 from probe import TOKEN_METRICS, probe_model, rounded
 
@@ -258,7 +258,7 @@ def setup(args):
     except BaseException:
         release_out_dir(run)
         raise
-    describe(run, config, sources)
+    describe_run(run, config, sources)
     return run
 
 
@@ -410,23 +410,6 @@ def load_pretrained_trunk(run, pretrained):
     check_trunk_loaded(run.model, loaded, run.cfg.init_from)
     run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
             f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
-
-
-def describe(run, config, sources):
-    """The model, the batch and the schedule in a line, then every setting by where it came from."""
-    cfg = run.cfg
-    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{run.model.num_params() / 1e6:.2f}M params, "
-            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-            f"{run.device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
-            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
-            f"{cfg.warmup} steps")
-    dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
-    sources.update(dict.fromkeys(dictated, "the data"))
-    run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))
-    if cfg.warmup >= cfg.max_iters:
-        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
-                "rate never reaches its peak and never decays")
 
 
 def micro_batch(run, draws, k):
