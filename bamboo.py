@@ -139,38 +139,6 @@ class Config:
             raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
 
-    @classmethod
-    def from_spec(cls, spec, **defaults):
-        """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
-        name, *pairs = spec.split(",")
-        types = {f.name: f.type for f in fields(cls)}
-        settings = dict(defaults)
-        seen = set()
-        for pair in pairs:
-            key, _, value = pair.partition("=")
-            if key not in types or not value:
-                raise ValueError(
-                    f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key"
-                )
-            if key in seen:
-                raise ValueError(f"{key} is given twice in {spec!r}; give it once")
-            seen.add(key)
-            try:
-                settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
-            except ValueError:
-                kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
-                kind = kinds[types[key]]
-                raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
-        return cls.from_preset(name, **settings)
-
-
-def parse_bool(text):
-    """true/false, yes/no, 1/0 (any case); anything else is an error, never a silent False."""
-    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-    if text.lower() not in words:
-        raise ValueError(f"{text!r} is not true or false")
-    return words[text.lower()]
-
 
 def _trunk(depth, width, heads=0):
     return dict(depth=depth, width=width, heads=heads)

@@ -35,7 +35,7 @@ import fast
 from bamboo import Bamboo, Config, training_flops
 from checkpoint import atomic_write, check_output_path
 from fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
-from housekeeping import one_line_errors
+from housekeeping import config_from_spec, one_line_errors
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 
@@ -45,7 +45,7 @@ def parse_spec(spec):
     if not sep:
         raise ValueError(f"bad spec {spec!r}; write "
                          f"OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
-    config = Config.from_spec(rest, objective=objective)
+    config = config_from_spec(rest, objective=objective)
     if config.objective != objective:  # a row is labelled by its prefix
         raise ValueError(f"spec {spec!r} says objective {config.objective} after its prefix "
                          f"{objective}; drop objective=")

@@ -39,30 +39,6 @@ class DataError(Exception):
 
 # ----------------------------------------------------------------------------- images
 
-def _cifar(name, data_dir, train):
-    try:
-        import torchvision
-    except ImportError:
-        raise DataError(f"--dataset {name} downloads through torchvision, which is not installed: "
-                        "pip install torchvision, or use --dataset folder --data_dir DIR") from None
-
-    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
-    archive = os.path.join(data_dir, cls.filename)
-    had_archive = os.path.exists(archive)
-    try:
-        ds = cls(data_dir, train=train, download=True)
-    except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
-        if os.path.exists(archive) and not had_archive:
-            # leave no half-written archive behind; never one that was there before
-            os.remove(archive)
-        raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
-                        f"put {cls.base_folder}/ there by hand, or use --dataset "
-                        f"folder --data_dir DIR "
-                        "with an ImageFolder tree") from None
-    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
-    return images, torch.tensor(ds.targets), list(ds.classes)
-
-
 def _decode(path, size):
     from PIL import Image
 
@@ -109,9 +85,8 @@ def _folder(data_dir, split, image_size, limit=0):
     roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
     if not roots:
         raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
-                        f"image folder dataset "
-                        f"needs {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg "
-                        "(point --data_dir at such a tree)")
+                        f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
+                        f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
     samples, classes = _image_files(roots[0])
     if limit:  # a fixed random subset (the same for every run), decoded alone
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
@@ -127,7 +102,9 @@ def _folder(data_dir, split, image_size, limit=0):
 def _load_split(name, data_dir, split, image_size, limit=0):
     if name == "folder":
         return _folder(data_dir, split, image_size, limit)
-    images, labels, classes = _cifar(name, data_dir, split == "train")
+    from downloads import cifar  # torchvision's CIFAR, downloaded to data_dir if absent
+
+    images, labels, classes = cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
         keep = order[:limit].sort().values
@@ -277,10 +254,7 @@ def channel_statistics(images, one_pass_bytes=2 ** 30):
 
 def random_crop_flip(x, offsets, flips, pad=4):
     """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where
-    flips (B,).
-
-    One gather on x's device for the whole batch.
-    """
+    flips (B,): one gather on x's device for the whole batch."""
     B, C, H, W = x.shape
     offsets, flips = offsets.to(x.device), flips.to(x.device)[:, None]
     rows = torch.arange(H, device=x.device) + offsets[:, :1]  # (B, H) rows of the padded image
@@ -309,15 +283,12 @@ def get_tokenizer(name):
     try:
         return tiktoken.get_encoding(name)
     except ValueError:
-        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding "
-                        f"name (gpt2, r50k_base, "
-                        "cl100k_base, ...), bytes, or hf:NAME") from None
+        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, "
+                        "r50k_base, cl100k_base, ...), bytes, or hf:NAME") from None
     except Exception as e:
-        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); "
-                        f"without network set "
-                        "TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's "
-                        "ranks are r50k_base's), "
-                        "or use --tokenizer bytes") from None
+        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without "
+                        "network set TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's "
+                        "ranks are r50k_base's), or use --tokenizer bytes") from None
 
 
 def read_text(path):

@@ -1,4 +1,4 @@
-"""What a user with internet downloads: WikiText's text and Hugging Face tokenizers.
+"""What a user with internet downloads: CIFAR, WikiText's text and Hugging Face tokenizers.
 
 data.py calls these only when a dataset or tokenizer is asked for and absent; without the
 network each fails with one line (DataError) that says what to put where instead.
@@ -7,6 +7,8 @@ import io
 import os
 import urllib.request
 import zipfile
+
+import torch
 
 from checkpoint import atomic_write
 from data import DataError
@@ -23,6 +25,30 @@ HF_PARQUET = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/
               "{config}/{split}-{i:05d}-of-{n:05d}.parquet")
 # parquet files per split on the hub; 1 where not listed
 HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}
+
+
+def cifar(name, data_dir, train):
+    """(uint8 images (N, 3, H, W), labels, class names) of a CIFAR split, via torchvision."""
+    try:
+        import torchvision
+    except ImportError:
+        raise DataError(f"--dataset {name} downloads through torchvision, which is not installed: "
+                        "pip install torchvision, or use --dataset folder --data_dir DIR") from None
+
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
+    archive = os.path.join(data_dir, cls.filename)
+    had_archive = os.path.exists(archive)
+    try:
+        ds = cls(data_dir, train=train, download=True)
+    except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
+        if os.path.exists(archive) and not had_archive:
+            # leave no half-written archive behind; never one that was there before
+            os.remove(archive)
+        raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
+                        f"put {cls.base_folder}/ there by hand, or use --dataset folder "
+                        "--data_dir DIR with an ImageFolder tree") from None
+    images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # (N, 3, H, W) uint8
+    return images, torch.tensor(ds.targets), list(ds.classes)
 
 
 def _fetch(url, timeout=30):

@@ -1,8 +1,9 @@
 """The operations around a training run, kept out of train.py's way.
 
-Flags from dataclass fields, settings checks, resuming safely, the out_dir and its lock, signals
-and the time limit, stopping on a non-finite loss, log repair after a kill, progress lines, the
-summary, and main's one-line errors. train.py calls each by what it does; none is a step verb.
+Flags from dataclass fields, model specs (PRESET,key=value), settings checks, resuming safely,
+the out_dir and its lock, signals and the time limit, stopping on a non-finite loss, log repair
+after a kill, progress lines, the summary, and main's one-line errors. train.py calls each by
+what it does; none is a step verb.
 """
 import argparse
 import inspect
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 import fast
+from bamboo import Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
@@ -63,6 +65,38 @@ def parser_of(groups, choices, epilog=""):
 def flags_given(args, cls):
     """The flags of dataclass cls that the command line set."""
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def config_from_spec(spec, **defaults):
+    """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
+    name, *pairs = spec.split(",")
+    types = {f.name: f.type for f in fields(Config)}
+    settings = dict(defaults)
+    seen = set()
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in types or not value:
+            raise ValueError(
+                f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key"
+            )
+        if key in seen:
+            raise ValueError(f"{key} is given twice in {spec!r}; give it once")
+        seen.add(key)
+        try:
+            settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
+        except ValueError:
+            kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+            kind = kinds[types[key]]
+            raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
+    return Config.from_preset(name, **settings)
+
+
+def parse_bool(text):
+    """true/false, yes/no, 1/0 (any case); anything else is an error, never a silent False."""
+    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    if text.lower() not in words:
+        raise ValueError(f"{text!r} is not true or false")
+    return words[text.lower()]
 
 
 def settings_block(values, sources, width=100):
@@ -373,9 +407,16 @@ def held_out_count(data):
     return (len(data.val) - 1) // data.seq_len
 
 
+def seconds_per_step(run, last=None):
+    """The mean time of the steps so far (of the last ones, if given), the first step left out as
+    warm-up unless it is the only one; None before any step."""
+    timed = (run.step_times[1:] or run.step_times)[-last if last else 0:]
+    return sum(timed) / len(timed) if timed else None
+
+
 def timed_step_s(run):
     """Seconds per step once a step after the first (compilation, graph capture) is timed; or 0."""
-    return run.seconds_per_step() if len(run.step_times) > 1 else 0.0
+    return seconds_per_step(run) if len(run.step_times) > 1 else 0.0
 
 
 def evaluation_fits(run, stopping):
@@ -468,7 +509,7 @@ def show_progress(run, bar, train_loss, lr):
     first; in a log file (no bar), a progress line at most every 30 s with the time left, which
     counts the evaluations once one is timed, and says where a time limit will stop the run."""
     bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-    step_s = run.seconds_per_step(last=50)
+    step_s = seconds_per_step(run, last=50)
     if step_s is None:
         return
     cfg = run.cfg
@@ -534,6 +575,24 @@ def describe_run(run, config, sources):
                 "rate never reaches its peak and never decays")
 
 
+def nothing_to_train(run):
+    """A run already at --max_iters: say so, let go of the out_dir, exit 0."""
+    run.log(f"nothing to train: the run in {run.cfg.out_dir} is at step {run.step} of "
+            f"--max_iters {run.cfg.max_iters}; raise --max_iters to train on")
+    release_out_dir(run)
+    if run.ddp:
+        dist.destroy_process_group()
+    return 0
+
+
+def say_how_to_resume(run, bar):
+    """After an early stop: why, where the checkpoint is, and the command that continues."""
+    if run.master:  # on a line of its own, not after the progress bar
+        bar.write(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved "
+                  f"to {run.ckpt_path}; continue with: python train.py --resume --out_dir "
+                  f"{run.cfg.out_dir}")
+
+
 def summary(run):
     """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
     if not run.step_times or not run.master:
@@ -541,7 +600,7 @@ def summary(run):
     c, cfg = run.model.config, run.cfg
     name, _ = selection_metric(c.objective)
     unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
-    step_s = run.seconds_per_step()
+    step_s = seconds_per_step(run)
     result = "not evaluated"
     if run.metrics is not None:
         result = f"{name} {run.metrics[name]:.4g} (best {run.best:.4g})"

@@ -10,6 +10,7 @@ for the curves and the smoothing) and writes one file or prints text:
                image or text window
   curves       training loss and held-out metric against steps, for one or more out_dirs
   smoothing    a probe metric per layer at each evaluation (train.py logs them), for out_dirs
+and probe.py's figure (its --plot), a panel per metric.
 
 Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
 """
@@ -236,8 +237,6 @@ def smoothing(args):
     per run (layer against step, one colour scale for all) and the last layer against step."""
     from matplotlib.ticker import MaxNLocator
 
-    from probe import AXES
-
     runs = {}
     for out_dir in args.out_dirs:
         evals = [r for r in read_log(out_dir)[1] if "layers" in r]
@@ -272,6 +271,62 @@ def smoothing(args):
 
 
 # ----------------------------------------------------------------------------- command line
+
+
+# ----------------------------------------------------------------------------- probe.py's figure
+
+# What each panel's y-axis shows, and which way is "more smoothed" (tokens more alike).
+AXES = {
+    "std": "std over tokens; lower: more smoothed",
+    "cos": "mean cosine; higher: more smoothed",
+    "abs_cos_centered": "mean |cosine| of h - hbar; higher: more smoothed",
+    "hc_dc": "HC / DC energy; lower: more smoothed",
+    "erank": "effective rank; lower: more smoothed",
+    "update": "||h_l - h_(l-1)|| / ||h_(l-1)||; lower: the block does less",
+    "attn_entropy": "nats; higher: more smoothing (dashed: uniform)",
+    "attn_sim": "cosine to the previous map; higher: alike",
+    "vo_dominant": "mean sign; +1 every head smooths, -1 sharpens",
+    "vo_positive": "share of eigenvalues > 0; higher: more smoothing",
+    "beta_qk": "ratio to {reference}; above 1: larger",
+    "beta_v": "ratio to {reference}; above 1: larger",
+}
+
+
+def probe_figure(report, relative):
+    """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
+    the way that means "more smoothed"."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    names = [n for n in report["metrics"]
+             if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
+    cols = 3
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for label in report["labels"]:
+            depth = report["depth"][label]
+            values = report["metrics"][name][label][: depth + 1]
+            pairs = [(layer / depth if relative else layer, v)
+                     for layer, v in enumerate(values) if v is not None]
+            if pairs:
+                line, = ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
+                if name == "attn_entropy":  # uniform attention: log T, causal mean log(i + 1)
+                    ax.axhline(report["attn_entropy_ceiling"][label], color=line.get_color(),
+                               linestyle="--", linewidth=0.8)
+        ax.set_title(name)
+        ax.set_ylabel(AXES[name].format(reference=report["labels"][0]), fontsize=8)
+        ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
+        if not relative:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return fig
 
 
 def build_parser():

@@ -43,11 +43,11 @@ import sys
 
 import torch
 
-from bamboo import Bamboo, Config
+from bamboo import Bamboo
 from checkpoint import atomic_write, check_output_path, model_from_checkpoint, save_figure
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, held_out
 from fast import pick_device
-from housekeeping import one_line_errors
+from housekeeping import config_from_spec, one_line_errors
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 # defined from block 1 (attn_sim: block 2) on
@@ -201,7 +201,7 @@ def load_model(spec, dataset):
     if not spec.startswith("init:"):
         model, ckpt = model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
-    config = Config.from_spec(spec[len("init:"):],
+    config = config_from_spec(spec[len("init:"):],
                               objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
     return Bamboo(config).eval(), {}
@@ -266,6 +266,22 @@ def entropy_ceiling(T, causal):
     return sum(math.log(i + 1) for i in range(T)) / T if causal else math.log(T)
 
 
+def logged_metrics(model, samples, batch_size):
+    """What train.py logs at each evaluation: the token metrics and attention entropy per layer
+    (0: the stem's output), unmasked and eager; the numbers probe.py gives that checkpoint."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            probed = probe_model(model, samples, batch_size)
+    except ValueError as e:  # non-finite hidden states: the run goes on, the note says why
+        print(f"note: no per-layer metrics at this evaluation ({e})", flush=True)
+        return None
+    finally:
+        model.train(was_training)
+    return {name: rounded(probed[name]) for name in (*TOKEN_METRICS, "attn_entropy")}
+
+
 # ----------------------------------------------------------------------------- report
 
 def rounded(values):
@@ -277,21 +293,6 @@ def pad(values, length):
     return list(values) + [None] * (length - len(values))
 
 
-# What each panel's y-axis shows, and which way is "more smoothed" (tokens more alike).
-AXES = {
-    "std": "std over tokens; lower: more smoothed",
-    "cos": "mean cosine; higher: more smoothed",
-    "abs_cos_centered": "mean |cosine| of h - hbar; higher: more smoothed",
-    "hc_dc": "HC / DC energy; lower: more smoothed",
-    "erank": "effective rank; lower: more smoothed",
-    "update": "||h_l - h_(l-1)|| / ||h_(l-1)||; lower: the block does less",
-    "attn_entropy": "nats; higher: more smoothing (dashed: uniform)",
-    "attn_sim": "cosine to the previous map; higher: alike",
-    "vo_dominant": "mean sign; +1 every head smooths, -1 sharpens",
-    "vo_positive": "share of eigenvalues > 0; higher: more smoothing",
-    "beta_qk": "ratio to {reference}; above 1: larger",
-    "beta_v": "ratio to {reference}; above 1: larger",
-}
 TABLE_BLOCKS = (TOKEN_METRICS, LAYER_METRICS + WEIGHT_METRICS)  # each block under 100 columns
 
 
@@ -310,50 +311,6 @@ def print_table(report):
         print(f"attn_entropy of uniform attention, its ceiling here: "
               f"{report['attn_entropy_ceiling'][label]:.4f} nats")
     print(f"\nbeta_qk and beta_v are each checkpoint's over those of {report['labels'][0]}.")
-
-
-def figure(report, relative):
-    """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
-    the way that means "more smoothed"."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    names = [n for n in report["metrics"]
-             if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
-    cols = 3
-    rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for label in report["labels"]:
-            depth = report["depth"][label]
-            values = report["metrics"][name][label][: depth + 1]
-            pairs = [(layer / depth if relative else layer, v)
-                     for layer, v in enumerate(values) if v is not None]
-            if pairs:
-                line, = ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
-                if name == "attn_entropy":  # uniform attention: log T, causal mean log(i + 1)
-                    ax.axhline(report["attn_entropy_ceiling"][label], color=line.get_color(),
-                               linestyle="--", linewidth=0.8)
-        ax.set_title(name)
-        ax.set_ylabel(AXES[name].format(reference=report["labels"][0]), fontsize=8)
-        ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
-        if not relative:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    return fig
-
-
-def plot(report, path, relative):
-    save_figure(figure(report, relative), path)
 
 
 def absent_metrics(model, raw, reference):
@@ -406,7 +363,9 @@ def run(args):
     if args.json:
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     if args.plot:
-        plot(report, args.plot, args.relative)
+        import look  # the pictures live there
+
+        save_figure(look.probe_figure(report, args.relative), args.plot)
     return report
 
 

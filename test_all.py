@@ -1581,7 +1581,9 @@ def test_bench_spec_booleans_are_strict(capsys):
 
     assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
     assert "checkpointing takes true or false" in capsys.readouterr().err
-    assert Config.from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
+    from housekeeping import config_from_spec
+
+    assert config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
 
 def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
@@ -2232,6 +2234,7 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
         capsys, tiny_data, trained_checkpoints, tmp_path):
+    import look
     import probe
 
     code, out = probe_cli(capsys, trained_checkpoints / "cls" / "ckpt.pt",
@@ -2242,9 +2245,9 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
     assert all(name in out.out for name in probe.TOKEN_METRICS + probe.LAYER_METRICS
                + probe.WEIGHT_METRICS)
     assert "over those of trained" in out.out
-    figure = probe.figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
+    figure = look.probe_figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
     labels = {ax.get_title(): ax.get_ylabel() for ax in figure.axes if ax.get_title()}
-    assert set(labels) == set(probe.AXES)  # every metric has its panel, none without a label
+    assert set(labels) == set(look.AXES)  # every metric has its panel, none without a label
     smoothing = [name for name, label in labels.items() if "smooth" in label]
     assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
 

@@ -28,11 +28,12 @@ from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_sampl
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, describe_run, evaluation_fits, exit_process,
-                          flags_given, forget_unsaved_steps, log_and_progress, parser_of,
-                          read_loss, record_evaluation, release_out_dir, replace_old_run,
-                          resumed_settings, run_with_one_line_errors, show_progress,
-                          stop_if_non_finite, stop_signals, summary, time_to_stop)
-from probe import TOKEN_METRICS, probe_model, rounded
+                          flags_given, forget_unsaved_steps, log_and_progress, nothing_to_train,
+                          parser_of, read_loss, record_evaluation, release_out_dir,
+                          replace_old_run, resumed_settings, run_with_one_line_errors,
+                          say_how_to_resume, show_progress, stop_if_non_finite, stop_signals,
+                          summary, time_to_stop)
+from probe import logged_metrics
 
 
 # ----------------------------------------------------------------------------- settings
@@ -199,12 +200,6 @@ class Run:
         if self.master:
             print(*args, flush=True)
 
-    def seconds_per_step(self, last=None):
-        """The mean time of the steps so far (of the last ones, if given), the first step left out
-        as warm-up unless it is the only one; None before any step."""
-        timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
-        return sum(timed) / len(timed) if timed else None
-
 
 def setup(args):
     """Everything before the first step, in order. What can be checked is checked before any data
@@ -268,12 +263,7 @@ def train(args):
     run = setup(args)
     cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
     if run.step >= cfg.max_iters:
-        run.log(f"nothing to train: the run in {cfg.out_dir} is at step {run.step} of --max_iters "
-                f"{cfg.max_iters}; raise --max_iters to train on")
-        release_out_dir(run)
-        if run.ddp:
-            dist.destroy_process_group()
-        return 0
+        return nothing_to_train(run)
     run.t_start = time.time()
     with stop_signals(run), log_and_progress(run) as (log, bar):
         while run.step < cfg.max_iters:
@@ -322,7 +312,7 @@ def train(args):
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
                     if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
-                        metrics["layers"] = layer_metrics(run.model, run.probe_x, batch)
+                        metrics["layers"] = logged_metrics(run.model, run.probe_x, batch)
                     run.eval_s = time.time() - t_eval
                 stop_if_non_finite(run, metrics)
                 if run.master:
@@ -330,10 +320,7 @@ def train(args):
                     checkpoint.save(run.ckpt_path, {**state, "best": run.best})
                     run.saved_step = run.step
             if stopping:
-                if run.master:  # on a line of its own, not after the progress bar
-                    bar.write(f"{run.stop or 'stopped by another rank'} at step {run.step}; "
-                              f"checkpoint saved to {run.ckpt_path}; continue with: python "
-                              f"train.py --resume --out_dir {cfg.out_dir}")
+                say_how_to_resume(run, bar)
                 break
     summary(run)
     return 130 if run.stop == "interrupted" else 0
@@ -465,22 +452,6 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     elif objective == "next":
         metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
     return metrics
-
-
-def layer_metrics(model, samples, batch_size):
-    """probe.py's token metrics and attention entropy per layer (0: the stem's output), on the
-    plain model as evaluation runs it, unmasked; the numbers probe.py gives this checkpoint."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.compiler.set_stance("force_eager"):
-            probed = probe_model(model, samples, batch_size)
-    except ValueError as e:  # non-finite hidden states: the run goes on, the note says why
-        print(f"note: no per-layer metrics at this evaluation ({e})", flush=True)
-        return None
-    finally:
-        model.train(was_training)
-    return {name: rounded(probed[name]) for name in (*TOKEN_METRICS, "attn_entropy")}
 
 
 def main(argv=None):

@@ -21,7 +21,8 @@ import sys
 from analysis import ROOT, AnalysisError, command_line, finished_log, paired_summary
 
 sys.path.insert(0, ROOT)
-from bamboo import Config, training_flops  # noqa: E402
+from bamboo import training_flops  # noqa: E402
+from housekeeping import config_from_spec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPYC_BF16 = "2-core AMD EPYC (AVX512-BF16), bf16"
@@ -59,7 +60,7 @@ DESIGNS = {
 def step_flops(trunk, image_size, objective, preset="cifar-deep"):
     """Training FLOPs of one sample of this trunk and objective (bamboo.training_flops)."""
     depth, width = (int(n) for n in trunk.split("x"))
-    config = Config.from_spec(preset, objective=objective, depth=depth, width=width,
+    config = config_from_spec(preset, objective=objective, depth=depth, width=width,
                               heads=TRUNKS.get(trunk, 1), image_size=image_size, patch_size=4)
     return training_flops(config)
 
@@ -175,7 +176,7 @@ def gpu_row():
 
 def text_compute_ratio(steps_mlm, steps_next):
     """Experiment 3's MLM arm against next-token's, in FLOPs (wikitext-deep, 24x128)."""
-    mlm, nxt = (training_flops(Config.from_spec("wikitext-deep", objective=o))
+    mlm, nxt = (training_flops(config_from_spec("wikitext-deep", objective=o))
                 for o in ("mlm", "next"))
     return steps_mlm * mlm / (steps_next * nxt)
 
