@@ -14,7 +14,10 @@ kernels return none; a test checks them against the libraries' explicit attentio
 
 Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
 """
+import os
 import pickle
+import socket
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -50,6 +53,7 @@ def load(spec):
     """A Foreign model in eval mode for a timm: or hf: spec; one line for what cannot be had."""
     library, name, settings = parse(spec)
     pretrained = bool(settings.pop("pretrained", 1))
+    offline = pretrained and hub_unreachable()
     torch.manual_seed(0)  # random weights (pretrained=0) alike in every run, as init: specs are
     try:
         if library == "timm":
@@ -68,9 +72,28 @@ def load(spec):
     except OSError as e:  # offline, or a name the hub does not know
         advice = "check the name and the network, or pass pretrained=0" if pretrained else (
             f"with pretrained=0 the name must be a model type ({', '.join(FAMILIES)})")
+        if offline:
+            advice = ("huggingface.co cannot be reached and the weights are not in the local "
+                      "cache (~/.cache/huggingface): connect once, or pass pretrained=0")
         what = "the weights" if pretrained else "its configuration"
         raise ValueError(f"{spec}: could not load {what} ({str(e).splitlines()[0][:120]}); "
                          f"{advice}") from None
+
+
+def hub_unreachable(timeout=3):
+    """Whether huggingface.co cannot be reached; if so, the hub's own offline switch is set, so
+    a model missing from the local cache fails in seconds, not after half a minute of retries."""
+    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+        return True
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is first imported
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:  # already imported: its constant is what the hub reads
+            constants.HF_HUB_OFFLINE = True
+        return True
 
 
 def timm_model(name, pretrained, settings):
@@ -116,13 +139,13 @@ def hf_image_statistics(name):
 
 
 def hf_tokenizer(config, name, pretrained):
-    """The --tokenizer a Hugging Face text model reads: tiktoken's gpt2 for GPT-2 (the same BPE),
-    the hub's tokenizer (hf:NAME) for other pretrained models; none for random weights of another
-    family, whose user chooses one."""
+    """The --tokenizer a Hugging Face text model reads: tiktoken's r50k_base for GPT-2 (its BPE in
+    one cached file), the hub's tokenizer (hf:NAME) for other pretrained models; none for random
+    weights of another family, whose user chooses one."""
     if is_image(config):
         return None
     if config.model_type == "gpt2" and config.vocab_size == 50257:
-        return "gpt2"
+        return "r50k_base"
     return f"hf:{name}" if pretrained else None
 
 

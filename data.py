@@ -286,9 +286,10 @@ def get_tokenizer(name):
         raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, "
                         "r50k_base, cl100k_base, ...), bytes, or hf:NAME") from None
     except Exception as e:
+        gpt2 = " (or --tokenizer r50k_base: GPT-2's ranks in one file)" if name == "gpt2" else ""
         raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without "
-                        "network set TIKTOKEN_CACHE_DIR to a folder holding its BPE file (gpt2's "
-                        "ranks are r50k_base's), or use --tokenizer bytes") from None
+                        f"network set TIKTOKEN_CACHE_DIR to a folder holding its BPE file{gpt2}, "
+                        "or use --tokenizer bytes") from None
 
 
 def read_text(path):

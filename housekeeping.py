@@ -243,7 +243,7 @@ def check_trunk_loaded(model, loaded, path):
         raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} "
                             f"tensors are absent or shaped differently ({names}); fine-tune from "
                             "a checkpoint of the same modality and tokenizer, without flags that "
-                            "reshape its trunk (--width, --mlp_ratio, --patch_size)")
+                            "reshape its trunk (--width, --mlp_ratio, --patch_size, --vo_param)")
 
 
 # ----------------------------------------------------------------------------- the out_dir

@@ -64,10 +64,12 @@ def read_prompt(path):
 def sample(args):
     """Continue the prompt num_samples times; print each continuation."""
     model, train_cfg = load(args.checkpoint, "next")
-    tokenizer = get_tokenizer(args.tokenizer or train_cfg.get("tokenizer", "gpt2"))
-    if tokenizer.n_vocab > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.n_vocab} ids, the model knows "
-                         f"{model.config.vocab_size}; pass the --tokenizer it was trained with")
+    trained_with = train_cfg.get("tokenizer", "gpt2")
+    tokenizer = get_tokenizer(args.tokenizer or trained_with)
+    if tokenizer.n_vocab != model.config.vocab_size:  # it could not encode or decode every id
+        raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.n_vocab} ids, the model "
+                         f"knows {model.config.vocab_size}; drop --tokenizer to use the one it was "
+                         f"trained with ({trained_with})")
     prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
     ids = tokenizer.encode_ordinary(prompt) or [tokenizer.encode_ordinary("\n")[0]]
     tokens = torch.tensor([ids] * args.num_samples)

@@ -7,7 +7,7 @@ every layer back towards the first layer's values. For layer l >= 1 and head h:
 
     O_h = softmax(Q_h K_h^T / sqrt(d_h)) V_h + lam * (V0_h - V_h)
 
-exactly as the authors' code does it (see SPEC section 3):
+exactly as the authors' code does it (NeuTRENO section 3):
   * the term is added per head, before the heads are merged and before W_O;
   * V0 is layer 0's value tensor (its qkv projection, bias included, applied to layer 0's
     normalised input) and it is NOT detached: every later layer sends gradient into it;

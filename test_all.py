@@ -846,6 +846,13 @@ def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     assert all(torch.equal(cls[k], mae[k]) for k in shared)
 
 
+def test_fine_tuning_keeps_the_pretrained_trunks_vo_param(tiny_data, tmp_path):
+    """A smooth (or sharpen) MAE trunk fine-tunes as one: vo_param is part of the trunk's shape."""
+    mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 1, "--vo_param", "smooth")
+    ft = trained_checkpoint(tiny_data, "cls", tmp_path / "ft", 1, "--init_from", mae)
+    assert torch.load(ft, weights_only=True)["config"]["vo_param"] == "smooth"
+
+
 def test_layer_decay_scales_each_layer():
     import train
 
@@ -2353,6 +2360,7 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
     monkeypatch.setattr(adapters, "hf_model", offline)
+    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # the network is up
     with pytest.raises(ValueError) as e:
         adapters.load("hf:gpt3,pretrained=0")
     assert "with pretrained=0 the name must be a model type (" in str(e.value)
@@ -2520,13 +2528,37 @@ def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
 def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monkeypatch):
     import transformers
 
+    import adapters
+
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", offline)
+    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # the network is up
     code, out = probe_cli(capsys, "hf:gpt2", "--dataset", "text", "--data_dir", tiny_data / "text")
     assert code == 2 and "hf:gpt2: could not load the weights (We couldn't connect" in out.err
     assert "pass pretrained=0" in out.err and "Traceback" not in out.err
+
+
+def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
+        capsys, tiny_data, monkeypatch):
+    """No network: the hub's offline switch is set after one quick connection attempt, so a model
+    missing from the cache is one line within seconds (not ~30 s of retries)."""
+    from huggingface_hub import constants
+
+    def no_network(*args, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr("socket.create_connection", no_network)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tiny_data / "no-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for spec in ("hf:gpt2", "timm:vit_tiny_patch16_224"):
+        t0 = time.time()
+        code, out = probe_cli(capsys, spec, "--dataset", "text", "--data_dir", tiny_data / "text")
+        assert code == 2 and time.time() - t0 < 10 and "Traceback" not in out.err
+        assert "huggingface.co cannot be reached" in out.err and "pass pretrained=0" in out.err
+    assert constants.HF_HUB_OFFLINE  # the hub's own switch (monkeypatch restores it afterwards)
 
 
 HF_MAE = ("hf:vit_mae,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
@@ -2601,6 +2633,7 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda name, **kw: tiny[name])
     monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
                         lambda name: processor)
+    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # as if online
     mae = adapters.load("hf:facebook/vit-mae-base")
     pixels = torch.full((1, 3, 16, 16), 0.485)
     assert mae.normalize(pixels)[0, 0].abs().max() < 1e-6 and mae.config.mask_ratio == 0.75
@@ -2637,7 +2670,7 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
     code, out = probe_cli(capsys, HF_TINY["opt"], *common)  # random weights: no tokenizer
     assert code == 2 and "has no tokenizer of its own (random weights); pass --tokenizer" in out.err
     gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
-    assert adapters.hf_tokenizer(gpt2, "gpt2", True) == "gpt2"  # tiktoken has GPT-2's BPE
+    assert adapters.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
     assert adapters.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
     assert adapters.hf_tokenizer(opt, "opt", False) is None
 

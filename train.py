@@ -96,7 +96,7 @@ RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eva
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
-               "seq_len", "neutreno")
+               "seq_len", "neutreno", "vo_param")
 
 
 def resolve_settings(args):
