@@ -2735,6 +2735,26 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
     assert code == 2 and "holds a cls model" in out.err
 
 
+def test_look_refuses_a_tokenizer_that_cannot_decode_the_models_ids(capsys, trained_checkpoints,
+                                                                    monkeypatch):
+    """A tokenizer with fewer ids than the model would fail on the first id it cannot decode
+    (a KeyError traceback): refused in one line that names the tokenizer the model was trained
+    with."""
+    import tiktoken
+
+    import look
+
+    half = tiktoken.Encoding("half", pat_str=r"[\s\S]", special_tokens={},
+                             mergeable_ranks={bytes([i]): i for i in range(128)})
+    monkeypatch.setattr(look, "get_tokenizer", lambda name: half if name == "half" else
+                        tiktoken.get_encoding(name))
+    code, out = look_cli(capsys, "sample", trained_checkpoints / "next" / "ckpt.pt",
+                         "--tokenizer", "half", "--max_new_tokens", "50")
+    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err
+    assert "--tokenizer half has 128 ids, the model knows 256" in out.err
+    assert "drop --tokenizer to use the one it was trained with (bytes)" in out.err
+
+
 def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, tiny_data, tmp_path):
     import look
 
