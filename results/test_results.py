@@ -709,6 +709,82 @@ def test_a_design_row_is_the_paired_difference_across_seeds(tmp_path, monkeypatc
         verdicts.design_rows("e4-test")
 
 
+def test_experiment_7_gives_the_plans_two_verdicts_from_paired_seeds(tmp_path):
+    """Softmax at 30 + seed; NeuTRENO ahead by 1 point at 6x128 and 3 + seed at 24x64: the gain
+    grows with depth (trend +2 + seed), the NeuTRENO arms' depth difference is read as planned, a
+    NeuTRENO arm from other weights or an unfinished log is refused."""
+    e7 = results_module("e7_analyze")
+    gains = {"6x128": lambda s: 1.0, "12x92": lambda s: 2.0, "24x64": lambda s: 3.0 + s}
+    for seed in range(3):
+        init = {"init_trunk_sha256": f"s{seed}", "layers": {"abs_cos_centered": [0.5] * 25}}
+        for trunk, gain in gains.items():
+            write_log(tmp_path / "logs" / f"s{seed}-{trunk}-softmax.jsonl", [(1500, 30.0 + seed)],
+                      init)
+            write_log(tmp_path / "logs" / f"s{seed}-{trunk}-neutreno-0.6.jsonl",
+                      [(1500, 30.0 + seed + gain(seed))], init)
+        for lam in ("0.2", "0.4", "0.8"):
+            write_log(tmp_path / "logs" / f"s{seed}-24x64-neutreno-{lam}.jsonl",
+                      [(1500, 30.0 + seed + float(lam))], init)
+    result = e7.analyze(str(tmp_path))
+    assert result["trend"]["per_seed"] == pytest.approx([2.0, 3.0, 4.0])
+    assert result["trend"]["verdict"] == "the gain grows with depth"
+    assert result["depth_neutreno"]["per_seed"] == pytest.approx([2.0, 3.0, 4.0])
+    assert result["gain_by_lambda"]["0.2"]["mean"] == pytest.approx(0.2)
+    assert result["late_abs_cos_centered"]["24x64 softmax"] == pytest.approx([0.5] * 3)
+    write_log(tmp_path / "logs" / "s1-12x92-neutreno-0.6.jsonl", [(1500, 33.0)],
+              {"init_trunk_sha256": "other"})
+    with pytest.raises(e7.AnalysisError, match="did not start from the softmax arm's weights"):
+        e7.analyze(str(tmp_path))
+    write_log(tmp_path / "logs" / "s1-12x92-neutreno-0.6.jsonl", [(500, 33.0)])
+    with pytest.raises(e7.AnalysisError, match="not its planned 1500"):
+        e7.analyze(str(tmp_path))
+
+
+def test_experiment_8_reads_perplexity_differences_paired_by_seed(tmp_path):
+    e8 = results_module("e8_analyze")
+    for seed in range(3):
+        for trunk, ppl in (("6x256", 250.0 + seed), ("24x128", 240.0)):
+            write_log(tmp_path / "logs" / f"s{seed}-{trunk}.jsonl", [(400, None)],
+                      {"ppl": ppl, "val_loss": ppl / 50,
+                       "layers": {"abs_cos_centered": [0.3, 0.2]}})
+    result = e8.analyze(str(tmp_path))
+    assert result["D_ppl"]["per_seed"] == pytest.approx([10.0, 11.0, 12.0])
+    assert result["D_ppl"]["verdict"] == "the deeper trunk wins at this scale"
+    assert 1.1 < result["compute_wide_over_deep"] < 2  # the wide model's logits cost twice
+    write_log(tmp_path / "logs" / "s2-24x128.jsonl", [(200, None)], {"ppl": 1.0, "val_loss": 1.0})
+    with pytest.raises(results_module("analysis").AnalysisError, match="not its planned 400"):
+        e8.analyze(str(tmp_path))
+
+
+def test_a_hairline_interval_is_one_that_ends_within_a_tenth_of_its_half_width_of_zero():
+    verdicts = results_module("verdicts")
+    assert verdicts.hairline({"ci95": [-8.0, -0.016]})  # e4-cls1080 at 24 blocks
+    assert verdicts.hairline({"ci95": [0.001, 0.064]})
+    assert not verdicts.hairline({"ci95": [-8.7, -0.6]}) and not verdicts.hairline({"ci95": [-1, 1]})
+    assert verdicts.notes("e4-cls1080", [{"ci95": [-8.0, -0.016]}]) == \
+        "exploratory; shares the MAE+ft of e4; hairline"
+    assert verdicts.notes("e4", [{"ci95": [-5.0, 1.0]}, None]) == ""
+
+
+def test_rows_other_than_the_designs_refuse_unfinished_logs_or_say_why_they_are_exempt(
+        tmp_path, monkeypatch):
+    """Experiments 2, 3 and 5's rows check their logs as the designs' do; the GPU row, whose
+    seed 2 has no logs, says in the table that it is exempt and why."""
+    verdicts = results_module("verdicts")
+    for folder, planned in verdicts.OTHER_LOGS.items():
+        for seed in range(3):
+            for name, steps in planned.items():
+                write_log(tmp_path / folder / "logs" / f"s{seed}-{name}.jsonl", [(steps, 30.0)])
+    monkeypatch.setattr(verdicts, "HERE", str(tmp_path))
+    verdicts.check_other_logs()
+    write_log(tmp_path / "e5" / "logs" / "s1-smooth.jsonl", [(500, 30.0)])
+    with pytest.raises(verdicts.AnalysisError, match="s1-smooth.jsonl ends at step 500"):
+        verdicts.check_other_logs()
+    monkeypatch.undo()
+    gpu, = [line for line in verdicts.table(verdicts.build()) if "e1-gpu-w480:" in line]
+    assert "exempt: seed 2's logs were not kept" in gpu and "4,000-image subset" in gpu
+
+
 def test_the_records_verdict_tables_are_what_the_logs_say():
     """The tables on the record's front page are verdicts.py's output from the logs in the tree:
     every number traceable, none typed by hand."""
