@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 
 import torch
 
@@ -210,27 +211,35 @@ def read_log(out_dir):
     return train, evals
 
 
-def curves(args):
-    """Training loss and the held-out metric against steps, one line per out_dir."""
-    logs = {out_dir: read_log(out_dir) for out_dir in args.out_dirs}
+# Each panel of the curves: its log key and what its y-axis shows; a run draws the ones it has.
+CURVES = {"loss": "training loss", "val_loss": "held-out loss", "top1": "held-out top-1 (%)",
+          "ppl": "held-out perplexity", "mlm_acc": "held-out MLM accuracy (%)"}
+
+
+def curves_figure(logs):
+    """One panel per metric (never two scales on one axis), one line per run."""
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for out_dir, (train, evals) in logs.items():
-        label = os.path.basename(os.path.normpath(out_dir)) or out_dir
-        left.plot([r["step"] for r in train], [r["loss"] for r in train], label=label, lw=1)
-        metric = next((k for k in ("top1", "ppl", "mlm_acc") if evals and k in evals[0]),
-                      "val_loss")
-        right.plot([r["step"] for r in evals], [r[metric] for r in evals], marker="o", ms=3,
-                   label=f"{label} ({metric})")
-    left.set(title="training loss", xlabel="step", ylabel="loss")
-    right.set(title="held-out metric at each evaluation", xlabel="step", ylabel="value")
-    if any(math.isfinite(r["loss"]) and r["loss"] > 0 for train, _ in logs.values() for r in train):
-        left.set_yscale("log")
-    for ax in (left, right):
+    shown = [k for k in CURVES if any(k in r for train, evals in logs.values()
+                                      for r in (train if k == "loss" else evals))]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], shown):
+        for colour, (out_dir, (train, evals)) in enumerate(logs.items()):  # a run: one colour
+            points = [(r["step"], r[key]) for r in (train if key == "loss" else evals) if key in r]
+            if points:
+                label = os.path.basename(os.path.normpath(out_dir)) or out_dir
+                ax.plot(*zip(*points), label=label, lw=1, marker="" if key == "loss" else "o",
+                        ms=3, color=f"C{colour}")
+        ax.set(title=CURVES[key], xlabel="step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, args.out)
+    return fig
+
+
+def curves(args):
+    """Training loss and each held-out metric against steps, one line per out_dir."""
+    logs = {out_dir: read_log(out_dir) for out_dir in args.out_dirs}
+    save_figure(curves_figure(logs), args.out)
     return {d: (len(t), len(e)) for d, (t, e) in logs.items()}
 
 
@@ -294,6 +303,19 @@ AXES = {
 }
 
 
+def least_visible_range(ax, share=0.05):
+    """Widen a y-range narrower than `share` of its values' size, so that differences of 1e-4
+    on values near 1 are drawn flat, not blown up into zigzags."""
+    values = [v for line in ax.get_lines() for v in line.get_ydata()]
+    if not values:
+        return
+    low, high = min(values), max(values)
+    least = share * max(abs(low), abs(high), 1e-12)
+    if high - low < least:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - least / 2, middle + least / 2)
+
+
 def probe_figure(report, relative):
     """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
     the way that means "more smoothed"."""
@@ -301,7 +323,8 @@ def probe_figure(report, relative):
     from matplotlib.ticker import MaxNLocator
 
     names = [n for n in report["metrics"]
-             if any(v is not None for vs in report["metrics"][n].values() for v in vs)]
+             if any(v is not None for vs in report["metrics"][n].values() for v in vs)
+             and not (n.startswith("beta") and len(report["labels"]) == 1)]  # 1 against itself
     cols = 3
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
@@ -317,7 +340,9 @@ def probe_figure(report, relative):
                     ax.axhline(report["attn_entropy_ceiling"][label], color=line.get_color(),
                                linestyle="--", linewidth=0.8)
         ax.set_title(name)
-        ax.set_ylabel(AXES[name].format(reference=report["labels"][0]), fontsize=8)
+        ax.set_ylabel("\n".join(textwrap.wrap(AXES[name].format(reference=report["labels"][0]),
+                                              32)), fontsize=8)
+        least_visible_range(ax)
         ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
         if not relative:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -2253,7 +2253,8 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
                + probe.WEIGHT_METRICS)
     assert "over those of trained" in out.out
     figure = look.probe_figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
-    labels = {ax.get_title(): ax.get_ylabel() for ax in figure.axes if ax.get_title()}
+    labels = {ax.get_title(): ax.get_ylabel().replace("\n", " ") for ax in figure.axes
+              if ax.get_title()}
     assert set(labels) == set(look.AXES)  # every metric has its panel, none without a label
     smoothing = [name for name, label in labels.items() if "smooth" in label]
     assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
@@ -2735,6 +2736,28 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
     assert code == 2 and "holds a cls model" in out.err
 
 
+def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
+    """One model: no beta panels (each would be 1 against itself); a metric that moves by 1e-4
+    near 1 is drawn flat (its y-range at least 5% of its size); y-labels wrap, never overlapping
+    the next panel."""
+    import look
+
+    wobble = [0.9999, 1.0, 0.99995]
+    report = {"labels": ["a"], "depth": {"a": 2}, "samples": 4, "attn_entropy_ceiling": {"a": 1.0},
+              "metrics": {name: {"a": wobble} for name in look.AXES}}
+    figure = look.probe_figure(report, relative=False)
+    panels = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    assert set(panels) == set(look.AXES) - {"beta_qk", "beta_v"}
+    low, high = panels["cos"].get_ylim()
+    assert high - low >= 0.05 * 0.9999
+    assert all(len(line) <= 32 for ax in panels.values() for line in ax.get_ylabel().split("\n"))
+    report["labels"], report["depth"]["b"] = ["a", "b"], 2
+    report["metrics"] = {name: {"a": wobble, "b": [0.2, 0.5, 0.9]} for name in look.AXES}
+    report["attn_entropy_ceiling"]["b"] = 1.0
+    panels = {ax.get_title(): ax for ax in look.probe_figure(report, False).axes}
+    assert "beta_v" in panels and panels["cos"].get_ylim()[0] < 0.25  # a real range is kept
+
+
 def test_look_refuses_a_tokenizer_that_cannot_decode_the_models_ids(capsys, trained_checkpoints,
                                                                     monkeypatch):
     """A tokenizer with fewer ids than the model would fail on the first id it cannot decode
@@ -2787,6 +2810,13 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
     code, out = look_cli(capsys, "curves", trained_checkpoints / "cls",
                          trained_checkpoints / "next", "--out", tmp_path / "c.png")
     assert code == 0 and png_size(tmp_path / "c.png")[0] > 800, out.err
+    import look
+
+    runs = [trained_checkpoints / "cls", trained_checkpoints / "next"]
+    figure = look.curves_figure({d: look.read_log(d) for d in runs})
+    panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}
+    assert panels == {"training loss": 2, "held-out loss": 2, "held-out top-1 (%)": 1,
+                      "held-out perplexity": 1}  # one metric per axis, never top-1 beside ppl
     code, out = look_cli(capsys, "curves", tmp_path, "--out", tmp_path / "c.png")
     assert code == 2 and "no log at" in out.err and out.err.count("\n") == 1
 
