@@ -6,8 +6,8 @@ for the curves and the smoothing) and writes one file or prints text:
   sample       continue a prompt with a next-token model (nanoGPT's sample.py): temperature, top-k
   reconstruct  MAE on held-out images as one grid, as the MAE paper's demo shows it: original,
                masked, reconstruction, and reconstruction with the visible patches pasted back
-  attention    the attention maps (queries x keys) of chosen layers and heads for one held-out
-               image or text window
+  attention    the attention of chosen layers and heads for one held-out sample: over the
+               image's patch grid, or as a queries x keys map labelled with the tokens
   curves       training loss and held-out metric against steps, for one or more out_dirs
   smoothing    a probe metric per layer at each evaluation (train.py logs them), for out_dirs
 and probe.py's figure (its --plot), a panel per metric.
@@ -155,7 +155,8 @@ def parse_indices(text, count, what):
 
 @torch.no_grad()
 def attention(args):
-    """Heat maps of the attention probabilities (queries x keys) of chosen layers and heads."""
+    """The attention of chosen layers and heads for one held-out sample: over the image's patch
+    grid, or as a queries x keys map labelled with the window's tokens."""
     model, train_cfg = load(args.checkpoint)
     c = model.config
     layers = parse_indices(args.layers, c.depth, "layers")
@@ -167,26 +168,56 @@ def attention(args):
         raise ValueError(f"--index {args.index} is past the {n} held-out samples; choose 0 to "
                          f"{n - 1}")
     _, attns = model.hidden_states(x, need_weights=True)
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
-    fig, axes = plt.subplots(len(layers), len(heads), figsize=(3 * len(heads), 3 * len(layers)),
-                             squeeze=False)
-    for i, layer in enumerate(layers):
-        for j, head in enumerate(heads):
-            ax = axes[i, j]
-            shown = ax.imshow(attns[layer][0, head].numpy(), cmap="viridis", vmin=0)
-            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_title(f"block {layer}, head {head}", fontsize=9)
-            ax.set_xlabel("key token", fontsize=8)
-            ax.set_ylabel("query token", fontsize=8)
+    maps = {(layer, head): attns[layer][0, head] for layer in layers for head in heads}
+    if c.is_image:
+        image = (x[0] * data.std[0] + data.mean[0]).clamp(0, 1).permute(1, 2, 0)
+        fig = attention_over_image(image, maps, c.image_size // c.patch_size)
+    else:
+        fig = attention_over_tokens([data.tokenizer.decode([i]) for i in x[0].tolist()], maps)
     kind = "image" if c.is_image else "text window"
-    fig.suptitle(f"Attention probabilities, held-out {kind} {args.index}", fontsize=11)
+    fig.suptitle(f"Attention, held-out {kind} {args.index}", fontsize=11)
     fig.tight_layout()
     save_figure(fig, args.out)
     return {"layers": layers, "heads": heads}
+
+
+def attention_over_image(image, maps, grid):
+    """The image, then per (layer, head) the attention each patch receives (mean over queries;
+    a CLS token's column left out) drawn over the image on its patch grid."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(maps) + 1, figsize=(3 * (len(maps) + 1), 3.3), squeeze=False)
+    axes[0, 0].imshow(image.numpy())
+    axes[0, 0].set_title("the image", fontsize=9)
+    size = image.shape[0]
+    for ax, ((layer, head), probs) in zip(axes[0, 1:], maps.items()):
+        received = probs.mean(0)[-grid * grid:].reshape(grid, grid)
+        ax.imshow(image.numpy())
+        ax.imshow(received.numpy(), cmap="inferno", alpha=0.6, extent=(0, size, size, 0))
+        for edge in range(0, size + 1, size // grid):  # the patch grid
+            ax.axhline(edge - 0.5, color="white", linewidth=0.3)
+            ax.axvline(edge - 0.5, color="white", linewidth=0.3)
+        ax.set_title(f"block {layer}, head {head}: attention received", fontsize=8)
+    for ax in axes[0]:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    return fig
+
+
+def attention_over_tokens(tokens, maps, shown=24):
+    """Per (layer, head) the queries x keys map of the window's first `shown` tokens, each row
+    and column labelled with its token, so the labels never collide."""
+    plt = pyplot()
+    labels = [repr(t)[1:-1][:10] for t in tokens[:shown]]
+    fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 5.5), squeeze=False)
+    for ax, ((layer, head), probs) in zip(axes[0], maps.items()):
+        part = probs[:shown, :shown].numpy()
+        fig.colorbar(ax.imshow(part, cmap="viridis", vmin=0), ax=ax, fraction=0.046, pad=0.04)
+        ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_title(f"block {layer}, head {head} (first {len(labels)} tokens)", fontsize=9)
+        ax.set_xlabel("key token", fontsize=8)
+        ax.set_ylabel("query token", fontsize=8)
+    return fig
 
 
 # ----------------------------------------------------------------------------- curves

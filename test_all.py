@@ -2804,6 +2804,16 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
         code, out = look_cli(capsys, "attention", trained_checkpoints / kind / "ckpt.pt",
                              "--layers", "0,-1", "--heads", "0,1", "--out", png)
         assert code == 0 and png_size(png)[0] > 400, out.err
+    import look
+
+    probs = torch.softmax(torch.randn(17, 17), -1)  # a CLS token and a 4 x 4 patch grid
+    figure = look.attention_over_image(torch.rand(16, 16, 3), {(0, 0): probs, (1, 1): probs}, 4)
+    assert [ax.get_title() for ax in figure.axes] == [
+        "the image", "block 0, head 0: attention received", "block 1, head 1: attention received"]
+    assert all(len(ax.get_images()) == 2 for ax in figure.axes[1:])  # the map over the image
+    figure = look.attention_over_tokens(["a", " cat", "\n"] * 20, {(0, 0): torch.rand(60, 60)})
+    ticks = [label.get_text() for label in figure.axes[0].get_yticklabels()]
+    assert ticks[:3] == ["a", " cat", "\\n"] and len(ticks) == 24  # one label per shown token
     code, out = look_cli(capsys, "attention", trained_checkpoints / "cls" / "ckpt.pt", "--layers",
                          "5", "--out", tmp_path / "a.png")
     assert code == 2 and "--layers 5 is out of range: the model has 2 layers" in out.err
