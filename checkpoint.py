@@ -110,6 +110,15 @@ def training_state(run):
             "init_hash": run.init_hash, "made_by": run.made_by}
 
 
+WEIGHTS = ("config", "train", "model", "step", "best", "classes", "init_hash", "made_by")
+
+
+def weights_only(state):
+    """What probe.py, look.py and --init_from read, without the optimizer and random states: a
+    third of a training checkpoint's size (AdamW keeps two tensors per weight)."""
+    return {key: state[key] for key in WEIGHTS if key in state}
+
+
 def save(path, state):
     """Write state atomically: the last good checkpoint stays as it was if anything goes wrong."""
     try:

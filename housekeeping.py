@@ -28,7 +28,8 @@ from bamboo import Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
-RUN_FILES = ("ckpt.pt", "log.jsonl", "eval_correct.npy")  # what train.py writes into an out_dir
+# what train.py writes into an out_dir
+RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")
 
 
 class TrainingError(Exception):
@@ -126,6 +127,8 @@ def check_invocation(args):
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
         raise TrainingError("--resume continues the run in --out_dir and --overwrite "
                             "replaces it; choose one")
+    if getattr(args, "eval_only", False) and getattr(args, "overwrite", False):
+        raise TrainingError("--eval_only saves nothing, so it replaces nothing; drop --overwrite")
 
 
 def check_settings(cfg):
@@ -535,15 +538,17 @@ def show_progress(run, bar, train_loss, lr):
 def record_evaluation(run, metrics, train_loss, log, bar, correct):
     """Keep the best, write the evaluation to log.jsonl (with the initial trunk's hash) and print
     it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint.
-    metrics None: the evaluation did not fit in --time_limit, and the line says so."""
+    Returns whether this evaluation is the best so far. metrics None: the evaluation did not fit
+    in --time_limit, and the line says so."""
     if metrics is None:
         bar.write(f"evaluation skipped at step {run.step}: it would not end within --time_limit "
                   f"{run.cfg.time_limit:g} s; a resumed run evaluates at its next --eval_interval "
                   "or at its end")
-        return
+        return False
     name, larger_is_better = selection_metric(run.model.config.objective)
     value = metrics[name]
-    if run.best is None or (value > run.best if larger_is_better else value < run.best):
+    improved = run.best is None or (value > run.best if larger_is_better else value < run.best)
+    if improved:
         run.best = value
     run.metrics = metrics
     elapsed = time.time() - run.t_start
@@ -556,6 +561,7 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
         checkpoint.atomic_write(path, lambda f: np.save(f, flags))
     bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if not isinstance(v, dict)))
+    return improved
 
 
 def describe_run(run, config, sources):
@@ -576,13 +582,25 @@ def describe_run(run, config, sources):
 
 
 def nothing_to_train(run):
-    """A run already at --max_iters: say so, let go of the out_dir, exit 0."""
-    run.log(f"nothing to train: the run in {run.cfg.out_dir} is at step {run.step} of "
-            f"--max_iters {run.cfg.max_iters}; raise --max_iters to train on")
+    """A run already at --max_iters: say so, exit 0."""
+    return end_without_training(run, f"nothing to train: the run in {run.cfg.out_dir} is at step "
+                                     f"{run.step} of --max_iters {run.cfg.max_iters}; raise "
+                                     "--max_iters to train on")
+
+
+def end_without_training(run, line):
+    """Print the line, let go of the out_dir (left as it was) and the DDP group, exit 0."""
+    run.log(line)
     release_out_dir(run)
     if run.ddp:
         dist.destroy_process_group()
     return 0
+
+
+def report_evaluation_only(run, metrics):
+    """--eval_only: the metrics of the weights as set up, one line; nothing saved."""
+    return end_without_training(run, f"evaluated at step {run.step}: " + " ".join(
+        f"{k} {v:.4g}" for k, v in metrics.items()))
 
 
 def say_how_to_resume(run, bar):

@@ -828,6 +828,49 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
+def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(tiny_data,
+                                                                               tmp_path):
+    """best.pt: the weights of the best evaluation so far (lowest held-out loss for next-token),
+    without optimizer or random states, loadable wherever a checkpoint is; --overwrite replaces
+    it with the rest of the old run."""
+    from checkpoint import model_from_checkpoint
+
+    out = tmp_path / "run"
+    trained_checkpoint(tiny_data, "next", out, 6, "--eval_interval", "2", "--lr", "3e-2")
+    evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+             if r.get("eval")]
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert best["step"] == min(evals, key=lambda r: r["val_loss"])["step"]
+    assert best["best"] == pytest.approx(min(r["ppl"] for r in evals))
+    assert not {"optimizer", "scaler", "rng"} & set(best) and "made_by" in best
+    assert (out / "best.pt").stat().st_size < (out / "ckpt.pt").stat().st_size / 2
+    model, _ = model_from_checkpoint(out / "best.pt")
+    if best["step"] == evals[-1]["step"]:
+        last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+        assert all(torch.equal(v, last[k]) for k, v in model.state_dict().items())
+    code, _, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval",
+                                       "5", "--overwrite"), out_dir=out)
+    assert code == 0 and torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
+
+
+def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp_path, capsys):
+    """--resume --eval_only: the checkpoint's own held-out metric, nothing written; a fresh model
+    leaves no out_dir behind; with --overwrite it is refused (it would replace a run)."""
+    out = tmp_path / "run"
+    trained_checkpoint(tiny_data, "cls", out, 2)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    logged = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+              if r.get("eval")][-1]
+    code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
+    assert code == 0 and f"evaluated at step 2: val_loss {logged['val_loss']:.4g}" in printed
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    code, printed, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"),
+                                 out_dir=tmp_path / "fresh")
+    assert code == 0 and "evaluated at step 0" in printed and not (tmp_path / "fresh").exists()
+    err = cli_error(capsys, "--eval_only", "--overwrite", "--out_dir", str(out))
+    assert "--eval_only saves nothing, so it replaces nothing; drop --overwrite" in err
+
+
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)
     # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded

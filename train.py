@@ -30,7 +30,8 @@ from housekeeping import (TrainingError, check_dataset_fits, check_invocation, c
                           code_and_machine, describe_run, evaluation_fits, exit_process,
                           flags_given, forget_unsaved_steps, log_and_progress, nothing_to_train,
                           parser_of, read_loss, record_evaluation, release_out_dir,
-                          replace_old_run, resumed_settings, run_with_one_line_errors,
+                          replace_old_run, report_evaluation_only, resumed_settings,
+                          run_with_one_line_errors,
                           say_how_to_resume, show_progress, stop_if_non_finite, stop_signals,
                           summary, time_to_stop)
 from probe import logged_metrics
@@ -73,6 +74,7 @@ class TrainConfig:
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
+    eval_only: bool = False          # evaluate the weights as set up (--resume, --init_from), once
 
 
 # The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
@@ -93,7 +95,7 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
              "init_from")
-PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite")
+PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -193,6 +195,10 @@ class Run:
         return os.path.join(self.cfg.out_dir, "ckpt.pt")
 
     @property
+    def best_path(self):
+        return os.path.join(self.cfg.out_dir, "best.pt")
+
+    @property
     def log_path(self):
         return os.path.join(self.cfg.out_dir, "log.jsonl")
 
@@ -262,6 +268,9 @@ def setup(args):
 def train(args):
     run = setup(args)
     cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
+    if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
+        metrics = evaluate(run.model, run.data, cfg, run.micro_batch * cfg.grad_accum, run.device)
+        return report_evaluation_only(run, metrics)
     if run.step >= cfg.max_iters:
         return nothing_to_train(run)
     run.t_start = time.time()
@@ -316,8 +325,11 @@ def train(args):
                     run.eval_s = time.time() - t_eval
                 stop_if_non_finite(run, metrics)
                 if run.master:
-                    record_evaluation(run, metrics, train_loss, log, bar, correct)
-                    checkpoint.save(run.ckpt_path, {**state, "best": run.best})
+                    improved = record_evaluation(run, metrics, train_loss, log, bar, correct)
+                    state["best"] = run.best
+                    checkpoint.save(run.ckpt_path, state)
+                    if improved:  # the best weights so far, without the optimizer
+                        checkpoint.save(run.best_path, checkpoint.weights_only(state))
                     run.saved_step = run.step
             if stopping:
                 say_how_to_resume(run, bar)
