@@ -2969,7 +2969,7 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
     """Run one after another as written, the README's and the guide's commands never collide: each
     new run has an out_dir of its own, and every checkpoint, run or output path they use lies in
     an out_dir an earlier command made."""
-    made = []
+    made, shapes = [], {}  # shapes: out_dir -> (depth, heads) of the model trained there
     commands = readme_commands("README.md", "docs/guide.md")
     assert len(commands) > 10
     for argv in commands:
@@ -2982,7 +2982,16 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
             if "--init_from" in argv:
                 assert os.path.dirname(flags["--init_from"]) in made, argv
             made.append(flags["--out_dir"])
+            preset = {**Config().to_dict(), **PRESETS.get(flags.get("--preset"), {})}
+            depth = int(flags.get("--depth", preset["depth"]))
+            heads = int(flags.get("--heads", preset["heads"] or preset["width"] // 64))
+            shapes[flags["--out_dir"]] = (depth, heads)
             continue
+        if "attention" in argv:  # every --layers and --heads within the model it looks at
+            depth, heads = shapes[os.path.dirname(argv[argv.index("attention") + 1])]
+            for flag, count in (("--layers", depth), ("--heads", heads)):
+                picked = [int(i) for i in flags.get(flag, "0").split(",")]
+                assert all(-count <= i < count for i in picked), (argv, count)
         used = [a for a in argv if a.endswith("ckpt.pt")]
         used += [os.path.dirname(flags[f]) + "/x" for f in ("--out", "--json", "--plot")
                  if f in flags]
