@@ -332,7 +332,8 @@ def run(args):
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
               "metrics": {}, "absent": {}, "attn_entropy_ceiling": {}}
     reference, raw, sample_sets = None, {}, {}
-    for label, spec in zip(labels, args.checkpoints):
+    for i, (label, spec) in enumerate(zip(labels, args.checkpoints), 1):
+        print(f"probing {label} ({i} of {len(labels)}) ...", flush=True)
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(pick_device(args.device, 0))
         c = model.config

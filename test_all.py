@@ -2292,6 +2292,7 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
                           "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples",
                           "4", "--json", tmp_path / "p.json")
     assert code == 0 and max(len(line) for line in out.out.splitlines()) <= 100
+    assert "probing trained (1 of 2) ...\nprobing fresh (2 of 2) ..." in out.out  # progress
     assert all(name in out.out for name in probe.TOKEN_METRICS + probe.LAYER_METRICS
                + probe.WEIGHT_METRICS)
     assert "over those of trained" in out.out
