@@ -162,6 +162,13 @@ def check_settings(cfg):
     for name, ok, why in checks:
         if not ok:
             raise TrainingError(f"--{name} {getattr(cfg, name)!r} {why}")
+    if cfg.wandb_project:
+        try:
+            import wandb  # noqa: F401 (there before any work, or one line)
+        except ImportError:
+            raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
+                                "(WANDB_MODE=offline logs without network), or drop the flag") \
+                from None
 
 
 def check_dataset_fits(objective, dataset, image_objectives):
@@ -499,12 +506,36 @@ def log_and_progress(run):
         with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as log:
             if run.master:
                 log.write(json.dumps({"run": run.made_by, "from_step": run.step}) + "\n")
+            if run.master and run.cfg.wandb_project:
+                log = LogAlsoToWandb(log, run)
             yield log, bar
+            if isinstance(log, LogAlsoToWandb):
+                log.wandb.finish()
     finally:
         bar.close()
         release_out_dir(run)
         if run.ddp:
             dist.destroy_process_group()
+
+
+class LogAlsoToWandb:
+    """log.jsonl whose step and evaluation records also go to Weights & Biases, as nanoGPT's
+    wandb_log does: the numbers only (per-layer metrics stay in the file)."""
+
+    def __init__(self, log, run):
+        import wandb
+
+        self.log = log
+        self.wandb = wandb.init(project=run.cfg.wandb_project, config=vars(run.cfg),
+                                name=os.path.basename(os.path.abspath(run.cfg.out_dir)))
+
+    def write(self, line):
+        self.log.write(line)
+        record = json.loads(line)
+        numbers = {k: v for k, v in record.items() if k != "step"
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if "step" in record and numbers:
+            self.wandb.log(numbers, step=record["step"])
 
 
 def show_progress(run, bar, train_loss, lr):

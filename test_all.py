@@ -871,6 +871,39 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     assert "--eval_only saves nothing, so it replaces nothing; drop --overwrite" in err
 
 
+def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_line(
+        tiny_data, tmp_path, capsys, monkeypatch):
+    """--wandb_project: every logged step and evaluation, numbers only, under its step, then
+    finish; the package missing is one line before any work. (A stand-in module records the
+    calls: the suite has no wandb.)"""
+    calls = []
+
+    class Run:
+        def log(self, numbers, step):
+            calls.append((step, numbers))
+
+        def finish(self):
+            calls.append("finish")
+
+    def init(project, config, name):
+        calls.append((project, config["max_iters"], name))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    code, _, records = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2",
+                                              "--eval_interval", "2", "--wandb_project", "p"),
+                                 out_dir=tmp_path / "run")
+    assert code == 0 and calls[0] == ("p", 2, "run") and calls[-1] == "finish"
+    logged = [(r["step"], r.get("loss", r.get("top1"))) for r in records if "step" in r]
+    assert [(s, n.get("loss", n.get("top1"))) for s, n in calls[1:-1]] == logged
+    assert all("layers" not in n for _, n in calls[1:-1])  # per-layer metrics stay in the file
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--wandb_project", "p"), "--out_dir",
+                    str(tmp_path / "other"))
+    assert "--wandb_project needs the wandb package: pip install wandb" in err
+    assert not (tmp_path / "other").exists()
+
+
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)
     # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded

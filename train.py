@@ -75,6 +75,7 @@ class TrainConfig:
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
     eval_only: bool = False          # evaluate the weights as set up (--resume, --init_from), once
+    wandb_project: str = ""          # also log to Weights & Biases under this project (pip install)
 
 
 # The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
@@ -95,7 +96,8 @@ CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
              "init_from")
-PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only")
+PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only",
+                  "wandb_project")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
