@@ -241,10 +241,11 @@ def check_same_classes(run, resumed):
                             "class folders (same names, so the same order)")
 
 
-def check_trunk_loaded(model, loaded, path):
+def check_trunk_loaded(run, loaded, skipped):
     """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
     from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
     would silently train from scratch. Fewer blocks than the checkpoint is allowed."""
+    model, path = run.model, run.cfg.init_from
     stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
     missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem)
                and name not in loaded]
@@ -254,6 +255,8 @@ def check_trunk_loaded(model, loaded, path):
                             f"tensors are absent or shaped differently ({names}); fine-tune from "
                             "a checkpoint of the same modality and tokenizer, without flags that "
                             "reshape its trunk (--width, --mlp_ratio, --patch_size, --vo_param)")
+    run.log(f"init_from {path}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
 # ----------------------------------------------------------------------------- the out_dir

@@ -2732,6 +2732,24 @@ def byte_level_tokenizer(folder):
     return folder
 
 
+def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatch):
+    """Offline, tiktoken's gpt2 needs two files; r50k_base (GPT-2's ranks) needs one, which a
+    TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
+    import tiktoken
+
+    import data
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(data.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
+        data.get_tokenizer("gpt2")
+    with pytest.raises(data.DataError) as e:
+        data.get_tokenizer("cl100k_base")
+    assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
+
+
 def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
                                                                    monkeypatch):
     import transformers

@@ -183,6 +183,9 @@ class Run:
     eval_s: float = None  # seconds the last evaluation took
     probe_x: torch.Tensor = None  # the held-out samples probed at every evaluation (rank 0)
     made_by: dict = None  # the commit, command, torch and device of this invocation
+    ckpt_path: str = ""  # out_dir/ckpt.pt: the last evaluation's checkpoint, to resume from
+    best_path: str = ""  # out_dir/best.pt: the best evaluation's weights
+    log_path: str = ""  # out_dir/log.jsonl
 
     @property
     def ddp(self):
@@ -192,17 +195,9 @@ class Run:
     def master(self):
         return self.rank == 0
 
-    @property
-    def ckpt_path(self):
-        return os.path.join(self.cfg.out_dir, "ckpt.pt")
-
-    @property
-    def best_path(self):
-        return os.path.join(self.cfg.out_dir, "best.pt")
-
-    @property
-    def log_path(self):
-        return os.path.join(self.cfg.out_dir, "log.jsonl")
+    def __post_init__(self):  # where the run's files go
+        self.ckpt_path, self.best_path, self.log_path = (
+            os.path.join(self.cfg.out_dir, name) for name in ("ckpt.pt", "best.pt", "log.jsonl"))
 
     def log(self, *args):
         if self.master:
@@ -227,8 +222,8 @@ def setup(args):
         explicit = fast.use_explicit_attention("auto", device, run.dtype, config)
         run.model = Bamboo(config, explicit_attention=explicit).to(device)
         run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
-        if pretrained is not None:
-            load_pretrained_trunk(run, pretrained)
+        if pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
+            check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
         # the optimizer, the data order, then a resumed run's state over all of it
         run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
                                                       cfg.layer_decay,
@@ -270,9 +265,8 @@ def setup(args):
 def train(args):
     run = setup(args)
     cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
-    if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
-        metrics = evaluate(run.model, run.data, cfg, run.micro_batch * cfg.grad_accum, run.device)
-        return report_evaluation_only(run, metrics)
+    if cfg.eval_only:
+        return evaluate_only(run)
     if run.step >= cfg.max_iters:
         return nothing_to_train(run)
     run.t_start = time.time()
@@ -390,8 +384,7 @@ def load_data(cfg, settings, device):
 
 
 def model_config(settings, data):
-    """The final Config: what the data dictates (classes, image size, vocabulary) over the
-    settings."""
+    """The final Config: what the data dictates (classes, image size, vocabulary) wins."""
     if isinstance(data, ImageData):
         settings = {**settings, "image_size": data.image_size, "channels": data.channels,
                     "num_classes": data.num_classes}
@@ -399,18 +392,9 @@ def model_config(settings, data):
         asked = settings.get("vocab_size", data.vocab_size)
         if asked != data.vocab_size:
             raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
-                                f"{data.vocab_size} ids; drop --vocab_size (the --tokenizer sets "
-                                "it)")
+                                f"{data.vocab_size} ids; drop --vocab_size (--tokenizer sets it)")
         settings = {**settings, "vocab_size": data.vocab_size}
     return Config.from_dict(settings)
-
-
-def load_pretrained_trunk(run, pretrained):
-    """--init_from: the pretrained stem and blocks, checked to be whole."""
-    loaded, skipped = run.model.load_encoder(pretrained["model"])
-    check_trunk_loaded(run.model, loaded, run.cfg.init_from)
-    run.log(f"init_from {run.cfg.init_from}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
-            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
 def micro_batch(run, draws, k):
@@ -420,6 +404,12 @@ def micro_batch(run, draws, k):
             for name, v in draws.items()}
     x, y = run.data.train_batch(part)
     return to_device(x, run.device), y
+
+
+def evaluate_only(run):
+    """--eval_only (nanoGPT's eval_only): the weights as set up, judged once, nothing saved."""
+    batch = run.micro_batch * run.cfg.grad_accum
+    return report_evaluation_only(run, evaluate(run.model, run.data, run.cfg, batch, run.device))
 
 
 @torch.no_grad()
