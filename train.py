@@ -3,7 +3,8 @@
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
 it top to bottom: the settings, the learning rate, set-up, then the loop, which holds the whole
-step; below it, the pieces they call, evaluation among them. What surrounds a run (the out_dir's
+step; below it, the pieces they call in order (resolve_settings, the one place that says which
+setting wins, first; evaluation among them). What surrounds a run (the out_dir's
 lock, signals, progress lines, one-line errors) is in housekeeping.py, the checkpoint format in
 checkpoint.py, the speedups in fast.py.
 
@@ -88,54 +89,6 @@ RECIPES = {
     "wikitext-deep": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
                           eval_samples=1024),
 }
-CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
-           "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
-           "preset": ("",) + tuple(PRESETS)}
-# What --resume may change: length and learning rate, where the data lives, logging. The settings
-# of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
-RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
-             "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
-             "init_from")
-PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only",
-                  "wandb_project")
-# What fine-tuning keeps of the pretrained model: the trunk's shape
-TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
-               "seq_len", "neutreno", "vo_param")
-
-
-def resolve_settings(args):
-    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
-    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
-    and its recipe < a resumed run's saved settings < the --init_from trunk's shape < flags."""
-    check_invocation(args)
-    resumed = pretrained = None
-    given = {**flags_given(args, TrainConfig), **flags_given(args, Config)}
-    if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
-        cfg, resumed = resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
-        settings = dict(resumed["config"])
-        saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
-        sources = dict.fromkeys([*settings, *saved], "the resumed run")
-    else:
-        recipe = RECIPES.get(given.get("preset", ""), {})
-        cfg = TrainConfig(**{**recipe, **flags_given(args, TrainConfig)})
-        if cfg.preset in RECIPES:
-            check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
-        settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
-        sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
-                   **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
-        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
-            pretrained = checkpoint.load(cfg.init_from)
-            settings.update({k: pretrained["config"][k] for k in TRUNK_SHAPE})
-            sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
-        settings.update(flags_given(args, Config))
-    sources.update(dict.fromkeys(given, "flags"))
-    check_dataset_fits(settings.get("objective", Config.objective), cfg.dataset, IMAGE_OBJECTIVES)
-    Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
-    derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
-    cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
-    sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
-    check_settings(cfg)
-    return cfg, resumed, pretrained, settings, sources
 
 
 # ----------------------------------------------------------------------------- the learning rate
@@ -336,6 +289,11 @@ def train(args):
 
 # ---------------------------------------------------------- what set-up and the loop call, in order
 
+CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
+           "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
+           "preset": ("",) + tuple(PRESETS)}
+
+
 def build_parser():
     """Every TrainConfig and Config field as a flag, with its comment as the help."""
     recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
@@ -344,6 +302,53 @@ def build_parser():
                       (Config, "model (defaults shown; a --preset sets its own)")), CHOICES,
                      "a laptop preset also sets its training recipe (flags override it):\n"
                      + recipes)
+
+
+# What --resume may change: length and learning rate, where the data lives, logging. The settings
+# of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
+RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
+             "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
+             "init_from")
+PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only",
+                  "wandb_project")
+# What fine-tuning keeps of the pretrained model: the trunk's shape
+TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
+               "seq_len", "neutreno", "vo_param")
+
+
+def resolve_settings(args):
+    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
+    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
+    and its recipe < a resumed run's saved settings < the --init_from trunk's shape < flags."""
+    check_invocation(args)
+    resumed = pretrained = None
+    given = {**flags_given(args, TrainConfig), **flags_given(args, Config)}
+    if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
+        cfg, resumed = resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
+        settings = dict(resumed["config"])
+        saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
+        sources = dict.fromkeys([*settings, *saved], "the resumed run")
+    else:
+        recipe = RECIPES.get(given.get("preset", ""), {})
+        cfg = TrainConfig(**{**recipe, **flags_given(args, TrainConfig)})
+        if cfg.preset in RECIPES:
+            check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
+        settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
+        sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
+                   **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
+        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
+            pretrained = checkpoint.load(cfg.init_from)
+            settings.update({k: pretrained["config"][k] for k in TRUNK_SHAPE})
+            sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
+        settings.update(flags_given(args, Config))
+    sources.update(dict.fromkeys(given, "flags"))
+    check_dataset_fits(settings.get("objective", Config.objective), cfg.dataset, IMAGE_OBJECTIVES)
+    Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
+    derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
+    cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
+    sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
+    check_settings(cfg)
+    return cfg, resumed, pretrained, settings, sources
 
 
 def schedule_defaults(cfg, depth):
