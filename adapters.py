@@ -83,8 +83,10 @@ def load(spec):
 def hub_unreachable(timeout=3):
     """Whether huggingface.co cannot be reached; if so, the hub's own offline switch is set, so
     a model missing from the local cache fails in seconds, not after half a minute of retries."""
-    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return True
+    if any(os.environ.get(v) for v in ("HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return False  # a mirror or a proxy: only the hub's own requests can tell
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
         return False

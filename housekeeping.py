@@ -338,7 +338,7 @@ def logged_step(line):
 def forget_unsaved_steps(run):
     """log.jsonl without the records after the checkpoint's step: the run repeats those steps, and a
     killed run's log would otherwise hold them twice."""
-    if not run.master or not os.path.exists(run.log_path):
+    if not run.master or run.cfg.eval_only or not os.path.exists(run.log_path):
         return
     with open(run.log_path, encoding="utf-8") as f:
         lines = f.readlines()
@@ -570,9 +570,8 @@ def show_progress(run, bar, train_loss, lr):
 
 
 def record_evaluation(run, metrics, train_loss, log, bar, correct):
-    """Keep the best, write the evaluation to log.jsonl (with the initial trunk's hash) and print
-    it; a classifier's per-image correctness goes to eval_correct.npy beside the checkpoint.
-    Returns whether this evaluation is the best so far. metrics None: the evaluation did not fit
+    """Log and print the evaluation (with the initial trunk's hash), a classifier's per-image
+    correctness to eval_correct.npy; whether it is the best so far. metrics None: it did not fit
     in --time_limit, and the line says so."""
     if metrics is None:
         bar.write(f"evaluation skipped at step {run.step}: it would not end within --time_limit "

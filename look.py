@@ -192,7 +192,8 @@ def attention_over_image(image, maps, grid):
     for ax, ((layer, head), probs) in zip(axes[0, 1:], maps.items()):
         received = probs.mean(0)[-grid * grid:].reshape(grid, grid)
         ax.imshow(image.numpy())
-        ax.imshow(received.numpy(), cmap="inferno", alpha=0.6, extent=(0, size, size, 0))
+        ax.imshow(received.numpy(), cmap="inferno", alpha=0.6,
+                  extent=(-0.5, size - 0.5, size - 0.5, -0.5))  # on the image's pixel edges
         for edge in range(0, size + 1, size // grid):  # the patch grid
             ax.axhline(edge - 0.5, color="white", linewidth=0.3)
             ax.axvline(edge - 0.5, color="white", linewidth=0.3)
@@ -310,9 +311,6 @@ def smoothing(args):
     last.legend(fontsize=8)
     fig.suptitle(f"{args.metric} per layer as training went ({AXES[args.metric]})", fontsize=11)
     save_figure(fig, args.out)
-
-
-# ----------------------------------------------------------------------------- command line
 
 
 # ----------------------------------------------------------------------------- probe.py's figure

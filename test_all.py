@@ -2628,7 +2628,7 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
         raise OSError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr("socket.create_connection", no_network)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored afterwards, whatever the test sets
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tiny_data / "no-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for spec in ("hf:gpt2", "timm:vit_tiny_patch16_224"):
@@ -2906,6 +2906,8 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
     assert [ax.get_title() for ax in figure.axes] == [
         "the image", "block 0, head 0: attention received", "block 1, head 1: attention received"]
     assert all(len(ax.get_images()) == 2 for ax in figure.axes[1:])  # the map over the image
+    overlay = figure.axes[1].get_images()[1].get_array()
+    assert torch.allclose(torch.as_tensor(overlay), probs.mean(0)[1:].reshape(4, 4))  # no CLS
     figure = look.attention_over_tokens(["a", " cat", "\n"] * 20, {(0, 0): torch.rand(60, 60)})
     ticks = [label.get_text() for label in figure.axes[0].get_yticklabels()]
     assert ticks[:3] == ["a", " cat", "\\n"] and len(ticks) == 24  # one label per shown token
@@ -2915,8 +2917,6 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
     code, out = look_cli(capsys, "curves", trained_checkpoints / "cls",
                          trained_checkpoints / "next", "--out", tmp_path / "c.png")
     assert code == 0 and png_size(tmp_path / "c.png")[0] > 800, out.err
-    import look
-
     runs = [trained_checkpoints / "cls", trained_checkpoints / "next"]
     figure = look.curves_figure({d: look.read_log(d) for d in runs})
     panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}

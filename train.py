@@ -276,9 +276,9 @@ def train(args):
                 if run.master:
                     improved = record_evaluation(run, metrics, train_loss, log, bar, correct)
                     state["best"] = run.best
-                    checkpoint.save(run.ckpt_path, state)
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(run.best_path, checkpoint.weights_only(state))
+                    checkpoint.save(run.ckpt_path, state)
                     run.saved_step = run.step
             if stopping:
                 say_how_to_resume(run, bar)

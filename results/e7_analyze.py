@@ -6,7 +6,8 @@ and the centred cosine of the last 4 blocks logged at the last evaluation (64 he
 Across seeds, paired by seed (analysis.paired_summary), the two comparisons PLAN.md confirms:
   trend  G(24x64) - G(6x128), G = top-1(NeuTRENO 0.6) - top-1(softmax)
   depth  top-1(24x64, NeuTRENO) - top-1(6x128, NeuTRENO)
-and, described only, G at each trunk and each lambda. Writes e7.json, e7.txt and e7.png.
+and, described only, G at each trunk and each lambda; and whether the softmax arms re-ran
+experiment 4's cls runs (same recipe) loss for loss. Writes e7.json, e7.txt and e7.png.
 
 Run: python results/e7_analyze.py
 """
@@ -37,17 +38,31 @@ def final(folder, seed, trunk, arm):
 def seed_arms(folder, seed):
     """{(trunk, arm): (top-1, late cosine)} for one seed, each NeuTRENO arm checked to start from
     its softmax arm's weights."""
-    arms = {}
+    arms, softmax_init = {}, {}
     wanted = [(t, a) for t in TRUNKS for a in ("softmax", "neutreno-0.6")]
     wanted += [("24x64", f"neutreno-{lam}") for lam in LAMBDAS if lam != "0.6"]
-    for trunk, arm in wanted:
+    for trunk, arm in wanted:  # each trunk's softmax arm comes first
         top1, init, late = final(folder, seed, trunk, arm)
-        softmax_init = final(folder, seed, trunk, "softmax")[1]
-        if init is None or init != softmax_init:
+        softmax_init.setdefault(trunk, init)
+        if init is None or init != softmax_init[trunk]:
             raise AnalysisError(f"seed {seed} {trunk}: {arm} did not start from the softmax arm's "
                                 "weights (init_trunk_sha256 differs or is missing)")
         arms[trunk, arm] = (top1, late)
     return arms
+
+
+def against_e4(folder, e4_folder):
+    """Whether each softmax arm re-ran experiment 4's cls run of its seed and trunk (the same
+    recipe): the same logged training losses, and both final top-1s."""
+    same = {}
+    for seed in SEEDS:
+        for trunk in TRUNKS:
+            runs = [finished_log(os.path.join(f, "logs", f"s{seed}-{trunk}-{arm}.jsonl"), PLANNED)
+                    for f, arm in ((folder, "softmax"), (e4_folder, "cls"))]
+            losses = [[(r["step"], r["loss"]) for r in run if "loss" in r] for run in runs]
+            same[f"s{seed} {trunk}"] = {"same_losses": losses[0] == losses[1], "top1": [
+                [r for r in run if r.get("eval")][-1]["top1"] for run in runs]}
+    return same
 
 
 def verdict(summary, positive, negative):
@@ -128,9 +143,12 @@ def figure(result, path):
 def main(argv=None):
     folder = os.path.join(HERE, "e7")
     result = analyze(folder)
+    result["softmax_against_e4"] = against_e4(folder, os.path.join(HERE, "e4"))
     with open(os.path.join(folder, "e7.json"), "w") as f:
         json.dump(result, f, indent=1)
-    text = report(result)
+    same = result["softmax_against_e4"]
+    text = report(result) + (f"\nsoftmax arms that re-ran experiment 4's cls losses exactly: "
+                             f"{sum(s['same_losses'] for s in same.values())} of {len(same)}")
     with open(os.path.join(folder, "e7.txt"), "w") as f:
         f.write(text + "\n")
     figure(result, os.path.join(folder, "e7.png"))

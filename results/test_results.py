@@ -726,11 +726,22 @@ def test_experiment_7_gives_the_plans_two_verdicts_from_paired_seeds(tmp_path):
             write_log(tmp_path / "logs" / f"s{seed}-24x64-neutreno-{lam}.jsonl",
                       [(1500, 30.0 + seed + float(lam))], init)
     result = e7.analyze(str(tmp_path))
+    for seed in range(3):  # experiment 4's cls runs: seed 0 re-run exactly, the others not
+        for trunk in gains:
+            path = tmp_path / "e4" / "logs" / f"s{seed}-{trunk}-cls.jsonl"
+            write_log(path, [(1500, 30.0 + seed)])
+            path.write_text(path.read_text().replace('"loss": 1.0', f'"loss": {1.0 + seed}'))
+    same = e7.against_e4(str(tmp_path), str(tmp_path / "e4"))
+    assert [s["same_losses"] for s in same.values()] == [True] * 3 + [False] * 6
+    assert same["s1 6x128"]["top1"] == [31.0, 31.0]
     assert result["trend"]["per_seed"] == pytest.approx([2.0, 3.0, 4.0])
     assert result["trend"]["verdict"] == "the gain grows with depth"
     assert result["depth_neutreno"]["per_seed"] == pytest.approx([2.0, 3.0, 4.0])
     assert result["gain_by_lambda"]["0.2"]["mean"] == pytest.approx(0.2)
     assert result["late_abs_cos_centered"]["24x64 softmax"] == pytest.approx([0.5] * 3)
+    write_log(tmp_path / "logs" / "s1-12x92-neutreno-0.6.jsonl", [(1500, 33.0)])  # no hash
+    with pytest.raises(e7.AnalysisError, match="did not start from the softmax arm's weights"):
+        e7.analyze(str(tmp_path))
     write_log(tmp_path / "logs" / "s1-12x92-neutreno-0.6.jsonl", [(1500, 33.0)],
               {"init_trunk_sha256": "other"})
     with pytest.raises(e7.AnalysisError, match="did not start from the softmax arm's weights"):
@@ -760,7 +771,8 @@ def test_a_hairline_interval_is_one_that_ends_within_a_tenth_of_its_half_width_o
     verdicts = results_module("verdicts")
     assert verdicts.hairline({"ci95": [-8.0, -0.016]})  # e4-cls1080 at 24 blocks
     assert verdicts.hairline({"ci95": [0.001, 0.064]})
-    assert not verdicts.hairline({"ci95": [-8.7, -0.6]}) and not verdicts.hairline({"ci95": [-1, 1]})
+    assert not verdicts.hairline({"ci95": [-8.7, -0.6]})
+    assert not verdicts.hairline({"ci95": [-1, 1]})
     assert verdicts.notes("e4-cls1080", [{"ci95": [-8.0, -0.016]}]) == \
         "exploratory; shares the MAE+ft of e4; hairline"
     assert verdicts.notes("e4", [{"ci95": [-5.0, 1.0]}, None]) == ""
