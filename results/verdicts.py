@@ -57,13 +57,14 @@ DESIGNS = {
 }
 # The designs made before any result was seen; every other one was chosen after earlier results
 # (exploratory: it describes, it does not confirm).
-PLANNED = {"e1", "e4", "e1-gpu-w480", "e2", "e5", "e7", "e8"}
+PLANNED = {"e1", "e4", "e1-gpu-w480", "e2", "e2-vision", "e5", "e7", "e8"}
 SHARES = {  # design: the runs it reuses from another row, so it is not independent evidence
     "e1-cls4000-ft2000-ld1": "MAE+ft of e1-ft2000-ld1",
     "e4-cls1080": "MAE+ft of e4",
     "e4-ft1500-ld1": "cls and MAE of e4",
     "e4-ft1500-ld1-cls2080": "MAE+ft of e4-ft1500-ld1",
-    "e4-ld1": "cls and MAE of e4-ft1500-ld1 and e4-ft1500 (seeds 0-2)",
+    "e4-ld1": "cls and MAE of e4-ft1500 (24x64, seeds 0-2)",
+    "e2-vision": "softmax arm with e1 (its cls runs)",
 }
 
 
@@ -79,6 +80,8 @@ def notes(design, summaries, exempt=""):
     """The table's notes for a row: exploratory, the runs it shares, hairline intervals, and why
     a row is exempt from the finished-logs check."""
     said = [] if design in PLANNED else ["exploratory"]
+    if design.endswith("-descriptive"):  # a pre-registered design's rows that decide nothing
+        said = ["descriptive, as planned"]
     if design in SHARES:
         said.append(f"shares the {SHARES[design]}")
     if any(s is not None and hairline(s) for s in summaries):
@@ -208,13 +211,18 @@ def gpu_row():
             "planned": paired_summary([t["ft"] - t["cls"] for t in top1])}
 
 
-OTHER_LOGS = {  # the logs behind experiments 2, 3 and 5's rows: {folder: {log name: planned step}}
+OTHER_LOGS = {  # the logs behind experiments 2, 3, 5, 7, 8's rows: {folder: {log: planned step}}
     "e1": {"cls": 2000}, "e2": {"vision-neutreno": 2000, "next-0": 400, "next-0.4": 400},
-    "e3": {"mlm-lr5e-4": 1200}, "e5": {"free": 1000, "smooth": 1000, "sharpen": 1000}}
+    "e3": {"mlm-lr5e-4": 1200}, "e5": {"free": 1000, "smooth": 1000, "sharpen": 1000},
+    "e7": {f"{trunk}-{arm}": 1500 for trunk in ("6x128", "12x92", "24x64")
+           for arm in ("softmax", "neutreno-0.6")} | {f"24x64-neutreno-{lam}": 1500
+                                                        for lam in ("0.2", "0.4", "0.8")},
+    "e8": {"6x256": 400, "24x128": 400}}
 
 
 def check_other_logs():
-    """Refuse unless every log behind experiments 2, 3 and 5's rows reached its planned step."""
+    """Refuse unless every log behind experiments 2, 3, 5, 7 and 8's rows reached its planned
+    step."""
     for folder, planned in OTHER_LOGS.items():
         for seed in range(3):
             for name, steps in planned.items():
@@ -242,12 +250,14 @@ def other_rows():
     last = [s["probe"]["mlm-lr5e-4"]["abs_cos_centered"][-1]
             - s["probe"]["next"]["abs_cos_centered"][-1] for s in e3.values()]
     steps = e3["0"]["steps"]
-    rows = [("e2", "2. NeuTRENO", "top-1: NeuTRENO minus softmax", "24x64, 16x16 CIFAR-10", vision,
+    rows = [("e2-vision", "2. NeuTRENO", "top-1: NeuTRENO minus softmax", "24x64, 16x16 CIFAR-10",
+             vision,
              "stem and blocks", 1.0, "bf16; softmax (experiment 1's cls) on the EPYC, NeuTRENO "
              "on the Intel Xeon, where a replay of softmax matched bit for bit"),
             ("e2", "2. NeuTRENO", "perplexity: NeuTRENO minus softmax", "24x128, WikiText-2", text,
              "stem and blocks", 1.0, EPYC_BF16),
-            ("e3-lr5e-4", "3. objectives on text", "last layer's abs_cos_centered: MLM (lr 5e-4) minus "
+            ("e3-lr5e-4", "3. objectives on text",
+             "last layer's abs_cos_centered: MLM (lr 5e-4) minus "
              "next-token", "24x128, WikiText-2", last, "stem and blocks",
              text_compute_ratio(steps["mlm-lr5e-4"], steps["next"]),
              "across dtypes: next-token bf16 (EPYC with AVX512-BF16), MLM float32 (EPYC without)"),
@@ -257,9 +267,36 @@ def other_rows():
             ("e5", "5. W_V W_O (Dovonon)", "top-1: smooth minus free", "24x64, 16x16 CIFAR-10",
              [s["top1"]["smooth"] - s["top1"]["free"] for s in e5.values()], "stem only", 1.0,
              EPYC_BF16)]
+    rows += depth_rows()
     return [{"design": d, "experiment": e, "what": w, "scale": scale, "shared": shared,
              "compute_ratio": ratio, "machine": machine, **paired_summary(v)}
             for d, e, w, scale, v, shared, ratio, machine in rows]
+
+
+def depth_rows():
+    """Experiments 7 (NeuTRENO across depth and lambda, cls) and 8 (depth against width on text),
+    from their analyses' per-seed values; each row's compute ratio from the FLOP counter."""
+    e7 = json.load(open(os.path.join(HERE, "e7", "e7.json")))
+    e8 = json.load(open(os.path.join(HERE, "e8", "e8.json")))
+    machine = XEON_BF16 + ", one thread per run"
+    scale = "16x16 CIFAR-10, cls, 1,500 steps"
+    deep = step_flops("24x64", 16, "cls") / step_flops("6x128", 16, "cls")
+    rows = [("e7-descriptive", "2. NeuTRENO", f"top-1: NeuTRENO 0.6 minus softmax, {trunk}",
+             scale, s["per_seed"], "stem and blocks", 1.0, machine)
+            for trunk, s in e7["gain_by_trunk"].items()]
+    rows += [("e7-descriptive", "2. NeuTRENO", f"top-1: NeuTRENO {lam} minus softmax, 24x64", scale,
+              s["per_seed"], "stem and blocks", 1.0, machine)
+             for lam, s in e7["gain_by_lambda"].items() if lam != "0.6"]
+    rows += [("e7", "2. NeuTRENO", "NeuTRENO's gain: at 24x64 minus at 6x128", scale,
+              e7["trend"]["per_seed"], "seed (trunks differ)", deep, machine),
+             ("e7", "2. NeuTRENO", "top-1 under NeuTRENO: 24x64 minus 6x128", scale,
+              e7["depth_neutreno"]["per_seed"], "seed (trunks differ)", deep, machine),
+             ("e7-descriptive", "2. NeuTRENO", "top-1 under softmax: 24x64 minus 6x128", scale,
+              e7["depth_softmax"]["per_seed"], "seed (trunks differ)", deep, machine),
+             ("e8", "4. depth on text", "perplexity: 6x256 minus 24x128 (positive: deep "
+              "better)", "WikiText-2, next-token, 400 steps", e8["D_ppl"]["per_seed"],
+              "seed and data order (trunks differ)", e8["compute_wide_over_deep"], machine)]
+    return rows
 
 
 E1_PROBES = {  # design: (its analysis with the per-seed probes, compute MAE/cls, machine)
@@ -296,7 +333,8 @@ def interval(summary):
 def table(record):
     """The verdict tables as Markdown lines."""
     lines = ["| experiment, design | trunk | seeds | MAE+ft minus cls, points [95% CI] | sign p "
-             "| compute MAE/cls | at matched compute [95% CI] | machine | notes |", "|" + "---|" * 9]
+             "| compute MAE/cls | at matched compute [95% CI] | machine | notes |",
+             "|" + "---|" * 9]
     for r in record["comparisons"]:
         m, p = r["matched"], r["planned"]
         at = "no evaluation near it" if m is None else \
@@ -313,7 +351,7 @@ def table(record):
     lines += ["", "| experiment | difference, paired by seed | scale | seeds | mean [95% CI] "
               "| sign p | compute ratio | arms share | machine | notes |", "|" + "---|" * 10]
     for r in record["other"]:
-        digits = 3 if abs(r["mean"]) < 1 else 1  # cosines to 3 places, points to 1
+        digits = 3 if "cos" in r["what"] else 1  # cosines to 3 places, points to 1
         low, high = r["ci95"]
         lines.append(f"| {r['experiment']} | {r['what']} | {r['scale']} | {r['n']} | "
                      f"{r['mean']:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}] | "
