@@ -167,8 +167,7 @@ def setup(args):
         if run.master:
             claim_out_dir(run)
         run.log(f"loading {cfg.dataset} from {cfg.data_dir} (decoded or tokenized once) ...")
-        run.data = load_data(cfg, settings, device)
-        config = model_config(settings, run.data)
+        run.data, config = load_data(cfg, settings, device)
         # the model: the same initial weights on every rank and for every arm of a comparison
         run.dtype = fast.pick_dtype(cfg.dtype, device)
         torch.manual_seed(cfg.seed)
@@ -379,27 +378,22 @@ def start_processes(cfg):
 
 
 def load_data(cfg, settings, device):
-    """The dataset, decoded or tokenized once; images live on the device as uint8."""
+    """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
+    in which what the data dictates wins: classes, image size, vocabulary)."""
     if cfg.dataset in IMAGE_DATASETS:
-        return ImageData(cfg.dataset, cfg.data_dir, device,
+        data = ImageData(cfg.dataset, cfg.data_dir, device,
                          settings.get("image_size", Config.image_size),
                          train_samples=cfg.train_samples)
-    return TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
+        return data, Config.from_dict({**settings, "image_size": data.image_size,
+                                       "channels": data.channels,
+                                       "num_classes": data.num_classes})
+    data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len))
-
-
-def model_config(settings, data):
-    """The final Config: what the data dictates (classes, image size, vocabulary) wins."""
-    if isinstance(data, ImageData):
-        settings = {**settings, "image_size": data.image_size, "channels": data.channels,
-                    "num_classes": data.num_classes}
-    else:
-        asked = settings.get("vocab_size", data.vocab_size)
-        if asked != data.vocab_size:
-            raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
-                                f"{data.vocab_size} ids; drop --vocab_size (--tokenizer sets it)")
-        settings = {**settings, "vocab_size": data.vocab_size}
-    return Config.from_dict(settings)
+    asked = settings.get("vocab_size", data.vocab_size)
+    if asked != data.vocab_size:
+        raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
+                            f"{data.vocab_size} ids; drop --vocab_size (--tokenizer sets it)")
+    return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
 
 def micro_batch(run, draws, k):
