@@ -516,9 +516,7 @@ def log_and_progress(run):
                 log.wandb.finish()
     finally:
         bar.close()
-        release_out_dir(run)
-        if run.ddp:
-            dist.destroy_process_group()
+        leave(run)
 
 
 class LogAlsoToWandb:
@@ -622,12 +620,17 @@ def nothing_to_train(run):
 
 
 def end_without_training(run, line):
-    """Print the line, let go of the out_dir (left as it was) and the DDP group, exit 0."""
+    """Print the line, leave the out_dir as it was, exit 0."""
     run.log(line)
+    leave(run)
+    return 0
+
+
+def leave(run):
+    """The end of every invocation that got past set-up: the out_dir's lock, then the DDP group."""
     release_out_dir(run)
     if run.ddp:
         dist.destroy_process_group()
-    return 0
 
 
 def report_evaluation_only(run, metrics):

@@ -195,6 +195,11 @@ def finished_log(path, planned):
     return records
 
 
+def last_evaluation(path, planned):
+    """The last evaluation record of a finished run's log (finished_log refuses any other)."""
+    return [r for r in finished_log(path, planned) if r.get("eval")][-1]
+
+
 def median(values):
     """The median: the middle value, or the mean of the two middle values."""
     ordered = sorted(values)

@@ -17,7 +17,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import AnalysisError, command_line, finished_log, paired_summary  # noqa: E402
+from analysis import (AnalysisError, command_line, finished_log, last_evaluation,  # noqa: E402
+                      paired_summary)
 
 SEEDS = (0, 1, 2)
 TRUNKS = ("6x128", "12x92", "24x64")
@@ -28,8 +29,7 @@ LATE = 4  # the last blocks whose centred cosine is reported
 
 def final(folder, seed, trunk, arm):
     """(top-1, init hash, mean abs_cos_centered of the last LATE blocks) of one finished arm."""
-    records = finished_log(os.path.join(folder, "logs", f"s{seed}-{trunk}-{arm}.jsonl"), PLANNED)
-    last = [r for r in records if r.get("eval")][-1]
+    last = last_evaluation(os.path.join(folder, "logs", f"s{seed}-{trunk}-{arm}.jsonl"), PLANNED)
     layers = last.get("layers") or {}
     late = layers.get("abs_cos_centered", [])[-LATE:]
     return last["top1"], last.get("init_trunk_sha256"), sum(late) / len(late) if late else None

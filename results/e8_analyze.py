@@ -14,7 +14,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import ROOT, command_line, finished_log, paired_summary  # noqa: E402
+from analysis import ROOT, command_line, last_evaluation, paired_summary  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from bamboo import training_flops  # noqa: E402
@@ -27,8 +27,7 @@ PLANNED = 400
 
 def final(folder, seed, trunk):
     """The last evaluation of one finished run."""
-    records = finished_log(os.path.join(folder, "logs", f"s{seed}-{trunk}.jsonl"), PLANNED)
-    return [r for r in records if r.get("eval")][-1]
+    return last_evaluation(os.path.join(folder, "logs", f"s{seed}-{trunk}.jsonl"), PLANNED)
 
 
 def analyze(folder):
