@@ -159,6 +159,10 @@ PRESETS = {
     "bamboo-b": _trunk(48, 384),          # Table 2 Bamboo-B = base-48x384
     "bamboo-l": _trunk(48, 768),          # Table 2 Bamboo-L = large-48x768
     "bamboo-h": _trunk(64, 896),          # Table 2 Bamboo-H: 14 heads of 64
+    # The paper's ImageNet setting: 224 px in 16 px patches (196 tokens), MAE's 8 x 512 decoder
+    # and its loss on normalised pixels.
+    "bamboo-b-224": dict(depth=48, width=384, image_size=224, patch_size=16, decoder_depth=8,
+                         decoder_width=512, decoder_heads=16, norm_pix_loss=True),
     # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
     "cifar-tiny": dict(depth=4, width=64, heads=2, decoder_depth=1, decoder_width=64,
                        decoder_heads=2),

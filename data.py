@@ -1,10 +1,15 @@
-"""Datasets for the four objectives: images decoded once to uint8 on the device, text tokenized
-once.
+"""Datasets for the four objectives: images decoded once to uint8 on the device, or streamed from
+disk when they would not fit; text tokenized once.
 
 Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir) or `folder`
-(any ImageFolder tree with train/ and test/ or val/). The whole split lives on the training
-device as one uint8 tensor and whole batches are augmented there (random crop with
-4-pixel padding and a horizontal flip), so loading is never the bottleneck.
+(any ImageFolder tree with train/ and test/ or val/). Two ways to read them:
+  ImageData    the whole split on the training device as one uint8 tensor; whole batches are
+               augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
+               data, where loading is then never the bottleneck.
+  ImageStream  a folder too large for that (ImageNet at 224: 190 GB decoded) read as training goes
+               by DataLoader worker processes, with MAE's augmentation (RandomResizedCrop, flip).
+Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes
+on exactly; each rank then reads only its slice (`shard`).
 
 Text (mlm, next): `wikitext2`, `wikitext103` (downloads.py fetches them from the author's mirror,
 with a Hugging Face fallback) or `text` (any train/val pair of text files). Tokenized once with
@@ -19,6 +24,8 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
 """
 import copy
 import hashlib
+import itertools
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,19 +46,24 @@ class DataError(Exception):
 
 # ----------------------------------------------------------------------------- images
 
-def _decode(path, size):
+def read_rgb(path):
+    """An image file as an RGB PIL image, as ImageFolder reads it; an unreadable one is one line."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB")
-            if im.size != (size, size):
-                im = im.resize((size, size), Image.BICUBIC)
-            return np.asarray(im)
+            return im.convert("RGB")
     # PIL's errors for unreadable, truncated or non-image files
     except (OSError, ValueError, SyntaxError) as e:
         raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove "
                         f"or replace that file") from None
+
+
+def _decode(path, size):
+    from PIL import Image
+
+    im = read_rgb(path)
+    return np.asarray(im if im.size == (size, size) else im.resize((size, size), Image.BICUBIC))
 
 
 def _image_files(root):
@@ -80,34 +92,59 @@ def _image_files(root):
     return samples, classes
 
 
-def _folder(data_dir, split, image_size, limit=0):
-    names = ("train",) if split == "train" else ("test", "val")
-    roots = [os.path.join(data_dir, n) for n in names if os.path.isdir(os.path.join(data_dir, n))]
-    if not roots:
-        raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
-                        f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
-                        f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
-    samples, classes = _image_files(roots[0])
-    if limit:  # a fixed random subset (the same for every run), decoded alone
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))
-        keep = order[:limit].sort().values
-        samples = [samples[i] for i in keep.tolist()]
-    with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
-        pixels = list(pool.map(lambda s: _decode(s[0], image_size), samples))
-    # (N, 3, H, W) uint8
-    images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()
-    return images, torch.tensor([label for _, label in samples]), classes
+def fixed_subset(n, limit):
+    """Indices of a fixed random subset of `limit` out of n, in order: the same for every run."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0))[:limit].sort().values
 
 
-def _load_split(name, data_dir, split, image_size, limit=0):
+def list_folder(data_dir, train=True, train_samples=0):
+    """An ImageFolder tree's files, which both image paths read: ({"train": [(path, label)], "test":
+    [...]}, class names). train_samples > 0 keeps a fixed subset of train; the test split comes in
+    one fixed shuffle, since ImageFolder lists class by class and "the first N" must be fair."""
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image "
+                        "folder tree with train/ and test/ inside")
+    files, classes = {}, {}
+    for split, names in (("train", ("train",)), ("test", ("test", "val")))[0 if train else 1:]:
+        roots = [os.path.join(data_dir, n) for n in names
+                 if os.path.isdir(os.path.join(data_dir, n))]
+        if not roots:
+            raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
+                            f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
+                            f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
+        files[split], classes[split] = _image_files(roots[0])
+    if train:
+        check_same_classes(data_dir, classes["train"], classes["test"])
+        if train_samples:
+            files["train"] = [files["train"][i] for i in
+                              fixed_subset(len(files["train"]), train_samples).tolist()]
+    order = torch.randperm(len(files["test"]), generator=torch.Generator().manual_seed(0))
+    files["test"] = [files["test"][i] for i in order.tolist()]
+    return files, classes["test"]
+
+
+def check_same_classes(data_dir, train_classes, test_classes):
+    """Labels are class indices: splits with different class folders would mislabel the test."""
+    if train_classes != test_classes:
+        only_train = sorted(set(train_classes) - set(test_classes))
+        only_test = sorted(set(test_classes) - set(train_classes))
+        raise DataError(f"{data_dir}: the splits have different classes (only in "
+                        f"training: {only_train[:5]}, "
+                        f"only in test: {only_test[:5]}); give both the same class folders")
+
+
+def _load_split(name, data_dir, split, image_size, files, limit=0):
     if name == "folder":
-        return _folder(data_dir, split, image_size, limit)
+        with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
+            pixels = list(pool.map(lambda s: _decode(s[0], image_size), files[split]))
+        # (N, 3, H, W) uint8
+        images = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()
+        return images, torch.tensor([label for _, label in files[split]]), None
     from downloads import cifar  # torchvision's CIFAR, downloaded to data_dir if absent
 
     images, labels, classes = cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
-        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
-        keep = order[:limit].sort().values
+        keep = fixed_subset(len(images), limit)
         images, labels = images[keep], labels[keep]
     if images.shape[-1] != image_size:  # a few hundred at a time: float copies of all would be GBs
         images = torch.cat([resize(chunk, image_size) for chunk in images.split(500)])
@@ -132,33 +169,23 @@ def to_device(t, device):
 class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
-    def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0):
+    def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0,
+                 listing=None):
         """train=False loads the test split only (the probe needs nothing else); train_samples > 0
-        keeps a fixed random subset of the training split (the test split stays whole)."""
+        keeps a fixed random subset of the training split (the test split stays whole); a folder's
+        listing is list_folder's, made here unless given."""
+        files = classes = None
         if name == "folder":
-            if not os.path.isdir(data_dir):
-                raise DataError(f"data directory {data_dir} does not exist; point --data_dir "
-                                f"at an image folder "
-                                "tree with train/ and test/ inside")
+            files, classes = listing or list_folder(data_dir, train, train_samples)
         else:
             os.makedirs(data_dir, exist_ok=True)
-        self.test_x, self.test_y, classes = _load_split(name, data_dir, "test", image_size)
-        self.train_x, self.train_y, train_classes = (
-            _load_split(name, data_dir, "train", image_size, train_samples) if train
-            else (self.test_x[:0], self.test_y[:0], classes))
-        # labels are class indices: any difference would mislabel the test split
-        if train_classes != classes:
-            only_train = sorted(set(train_classes) - set(classes))
-            only_test = sorted(set(classes) - set(train_classes))
-            raise DataError(f"{data_dir}: the splits have different classes (only in "
-                            f"training: {only_train[:5]}, "
-                            f"only in test: {only_test[:5]}); give both the same class folders")
-        self.classes = list(classes)  # folder names, in label order
-        self.num_classes = len(classes)
-        if name == "folder":
-            # ImageFolder lists images class by class: one fixed shuffle makes "the first N" fair.
-            order = torch.randperm(len(self.test_x), generator=torch.Generator().manual_seed(0))
-            self.test_x, self.test_y = self.test_x[order], self.test_y[order]
+        self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
+                                                             files)
+        self.train_x, self.train_y, _ = (
+            _load_split(name, data_dir, "train", image_size, files, train_samples) if train
+            else (self.test_x[:0], self.test_y[:0], None))
+        self.classes = list(classes or test_classes)  # folder names, in label order
+        self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
         # the training pixels' statistics (the test split's without a train split)
@@ -167,6 +194,9 @@ class ImageData:
 
     def num_train(self):
         return len(self.train_x)
+
+    def num_held_out(self):
+        return len(self.test_x)
 
     def as_held_out(self):
         """This data as held_out() loads it (train=False: the test split on the CPU, normalised by
@@ -201,6 +231,248 @@ class ImageData:
             yield self.normalize(self.test_x[i:j]), self.test_y[i:j]
 
 
+def shard(draws, rank, world, grad_accum, k):
+    """Micro-batch k of rank's part of a global batch's draws: world x grad_accum equal parts."""
+    return {name: v.view(world, grad_accum, -1, *v.shape[1:])[rank][k]
+            for name, v in draws.items()}
+
+
+# ImageNet's channel statistics, by which MAE and timm normalise: a stream is never read whole
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class ImageStream:
+    """An image folder read from disk as training goes, for folders too large to decode whole
+    (ImageNet-1k at 224: 190 GB of uint8). DataLoader worker processes decode and augment as MAE
+    does: RandomResizedCrop (area crop_scale to 1, bicubic) and a flip for training; the shorter
+    side resized to size / 0.875 and the centre crop for evaluation; ImageNet's mean and std.
+
+    sample() draws a global batch from the run's generator as ImageData does (an image and a crop
+    seed each). The workers replay that generator from where the first sample() found it, so they
+    decode ahead of the loop, each rank only its own share; a resumed run restores the generator
+    and the replay starts there. Any worker count gives the same batches."""
+
+    def __init__(self, listing, device, image_size, crop_scale=0.2, workers=0, rank=0, world=1,
+                 grad_accum=1):
+        self.files, classes = listing
+        self.classes, self.num_classes = list(classes), len(classes)
+        self.device, self.image_size, self.channels = torch.device(device), image_size, 3
+        if workers < 0:  # this rank's CPUs but the one that trains, at most 8
+            workers = min(8, max(1, (os.cpu_count() or 1) // world - 1))
+        self.crop_scale, self.workers = crop_scale, workers
+        self.shard = (rank, world, grad_accum)
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        self.batches = None  # the workers' micro-batches, in the loop's order
+
+    def num_train(self):
+        return len(self.files.get("train", ()))
+
+    def num_held_out(self):
+        return len(self.files["test"])
+
+    def as_held_out(self):
+        """This data as held_out() loads it: the test split, evaluated on the CPU."""
+        view = copy.copy(self)
+        view.device, view.mean, view.std = torch.device("cpu"), self.mean.cpu(), self.std.cpu()
+        return view
+
+    def normalize(self, x):
+        return standardised(x, self.mean, self.std)
+
+    def sample(self, n, generator):
+        """The random draws of one global batch: which images, and each one's crop seed."""
+        if self.batches is None:  # from here on, the workers replay the generator
+            replay = StreamReplay(self.files["train"], self.image_size, self.crop_scale,
+                                  generator.get_state(), n, self.shard, self.in_workers())
+            self.batches = iter(self.loader(replay))
+        return draw_stream_batch(n, self.num_train(), generator)
+
+    def train_batch(self, draws):
+        """The next micro-batch the workers decoded: the one these draws name."""
+        x, y, index = checked(next(self.batches))
+        if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
+            raise RuntimeError("the streamed micro-batch is not the one sampled")
+        return self.normalized(x), to_device(y, self.device)
+
+    def eval_batches(self, batch_size, limit=None):
+        """The first `limit` test images, in order, in MAE's evaluation view."""
+        files = self.files["test"][:limit]
+        batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
+        for item in self.loader(StreamEval(batches, self.image_size, self.in_workers())):
+            x, y = checked(item)
+            yield self.normalized(x), to_device(y, self.device)
+
+    def in_workers(self):
+        """What the workers normalise with: nothing for a GPU, which takes uint8 (a quarter of the
+        bytes) and normalises them itself; else the mean and std, so that the workers share it."""
+        return None if self.device.type == "cuda" else (self.mean, self.std)
+
+    def normalized(self, x):
+        x = to_device(x, self.device)
+        return self.normalize(x) if x.dtype == torch.uint8 else x
+
+    def loader(self, dataset):
+        """torch's DataLoader over whole micro-batches, in order. Its own generator: the default
+        would draw the workers' seeds from the global RNG, which MAE's masks come from."""
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.workers,
+                                           pin_memory=self.device.type == "cuda",
+                                           worker_init_fn=leave_stopping_to_the_main_process,
+                                           generator=torch.Generator())
+
+
+def draw_stream_batch(n, num_train, generator):
+    return {"index": torch.randint(0, num_train, (n,), generator=generator),
+            "seed": torch.randint(0, 2 ** 62, (n,), generator=generator)}
+
+
+def checked(item):
+    """A worker's result; a worker's DataError comes back as its line (a traceback otherwise)."""
+    if isinstance(item, str):
+        raise DataError(item)
+    return item
+
+
+def leave_stopping_to_the_main_process(worker_id):
+    """Ctrl-C reaches every process: the main one stops at a checkpoint and ends the workers. A
+    SIGTERM (the DataLoader's own, or a scheduler's) ends a worker quietly."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
+class StreamReplay(torch.utils.data.IterableDataset):
+    """One rank's micro-batches in the loop's order, replaying the generator from `state`: worker w
+    of W decodes micro-batches w, w + W, ..., and the DataLoader returns them in turn."""
+
+    def __init__(self, files, size, crop_scale, state, n, shard, statistics=None):
+        self.files, self.size, self.crop_scale = files, size, crop_scale
+        self.statistics = statistics
+        self.state, self.n, (self.rank, self.world, self.grad_accum) = state, n, shard
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        generator = torch.Generator()
+        generator.set_state(self.state)
+        for step in itertools.count():
+            draws = draw_stream_batch(self.n, len(self.files), generator)
+            for k in range(self.grad_accum):
+                if (step * self.grad_accum + k) % workers == worker:
+                    yield self.decode(shard(draws, self.rank, self.world, self.grad_accum, k))
+
+    def decode(self, part):
+        try:
+            pixels = [train_view(self.files[i][0], self.size, self.crop_scale, seed)
+                      for i, seed in zip(part["index"].tolist(), part["seed"].tolist())]
+        except DataError as e:
+            return str(e)
+        labels = torch.tensor([self.files[i][1] for i in part["index"].tolist()])
+        return as_batch(pixels, self.statistics), labels, part["index"]
+
+
+class StreamEval(torch.utils.data.Dataset):
+    """Held-out batches of (path, label), each decoded in MAE's evaluation view."""
+
+    def __init__(self, batches, size, statistics=None):
+        self.batches, self.size, self.statistics = batches, size, statistics
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        try:
+            pixels = [eval_view(path, self.size) for path, _ in self.batches[i]]
+        except DataError as e:
+            return str(e)
+        return (as_batch(pixels, self.statistics),
+                torch.tensor([label for _, label in self.batches[i]]))
+
+
+def as_batch(pixels, statistics=None):
+    """(H, W, 3) uint8 arrays as one (N, 3, H, W) uint8 tensor, or standardised by (mean, std)."""
+    x = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
+    return x.contiguous() if statistics is None else standardised(x, *statistics)
+
+
+def standardised(x, mean, std):
+    """uint8 images as float32 (x / 255 - mean) / std, in three passes over one new tensor (these
+    are the largest tensors a streamed step makes on the CPU)."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+    return out.mul_(1 / (255 * std)).sub_(mean / std)
+
+
+def resized_crop_box(width, height, scale, generator, ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params, drawing from `generator`: (top, left, h, w) of a
+    crop of area scale[0]..scale[1] of the image and aspect ratio 3/4..4/3 (log-uniform); after ten
+    misses, the centre crop nearest in shape."""
+    area, log_ratio = width * height, torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1],
+                                                   generator=generator)).item()
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, (1,), generator=generator).item()
+            left = torch.randint(0, width - w + 1, (1,), generator=generator).item()
+            return top, left, h, w
+    w, h = width, height
+    if width / height < min(ratio):
+        h = round(w / min(ratio))
+    elif width / height > max(ratio):
+        w = round(h * max(ratio))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def train_view(path, size, crop_scale, seed):
+    """MAE's training view of an image: RandomResizedCrop(size, (crop_scale, 1), bicubic), then a
+    horizontal flip half the time: torchvision's pipeline under torch.manual_seed(seed). (size,
+    size, 3) uint8."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    im = read_rgb(path)
+    top, left, h, w = resized_crop_box(*im.size, (crop_scale, 1.0), generator)
+    im = im.crop((left, top, left + w, top + h)).resize((size, size), Image.BICUBIC)
+    if torch.rand(1, generator=generator) < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(im)
+
+
+def eval_view(path, size, crop_fraction=0.875):
+    """MAE's evaluation view: torchvision's Resize(int(size / 0.875), bicubic) of the shorter side,
+    then CenterCrop(size). (size, size, 3) uint8."""
+    from PIL import Image
+
+    im = read_rgb(path)
+    width, height = im.size
+    short = int(size / crop_fraction)
+    if width <= height:
+        new = (short, int(short * height / width))
+    else:
+        new = (int(short * width / height), short)
+    im = im.resize(new, Image.BICUBIC)  # PIL returns a copy when the size is already right
+    top, left = int(round((new[1] - size) / 2)), int(round((new[0] - size) / 2))
+    return np.asarray(im.crop((left, top, left + size, top + size)))
+
+
+def open_images(name, data_dir, device, image_size, train=True, train_samples=0, stream="off",
+                memory_gb=16.0, **streaming):
+    """ImageData (decoded once into memory), or ImageStream where asked (stream 'on') or, under
+    'auto', where an image folder's decoded splits would take more than memory_gb."""
+    if name != "folder":
+        if stream == "on":
+            raise DataError(f"--stream on reads an image folder; --dataset {name} is decoded into "
+                            "memory (use --stream auto or off, or --dataset folder)")
+        return ImageData(name, data_dir, device, image_size, train, train_samples)
+    listing = list_folder(data_dir, train, train_samples)
+    decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
+    if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
+        return ImageStream(listing, device, image_size, **streaming)
+    return ImageData(name, data_dir, device, image_size, train, train_samples, listing)
+
+
 def normalisation(images):
     """(mean, std) per channel of the first 10,000 images. A channel that barely varies (a colour
     the dataset does not use, one image) is only centred: dividing by ~0 would make every input
@@ -219,8 +491,10 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
         kind, fits = ("an image", IMAGE_DATASETS) if c.is_image else ("a text", TEXT_DATASETS)
         raise DataError(f"{kind} model ({c.objective}) cannot be run on --dataset {dataset}; use "
                         f"{' or '.join(fits)}")
-    if c.is_image:
-        return ImageData(dataset, data_dir, "cpu", c.image_size, train=False)
+    if c.is_image:  # a streamed run is evaluated in its own view (and a stream reads only a folder)
+        stream = train_cfg.get("stream", "off") if dataset == "folder" else "off"
+        return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
+                           stream="on" if stream == "on" else "off")
     data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
                     val_file or train_cfg.get("val_file", "val.txt"),
                     train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
@@ -367,10 +641,13 @@ class TextData:
     def num_train(self):
         return len(self.train) - self.seq_len + 1
 
+    def num_held_out(self):
+        """Whole validation windows."""
+        return (len(self.val) - 1) // self.seq_len
+
     def eval_batches(self, batch_size, limit=None):
         """Consecutive non-overlapping validation windows, in order: the same every time."""
-        n = (len(self.val) - 1) // self.seq_len
-        n = n if limit is None else min(n, limit)
+        n = self.num_held_out() if limit is None else min(self.num_held_out(), limit)
         for i in range(0, n, batch_size):
             rows = [self.val[k * self.seq_len: (k + 1) * self.seq_len]
                     for k in range(i, min(i + batch_size, n))]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import checkpoint
 import fast
 from bamboo import Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageStream
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir
@@ -158,6 +158,10 @@ def check_settings(cfg):
         ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
          "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
+        ("memory_gb", cfg.memory_gb >= 0, "must be >= 0 (0 streams every image folder)"),
+        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one)"),
+        ("crop_scale", 0 < cfg.crop_scale <= 1, "must be in (0, 1], or -1 (MAE's for the "
+         "objective)"),
     ]
     for name, ok, why in checks:
         if not ok:
@@ -413,13 +417,6 @@ def stop_signals(run):
             signal.signal(sig, handler_before)
 
 
-def held_out_count(data):
-    """How many held-out samples the data has: images, or text windows."""
-    if hasattr(data, "test_x"):
-        return len(data.test_x)
-    return (len(data.val) - 1) // data.seq_len
-
-
 def seconds_per_step(run, last=None):
     """The mean time of the steps so far (of the last ones, if given), the first step left out as
     warm-up unless it is the only one; None before any step."""
@@ -440,7 +437,7 @@ def evaluation_fits(run, stopping):
     if not stopping or run.stop != "time limit reached" or run.step >= cfg.max_iters:
         return True
     left = cfg.time_limit - (time.time() - run.t_start)
-    samples = min(cfg.eval_samples or math.inf, held_out_count(run.data))
+    samples = min(cfg.eval_samples or math.inf, run.data.num_held_out())
     guess = math.ceil(samples / (run.micro_batch * cfg.grad_accum)) * timed_step_s(run) / 3
     return (run.eval_s if run.eval_s is not None else guess) <= left
 
@@ -604,6 +601,10 @@ def describe_run(run, config, sources):
             f"{run.device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
             f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
             f"{cfg.warmup} steps")
+    if isinstance(run.data, ImageStream):
+        run.log(f"streaming {run.data.num_train():,} training images from disk, "
+                f"{run.data.workers} decoding processes per rank: MAE's crops (area "
+                f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
     sources.update(dict.fromkeys(dictated, "the data"))
     run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))

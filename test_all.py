@@ -1715,6 +1715,212 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 
 
 
+# ------------------------------------------------------ streaming image folders (data.ImageStream)
+
+@pytest.fixture(scope="session")
+def mixed_jpegs(tmp_path_factory):
+    """An ImageFolder tree of 225 JPEGs of mixed sizes and aspect ratios (12 to 96 px a side, up to
+    1:5), three classes, train/ and val/."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 60), ("val", 15)):
+        for label in ("cat", "dog", "fox"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(n):
+                w, h = rng.integers(12, 97, 2)
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / label / f"{i}.jpg", quality=90)
+    return root
+
+
+STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmup", "2",
+                "--dtype", "float32", "--stream", "on"]
+
+
+def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
+    from data import ImageData, ImageStream, _decode, list_folder
+
+    whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
+    listing = list_folder(str(mixed_jpegs), train_samples=100)
+    stream = ImageStream(listing, "cpu", 16)
+    files = stream.files
+    assert stream.classes == whole.classes == ["cat", "dog", "fox"]
+    assert stream.num_train() == whole.num_train() == 100
+    assert stream.num_held_out() == whole.num_held_out() == 45
+    assert whole.train_y.tolist() == [label for _, label in files["train"]]
+    assert torch.equal(whole.train_x[7], torch.tensor(_decode(files["train"][7][0], 16))
+                       .permute(2, 0, 1))
+    held_out = torch.cat([y for _, y in stream.eval_batches(10)])
+    assert held_out.tolist() == whole.test_y.tolist()
+    assert sorted(held_out.tolist()) != held_out.tolist()  # the fixed shuffle, not class by class
+    for i, (path, _) in enumerate(files["test"][:5]):  # the same images, in the same order
+        assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
+
+
+def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
+    """MAE's training view (RandomResizedCrop, bicubic, then a flip) under torch.manual_seed(seed),
+    and its evaluation view (Resize of the shorter side to size / 0.875, CenterCrop), on images
+    of every shape in the folder, a 1:5 strip among them (RandomResizedCrop's fallback)."""
+    from PIL import Image
+    from torchvision import transforms
+
+    from data import eval_view, train_view
+
+    strip = mixed_jpegs / "strip.jpg"
+    Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
+    paths = [strip] + sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[:12]
+    for scale, size in ((0.2, 16), (0.08, 24)):
+        mae = transforms.Compose([
+            transforms.RandomResizedCrop(size, scale=(scale, 1.0), interpolation=3),
+            transforms.RandomHorizontalFlip()])
+        for seed, path in enumerate(paths):
+            torch.manual_seed(seed)
+            expected = np.asarray(mae(Image.open(path).convert("RGB")))
+            assert np.array_equal(train_view(str(path), size, scale, seed), expected), path
+        evaluation = transforms.Compose([transforms.Resize(int(size / 0.875), interpolation=3),
+                                         transforms.CenterCrop(size)])
+        for path in paths:
+            expected = np.asarray(evaluation(Image.open(path).convert("RGB")))
+            assert np.array_equal(eval_view(str(path), size), expected), path
+
+
+def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decodes_its_slice(
+        mixed_jpegs):
+    """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
+    each (their slices put together) give the same global batches, step after step."""
+    from data import ImageStream, list_folder, shard
+
+    listing = list_folder(str(mixed_jpegs))
+
+    def batches(workers, rank=0, world=1, accum=1, steps=3):
+        stream = ImageStream(listing, "cpu", 16, workers=workers, rank=rank, world=world,
+                             grad_accum=accum)
+        generator, out = torch.Generator().manual_seed(5), []
+        for _ in range(steps):
+            draws = stream.sample(8, generator)
+            out += [stream.train_batch(shard(draws, rank, world, accum, k)) for k in range(accum)]
+        return out
+
+    alone = batches(0)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(alone, batches(2)))
+    ranks = [batches(2, rank, 2, 2) for rank in (0, 1)]
+    for step in range(3):
+        parts = [ranks[r][2 * step + k][0] for r in (0, 1) for k in (0, 1)]
+        assert torch.equal(torch.cat(parts), alone[step][0])
+    assert not torch.equal(alone[0][0], alone[1][0])
+    x = alone[0][0]
+    assert x.dtype == torch.float32 and x.shape == (8, 3, 16, 16) and -3 < x.mean() < 3
+
+
+def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
+    flags = ["--objective", "mae", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "4", "--eval_interval", "2", "--workers", "2"]
+    code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
+    assert code == 0 and "streaming 180 training images from disk, 2 decoding processes" in out
+    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
+    assert code == 0 and "time limit reached at step 1" in out, out
+    code, out, parts = run_train("--resume", "--workers", "1", out_dir=tmp_path / "parts")
+    assert code == 0 and "resumed from" in out, out
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("whole", "parts"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
+    assert a["train"]["stream"] == "on" and a["train"]["crop_scale"] == 0.2
+
+
+def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_path):
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2",
+             "--workers", "1"]
+    code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
+    assert code == 0 and "2 x 2 x 2" in out, out
+    code, out, single = run_train(*flags, out_dir=tmp_path / "one")
+    assert code == 0, out
+    a, b = train_losses(ddp), train_losses(single)
+    assert len(a) == 3 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+
+
+def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, tmp_path):
+    """225 images at 16 px decode to 0.17 MB: within 0.1 GB decoded whole, over 0.0001 GB
+    streamed; what ran is what the checkpoint says."""
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *TINY_IMAGE_FLAGS, "--max_iters", "1", "--batch_size", "8"]
+    for budget, streamed in (("0.1", False), ("0.0001", True)):
+        code, out, _ = run_train(*flags, "--memory_gb", budget, out_dir=tmp_path / budget)
+        assert code == 0 and ("streaming 180 training images" in out) == streamed, out
+        saved = torch.load(tmp_path / budget / "ckpt.pt", weights_only=True)["train"]
+        assert saved["stream"] == ("on" if streamed else "off")
+        assert saved["crop_scale"] == 0.08  # fine-tuning's, for cls
+
+
+def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
+    import probe
+    from data import ImageStream, held_out
+
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
+    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    data = held_out(Config.from_dict(ckpt["config"]), ckpt["train"])
+    assert isinstance(data, ImageStream) and data.device.type == "cpu"
+    logged = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
+    assert probe.main([str(tmp_path / "run" / "ckpt.pt"), "--samples", "64", "--json",
+                       str(tmp_path / "p.json")]) == 0
+    probed = json.loads((tmp_path / "p.json").read_text())
+    row = next(iter(probed.values())) if isinstance(probed, dict) else probed[0]
+    assert logged["layers"] and row
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    ("unreadable", "cannot read image"),
+    ("empty class", "holds no image"),
+    ("no split", "no test/ or val/ folder in"),
+])
+def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
+    """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
+    file; an empty or mislaid folder is found before any work."""
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(mixed_jpegs, root)
+    if break_it == "unreadable":
+        for path in (root / "train" / "cat").glob("*.jpg"):
+            path.write_bytes(b"not a jpeg")
+    elif break_it == "empty class":
+        shutil.rmtree(root / "val" / "fox")
+        (root / "val" / "fox").mkdir()
+    else:
+        shutil.rmtree(root / "val")
+    err = cli_error(capsys, "--objective", "mae", "--dataset", "folder", "--data_dir", str(root),
+                    *STREAM_FLAGS, "--max_iters", "2", "--workers", "1", "--out_dir",
+                    str(tmp_path / "o"))
+    assert expected in err
+    if break_it == "unreadable":
+        assert str(root / "train" / "cat") in err and "remove or replace" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "cifar10", "--stream", "on"], "--stream on reads an image folder"),
+    (["--workers", "-2"], "--workers -2 must be"),
+    (["--crop_scale", "1.5"], "--crop_scale 1.5 must be"),
+    (["--memory_gb", "-1"], "--memory_gb -1.0 must be"),
+])
+def test_bad_streaming_flags_are_one_line(capsys, tmp_path, flags, message):
+    err = cli_error(capsys, "--objective", "mae", "--data_dir", str(tmp_path / "d"), *flags,
+                    "--out_dir", str(tmp_path / "o"))
+    assert message in err
+
+
+def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
+    c = Config.from_preset("bamboo-b-224", objective="mae")
+    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
+    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
+    assert c.norm_pix_loss
+
+
+
 # ------------------------------------------------------------- feedback while a run goes, and after
 
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
@@ -1746,7 +1952,7 @@ def test_a_time_limit_bounds_the_evaluation_too_and_must_be_finite(capsys, tiny_
     import train
     from housekeeping import evaluation_fits
 
-    data = types.SimpleNamespace(test_x=torch.zeros(32, 3, 8, 8))
+    data = types.SimpleNamespace(num_held_out=lambda: 32)
     run = train.Run(train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0),
                     torch.device("cpu"), data=data, stop="time limit reached")
     run.t_start, run.step_times = time.time() - 9, [1.0, 1.0]  # about 1 s left, 1 s per step

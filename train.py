@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 import checkpoint
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, first_samples, to_device
+from data import (IMAGE_DATASETS, TEXT_DATASETS, ImageStream, TextData, first_samples, open_images,
+                  shard, to_device)
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, describe_run, evaluation_fits, exit_process,
@@ -65,6 +66,10 @@ class TrainConfig:
     eval_samples: int = 10000        # held-out images or text windows per evaluation; 0 means all
     probe_samples: int = 64          # each evaluation logs probe.py's per-layer metrics on these
     train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
+    stream: str = "auto"             # folder: on reads files as it trains (MAE's crops), off once
+    memory_gb: float = 16.0          # --stream auto streams a folder larger than this decoded
+    workers: int = -1                # streaming: decoding processes per rank; -1: CPUs per rank - 1
+    crop_scale: float = -1.0         # streaming: smallest crop area; -1: 0.2 (mae), 0.08 (cls)
     log_interval: int = 10           # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"             # checkpoint and log.jsonl go here
     overwrite: bool = False          # start afresh in an out_dir that holds another run (replaced)
@@ -111,7 +116,7 @@ class Run:
     device: torch.device  # where the model and the batches live
     rank: int = 0  # this process's rank under torchrun; 0 alone
     world: int = 1  # processes in the DDP group; 1 alone
-    data: object = None  # ImageData or TextData
+    data: object = None  # ImageData, ImageStream (a folder read as training goes), TextData
     model: Bamboo = None  # the model itself: what is evaluated and saved
     training_module: nn.Module = None  # what the step calls: model, in fast.py's wrappers, DDP
     compile_mode: str = "off"  # the compilation fast.for_training chose
@@ -166,8 +171,8 @@ def setup(args):
     try:
         if run.master:
             claim_out_dir(run)
-        run.log(f"loading {cfg.dataset} from {cfg.data_dir} (decoded or tokenized once) ...")
-        run.data, config = load_data(cfg, settings, device)
+        run.log(f"loading {cfg.dataset} from {cfg.data_dir} ...")
+        run.data, config = load_data(cfg, settings, device, rank, world)
         # the model: the same initial weights on every rank and for every arm of a comparison
         run.dtype = fast.pick_dtype(cfg.dtype, device)
         torch.manual_seed(cfg.seed)
@@ -288,7 +293,8 @@ def train(args):
 
 # ---------------------------------------------------------- what set-up and the loop call, in order
 
-CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "objective": OBJECTIVES,
+CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "stream": ("auto", "on", "off"),
+           "objective": OBJECTIVES,
            "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
            "preset": ("",) + tuple(PRESETS)}
 
@@ -309,7 +315,7 @@ RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eva
              "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
              "init_from")
 PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only",
-                  "wandb_project")
+                  "wandb_project", "memory_gb", "workers")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -341,11 +347,15 @@ def resolve_settings(args):
             sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
         settings.update(flags_given(args, Config))
     sources.update(dict.fromkeys(given, "flags"))
-    check_dataset_fits(settings.get("objective", Config.objective), cfg.dataset, IMAGE_OBJECTIVES)
+    objective = settings.get("objective", Config.objective)
+    check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
     sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
+    if cfg.crop_scale == -1:  # MAE's: 0.2 to pre-train, 0.08 to fine-tune
+        cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
+        sources["crop_scale"] = "the objective (-1)"
     check_settings(cfg)
     return cfg, resumed, pretrained, settings, sources
 
@@ -377,13 +387,16 @@ def start_processes(cfg):
     return device, rank, world
 
 
-def load_data(cfg, settings, device):
+def load_data(cfg, settings, device, rank=0, world=1):
     """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
     in which what the data dictates wins: classes, image size, vocabulary)."""
     if cfg.dataset in IMAGE_DATASETS:
-        data = ImageData(cfg.dataset, cfg.data_dir, device,
-                         settings.get("image_size", Config.image_size),
-                         train_samples=cfg.train_samples)
+        data = open_images(cfg.dataset, cfg.data_dir, device,
+                           settings.get("image_size", Config.image_size),
+                           train_samples=cfg.train_samples, stream=cfg.stream,
+                           memory_gb=cfg.memory_gb, crop_scale=cfg.crop_scale,
+                           workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
+        cfg.stream = "on" if isinstance(data, ImageStream) else "off"  # what the checkpoint keeps
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
@@ -398,10 +411,7 @@ def load_data(cfg, settings, device):
 
 def micro_batch(run, draws, k):
     """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
-    cfg = run.cfg
-    part = {name: v.view(run.world, cfg.grad_accum, run.micro_batch, *v.shape[1:])[run.rank][k]
-            for name, v in draws.items()}
-    x, y = run.data.train_batch(part)
+    x, y = run.data.train_batch(shard(draws, run.rank, run.world, run.cfg.grad_accum, k))
     return to_device(x, run.device), y
 
 

@@ -6,6 +6,8 @@
 #   bash results/gpu.sh verify     the flagship path as a user runs it, in about 5 minutes: the CUDA tests,
 #                                  train.py --objective mae --depth 48 --width 384 for 300 steps, a resume to
 #                                  400 under CUDA graphs, look.py and probe.py on its checkpoint (results/gpu/verify/)
+#   bash results/gpu.sh loader     whether the streaming loader keeps a bamboo-b MAE step at 224 fed: the same
+#                                  steps fed from memory, then streamed by 4, 8 and 15 workers (results/gpu/loader/)
 #   bash results/gpu.sh explore    not targets, candidates for them, in results/gpu/explore/: attention kernels
 #                                  for short sequences, inductor's GEMM autotuning, and a kernel profile
 #   DATA=DIR      an ImageFolder tree of CIFAR-10 (train/ and test/) for the short real run and the probe;
@@ -24,7 +26,8 @@ case $PART in
   targets) OUT=results/gpu ;;
   explore) OUT=results/gpu/explore ;;
   verify) OUT=results/gpu/verify ;;
-  *) echo "unknown part '$PART': bash results/gpu.sh [targets|verify|explore]" >&2; exit 2 ;;
+  loader) OUT=results/gpu/loader ;;
+  *) echo "unknown part '$PART': bash results/gpu.sh [targets|verify|loader|explore]" >&2; exit 2 ;;
 esac
 if ! $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "no CUDA device: nothing to check (the recorded outputs in $OUT are left as they are)"
@@ -101,6 +104,21 @@ verify() {  # the flagship command as the README gives it, on real data, then wh
   cp "$run/log.jsonl" "$OUT/flagship-log.jsonl" 2> /dev/null || true
 }
 
+loader() {  # 3,600 ImageNet-sized JPEGs made from DATA; a step fed from memory is what streaming must keep up with
+  if [ -z "${DATA:-}" ] || [ ! -d "$DATA/train" ]; then
+    echo "loader skipped: set DATA to a CIFAR-10 ImageFolder tree (train/ and test/)" | tee -a "$OUT/status.txt"
+    return
+  fi
+  local folder=/tmp/imagenet-like
+  step make-folder 150 $PY results/loader/bench.py --make $folder --source "$DATA" --per_class 300
+  local run="$PY train.py --objective mae --preset bamboo-b-224 --dataset folder --data_dir $folder --batch_size 256
+    --max_iters 30 --eval_interval 30 --eval_samples 256 --probe_samples 0 --log_interval 10 --overwrite"
+  step memory 120 $run --stream off --out_dir "$OUT/memory"
+  for workers in 4 8 15; do
+    step "stream-$workers" 90 $run --stream on --workers $workers --out_dir "$OUT/stream-$workers"
+  done
+}
+
 explore() {  # the deep-narrow trunks at batch 256 under CUDA graphs, as in the targets
   local models="cls:bamboo-b mae:bamboo-b cls:base-12x768" common="--batch_size 256 --rounds 3 --steps 5"
   # Attention for 64 tokens (cls) and MAE's 16 visible ones: PyTorch's pick among its fused kernels against
@@ -127,11 +145,11 @@ sys.exit(bench.main(sys.argv[1:]))" $models --attention sdpa --compile graphs $c
 }
 
 "$PART"
-if [ "$PART" != verify ]; then
+if [ "$PART" = targets ] || [ "$PART" = explore ]; then
   $PY results/gpu_targets.py results/gpu > results/gpu/targets.md && cat results/gpu/targets.md
 fi
 if [ -n "${ARCHIVE:-}" ]; then
-  packed=results/gpu; if [ "$PART" = verify ]; then packed=$OUT; fi
+  packed=results/gpu; if [ "$PART" = verify ] || [ "$PART" = loader ]; then packed=$OUT; fi
   tar czf "$ARCHIVE" --exclude='*.pt' "$packed" && echo "archived results/gpu/ in $ARCHIVE"
 fi
 echo "outputs in $OUT/"

@@ -288,7 +288,7 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
 
 def test_the_gpu_check_names_its_parts_when_given_another(tmp_path):
     done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": "true"}, args=["all"])
-    assert done.returncode == 2 and done.stderr.strip() == "unknown part 'all': bash results/gpu.sh [targets|verify|explore]"
+    assert done.returncode == 2 and done.stderr.strip() == "unknown part 'all': bash results/gpu.sh [targets|verify|loader|explore]"
     assert not (tmp_path / "results" / "gpu").exists()
 
 
