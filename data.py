@@ -114,7 +114,7 @@ def list_folder(data_dir, train=True, train_samples=0):
                             f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
         files[split], classes[split] = _image_files(roots[0])
     if train:
-        check_same_classes(data_dir, classes["train"], classes["test"])
+        check_split_classes(data_dir, classes["train"], classes["test"])
         if train_samples:
             files["train"] = [files["train"][i] for i in
                               fixed_subset(len(files["train"]), train_samples).tolist()]
@@ -123,7 +123,7 @@ def list_folder(data_dir, train=True, train_samples=0):
     return files, classes["test"]
 
 
-def check_same_classes(data_dir, train_classes, test_classes):
+def check_split_classes(data_dir, train_classes, test_classes):
     """Labels are class indices: splits with different class folders would mislabel the test."""
     if train_classes != test_classes:
         only_train = sorted(set(train_classes) - set(test_classes))
@@ -258,7 +258,9 @@ class ImageStream:
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's CPUs but the one that trains, at most 8
-            workers = min(8, max(1, (os.cpu_count() or 1) // world - 1))
+            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1)
+            workers = min(8, max(1, cpus // world - 1))
         self.crop_scale, self.workers = crop_scale, workers
         self.shard = (rank, world, grad_accum)
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
@@ -306,7 +308,7 @@ class ImageStream:
     def in_workers(self):
         """What the workers normalise with: nothing for a GPU, which takes uint8 (a quarter of the
         bytes) and normalises them itself; else the mean and std, so that the workers share it."""
-        return None if self.device.type == "cuda" else (self.mean, self.std)
+        return (self.mean, self.std) if self.device.type == "cpu" else None
 
     def normalized(self, x):
         x = to_device(x, self.device)

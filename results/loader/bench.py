@@ -70,8 +70,11 @@ def stream_batches(data_dir, batch, workers):
 
 
 def images_per_second(batches, batch, count, step=None):
-    """Batches after the first (workers starting) timed; with `step`, each one trains it."""
-    next(batches)
+    """Batches after the first (workers starting; the step's first run) timed; with `step`, each
+    one trains it."""
+    x, _ = next(batches)
+    if step:
+        step(x)
     t0 = time.perf_counter()
     for _ in range(count):
         x, y = next(batches)
@@ -111,7 +114,7 @@ def main():
         return make_folder(args.make, args.source, args.per_class)
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "torch": torch.__version__, "batch": args.batch, "loader": {}, "step": {}}
-    for workers in (1, 2):  # turn about, each round: ours, then MAE's
+    for workers in (1, 2) if args.batches else ():  # turn about, each round: ours, then MAE's
         for name, make in (("stream", stream_batches), ("mae", mae_batches)):
             result["loader"][f"{name}, {workers} workers"] = []
         for _ in range(args.rounds):
