@@ -804,3 +804,20 @@ def test_the_records_verdict_tables_are_what_the_logs_say():
     text = open(os.path.join(REPO, "results", "README.md")).read()
     block = text.split(verdicts.BEGIN)[1].split(verdicts.END)[0].strip("\n")
     assert block.splitlines() == verdicts.table(verdicts.build())
+
+
+def test_the_loader_bench_writes_imagenet_sized_jpegs_and_both_loaders_read_them_alike(tiny_data, tmp_path):
+    """results/loader/bench.py: the folder it writes has ImageNet's sizes and layout, and its two loaders (ours and
+    MAE's) give batches of the same shape, dtype and scale from it."""
+    from PIL import Image
+
+    bench = results_module("loader.bench")
+    bench.make_folder(str(tmp_path / "in"), str(tiny_data / "images"), per_class=5)
+    sizes = [Image.open(p).size for p in sorted((tmp_path / "in" / "train").rglob("*.jpg"))]
+    assert len(sizes) == 10 and all(300 <= min(s) <= 500 and 3 / 4 - 0.01 <= s[0] / s[1] <= 4 / 3 + 0.01
+                                    for s in sizes)
+    assert len(list((tmp_path / "in" / "val").rglob("*.jpg"))) == 2
+    for make in (bench.stream_batches, bench.mae_batches):
+        x, y = next(make(str(tmp_path / "in"), 4, 0))
+        assert x.shape == (4, 3, 224, 224) and x.dtype.is_floating_point and -3 < x.mean() < 3
+    assert bench.images_per_second(bench.stream_batches(str(tmp_path / "in"), 2, 0), 2, 2) > 0

@@ -38,8 +38,8 @@ def make_folder(root, source, per_class, seed=0):
                 im = Image.open(os.path.join(source, "train", name, f)).convert("RGB")
                 pixels = np.asarray(im.resize(size, Image.BICUBIC), dtype=np.float32)
                 pixels += rng.normal(0, 6, pixels.shape)
-                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(
-                    os.path.join(root, split, name, f), quality=90)
+                jpeg = os.path.join(root, split, name, os.path.splitext(f)[0] + ".jpg")
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(jpeg, quality=90)
 
 
 def mae_loader(data_dir, batch, workers, size=224):
