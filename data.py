@@ -92,9 +92,14 @@ def _image_files(root):
     return samples, classes
 
 
+def fixed_order(n):
+    """A fixed random order of n items: the same for every run."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
+
+
 def fixed_subset(n, limit):
     """Indices of a fixed random subset of `limit` out of n, in order: the same for every run."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(0))[:limit].sort().values
+    return fixed_order(n)[:limit].sort().values
 
 
 def list_folder(data_dir, train=True, train_samples=0):
@@ -105,7 +110,8 @@ def list_folder(data_dir, train=True, train_samples=0):
         raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image "
                         "folder tree with train/ and test/ inside")
     files, classes = {}, {}
-    for split, names in (("train", ("train",)), ("test", ("test", "val")))[0 if train else 1:]:
+    wanted = {"test": ("test", "val"), "train": ("train",)} if train else {"test": ("test", "val")}
+    for split, names in wanted.items():
         roots = [os.path.join(data_dir, n) for n in names
                  if os.path.isdir(os.path.join(data_dir, n))]
         if not roots:
@@ -118,8 +124,7 @@ def list_folder(data_dir, train=True, train_samples=0):
         if train_samples:
             files["train"] = [files["train"][i] for i in
                               fixed_subset(len(files["train"]), train_samples).tolist()]
-    order = torch.randperm(len(files["test"]), generator=torch.Generator().manual_seed(0))
-    files["test"] = [files["test"][i] for i in order.tolist()]
+    files["test"] = [files["test"][i] for i in fixed_order(len(files["test"])).tolist()]
     return files, classes["test"]
 
 
@@ -243,29 +248,24 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 class ImageStream:
     """An image folder read from disk as training goes, for folders too large to decode whole
-    (ImageNet-1k at 224: 190 GB of uint8). DataLoader worker processes decode and augment as MAE
-    does: RandomResizedCrop (area crop_scale to 1, bicubic) and a flip for training; the shorter
-    side resized to size / 0.875 and the centre crop for evaluation; ImageNet's mean and std.
-
-    sample() draws a global batch from the run's generator as ImageData does (an image and a crop
-    seed each). The workers replay that generator from where the first sample() found it, so they
-    decode ahead of the loop, each rank only its own share; a resumed run restores the generator
-    and the replay starts there. Any worker count gives the same batches."""
+    (ImageNet-1k at 224: 190 GB of uint8): DataLoader workers decode ahead of the loop, each rank
+    its own slice, as MAE augments (train_view, eval_view), normalised by ImageNet's statistics."""
 
     def __init__(self, listing, device, image_size, crop_scale=0.2, workers=0, rank=0, world=1,
                  grad_accum=1):
         self.files, classes = listing
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
-        if workers < 0:  # this rank's CPUs but the one that trains, at most 8
+        if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8
             cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                     else os.cpu_count() or 1)
-            workers = min(8, max(1, cpus // world - 1))
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            workers = min(8, max(1, cpus // ranks_here - 1))
         self.crop_scale, self.workers = crop_scale, workers
         self.shard = (rank, world, grad_accum)
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
-        self.batches = None  # the workers' micro-batches, in the loop's order
+        self.replay = self.batches = None  # what the workers decode, and their micro-batches
 
     def num_train(self):
         return len(self.files.get("train", ()))
@@ -285,32 +285,41 @@ class ImageStream:
     def sample(self, n, generator):
         """The random draws of one global batch: which images, and each one's crop seed."""
         if self.batches is None:  # from here on, the workers replay the generator
-            replay = StreamReplay(self.files["train"], self.image_size, self.crop_scale,
-                                  generator.get_state(), n, self.shard, self.in_workers())
-            self.batches = iter(self.loader(replay))
+            self.replay = StreamReplay(self.files["train"], self.image_size, self.crop_scale,
+                                       generator.get_state(), n, self.shard,
+                                       self.worker_statistics())
+            self.batches = iter(self.loader(self.replay))
         return draw_stream_batch(n, self.num_train(), generator)
 
     def train_batch(self, draws):
-        """The next micro-batch the workers decoded: the one these draws name."""
-        x, y, index = checked(next(self.batches))
+        """The next micro-batch the workers decoded: the one these draws name. If the workers were
+        stopped (a signal to every process), this process decodes it, and sample() starts anew."""
+        item = None
+        if self.batches is not None:
+            try:
+                item = next(self.batches)
+            except RuntimeError:  # torch's DataLoader: a worker exited
+                self.batches = None
+        x, y, index = checked(item if item is not None else self.replay.decode(draws))
         if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
             raise RuntimeError("the streamed micro-batch is not the one sampled")
-        return self.normalized(x), to_device(y, self.device)
+        return self.model_input(x), to_device(y, self.device)
 
     def eval_batches(self, batch_size, limit=None):
         """The first `limit` test images, in order, in MAE's evaluation view."""
         files = self.files["test"][:limit]
         batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
-        for item in self.loader(StreamEval(batches, self.image_size, self.in_workers())):
+        for item in self.loader(StreamEval(batches, self.image_size, self.worker_statistics())):
             x, y = checked(item)
-            yield self.normalized(x), to_device(y, self.device)
+            yield self.model_input(x), to_device(y, self.device)
 
-    def in_workers(self):
+    def worker_statistics(self):
         """What the workers normalise with: nothing for a GPU, which takes uint8 (a quarter of the
         bytes) and normalises them itself; else the mean and std, so that the workers share it."""
         return (self.mean, self.std) if self.device.type == "cpu" else None
 
-    def normalized(self, x):
+    def model_input(self, x):
+        """A worker's batch on the device, normalised."""
         x = to_device(x, self.device)
         return self.normalize(x) if x.dtype == torch.uint8 else x
 
@@ -324,6 +333,7 @@ class ImageStream:
 
 
 def draw_stream_batch(n, num_train, generator):
+    """Which images a global batch takes (with replacement) and a seed for each one's crop."""
     return {"index": torch.randint(0, num_train, (n,), generator=generator),
             "seed": torch.randint(0, 2 ** 62, (n,), generator=generator)}
 
@@ -337,7 +347,7 @@ def checked(item):
 
 def leave_stopping_to_the_main_process(worker_id):
     """Ctrl-C reaches every process: the main one stops at a checkpoint and ends the workers. A
-    SIGTERM (the DataLoader's own, or a scheduler's) ends a worker quietly."""
+    SIGTERM (the DataLoader's own, a scheduler's) ends a worker quietly; see train_batch."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -345,8 +355,10 @@ def leave_stopping_to_the_main_process(worker_id):
 
 
 class StreamReplay(torch.utils.data.IterableDataset):
-    """One rank's micro-batches in the loop's order, replaying the generator from `state`: worker w
-    of W decodes micro-batches w, w + W, ..., and the DataLoader returns them in turn."""
+    """One rank's micro-batches in the loop's order: each worker replays the run's generator from
+    `state` (where the first sample() found it, a resumed run's restored one) and worker w of W
+    decodes micro-batches w, w + W, ..., which the DataLoader returns in turn. The draws decide
+    every pixel, so any worker count gives the same batches."""
 
     def __init__(self, files, size, crop_scale, state, n, shard, statistics=None):
         self.files, self.size, self.crop_scale = files, size, crop_scale
@@ -442,14 +454,14 @@ def train_view(path, size, crop_scale, seed):
     return np.asarray(im)
 
 
-def eval_view(path, size, crop_fraction=0.875):
-    """MAE's evaluation view: torchvision's Resize(int(size / 0.875), bicubic) of the shorter side,
-    then CenterCrop(size). (size, size, 3) uint8."""
+def eval_view(path, size):
+    """MAE's evaluation view: torchvision's Resize(int(size / crop), bicubic) of the shorter side,
+    then CenterCrop(size); crop is 224 / 256 up to 224 px, else 1 (MAE's build_transform)."""
     from PIL import Image
 
     im = read_rgb(path)
     width, height = im.size
-    short = int(size / crop_fraction)
+    short = int(size / (224 / 256 if size <= 224 else 1.0))
     if width <= height:
         new = (short, int(short * height / width))
     else:

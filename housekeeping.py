@@ -159,9 +159,10 @@ def check_settings(cfg):
          "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
         ("memory_gb", cfg.memory_gb >= 0, "must be >= 0 (0 streams every image folder)"),
-        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one)"),
-        ("crop_scale", 0 < cfg.crop_scale <= 1, "must be in (0, 1], or -1 (MAE's for the "
-         "objective)"),
+        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one, at most "
+         "8)"),
+        ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
+         "(MAE's for the objective)"),
     ]
     for name, ok, why in checks:
         if not ok:
@@ -201,6 +202,8 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
     path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
+    if isinstance(saved, dict):  # runs saved before streaming existed decoded their images whole
+        saved = {"stream": "off", **saved}
     if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(train_config)}:
         raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
                                          "fine-tune from it with --init_from instead")

@@ -1761,7 +1761,7 @@ def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mix
 
 def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
     """MAE's training view (RandomResizedCrop, bicubic, then a flip) under torch.manual_seed(seed),
-    and its evaluation view (Resize of the shorter side to size / 0.875, CenterCrop), on images
+    and its evaluation view (Resize of the shorter side to size / crop, CenterCrop), on images
     of every shape in the folder, a 1:5 strip among them (RandomResizedCrop's fallback)."""
     from PIL import Image
     from torchvision import transforms
@@ -1771,7 +1771,7 @@ def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
     strip = mixed_jpegs / "strip.jpg"
     Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
     paths = [strip] + sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[:12]
-    for scale, size in ((0.2, 16), (0.08, 24)):
+    for scale, size in ((0.2, 16), (0.08, 24), (0.2, 232)):  # above 224, MAE crops no border
         mae = transforms.Compose([
             transforms.RandomResizedCrop(size, scale=(scale, 1.0), interpolation=3),
             transforms.RandomHorizontalFlip()])
@@ -1779,7 +1779,8 @@ def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
             torch.manual_seed(seed)
             expected = np.asarray(mae(Image.open(path).convert("RGB")))
             assert np.array_equal(train_view(str(path), size, scale, seed), expected), path
-        evaluation = transforms.Compose([transforms.Resize(int(size / 0.875), interpolation=3),
+        crop = 224 / 256 if size <= 224 else 1.0
+        evaluation = transforms.Compose([transforms.Resize(int(size / crop), interpolation=3),
                                          transforms.CenterCrop(size)])
         for path in paths:
             expected = np.asarray(evaluation(Image.open(path).convert("RGB")))
@@ -1813,6 +1814,30 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
     assert not torch.equal(alone[0][0], alone[1][0])
     x = alone[0][0]
     assert x.dtype == torch.float32 and x.shape == (8, 3, 16, 16) and -3 < x.mean() < 3
+
+
+def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_restarts_them(
+        mixed_jpegs):
+    """A signal to every process ends the workers, maybe before they hand over the micro-batch
+    the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
+    step starts new workers where the data order stands."""
+    from data import ImageStream, list_folder
+
+    def workers_that_exited():
+        raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
+        yield
+
+    listing = list_folder(str(mixed_jpegs))
+    steady, stopped = (ImageStream(listing, "cpu", 16, workers=1) for _ in range(2))
+    g_steady, g_stopped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(3):
+        expected = steady.train_batch(steady.sample(8, g_steady))
+        draws = stopped.sample(8, g_stopped)
+        if step == 1:
+            stopped.batches = workers_that_exited()
+        got = stopped.train_batch(draws)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert (stopped.batches is None) == (step == 1)
 
 
 def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
@@ -1853,11 +1878,18 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
         saved = torch.load(tmp_path / budget / "ckpt.pt", weights_only=True)["train"]
         assert saved["stream"] == ("on" if streamed else "off")
         assert saved["crop_scale"] == 0.08  # fine-tuning's, for cls
+    # a run saved before streaming existed decoded its images whole, and resumes so
+    ckpt = torch.load(tmp_path / "0.1" / "ckpt.pt", weights_only=True)
+    del ckpt["train"]["stream"], ckpt["train"]["crop_scale"]
+    torch.save(ckpt, tmp_path / "0.1" / "ckpt.pt")
+    code, out, _ = run_train("--resume", "--max_iters", "2", "--memory_gb", "0.0001",
+                             out_dir=tmp_path / "0.1")
+    assert code == 0 and "resumed from" in out and "streaming" not in out, out
 
 
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
     import probe
-    from data import ImageStream, held_out
+    from data import ImageStream, eval_view, first_samples, held_out, standardised
 
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
@@ -1865,6 +1897,8 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     data = held_out(Config.from_dict(ckpt["config"]), ckpt["train"])
     assert isinstance(data, ImageStream) and data.device.type == "cpu"
+    first = torch.tensor(eval_view(data.files["test"][0][0], 16)).permute(2, 0, 1)[None]
+    assert torch.equal(first_samples(data, 1), standardised(first, data.mean, data.std))
     logged = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
     assert probe.main([str(tmp_path / "run" / "ckpt.pt"), "--samples", "64", "--json",
                        str(tmp_path / "p.json")]) == 0
@@ -1899,6 +1933,31 @@ def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_
     assert expected in err
     if break_it == "unreadable":
         assert str(root / "train" / "cat") in err and "remove or replace" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
+        mixed_jpegs, tmp_path, sig):
+    """Ctrl-C, or a scheduler's SIGTERM, reaches the workers too: the main process still finishes
+    its step and saves, with no traceback, and no worker outlives it."""
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
+             "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
+                             str(tmp_path), "--log_interval", "1"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and '"loss"' not in ((tmp_path / "log.jsonl").exists()
+                                                       and (tmp_path / "log.jsonl").read_text()
+                                                       or ""):
+        time.sleep(0.2)
+    os.killpg(proc.pid, sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # the whole process group is gone
+        os.killpg(proc.pid, 0)
 
 
 @pytest.mark.parametrize("flags, message", [

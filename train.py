@@ -68,7 +68,7 @@ class TrainConfig:
     train_samples: int = 0           # images: train on a fixed random subset of this many (0: all)
     stream: str = "auto"             # folder: on reads files as it trains (MAE's crops), off once
     memory_gb: float = 16.0          # --stream auto streams a folder larger than this decoded
-    workers: int = -1                # streaming: decoding processes per rank; -1: CPUs per rank - 1
+    workers: int = -1                # streaming: decoders per rank; -1: CPUs per rank - 1, <= 8
     crop_scale: float = -1.0         # streaming: smallest crop area; -1: 0.2 (mae), 0.08 (cls)
     log_interval: int = 10           # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"             # checkpoint and log.jsonl go here
@@ -353,7 +353,7 @@ def resolve_settings(args):
     derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
     sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
-    if cfg.crop_scale == -1:  # MAE's: 0.2 to pre-train, 0.08 to fine-tune
+    if cfg.crop_scale == -1 and objective in IMAGE_OBJECTIVES:  # MAE's: 0.2 pre-trains, 0.08 tunes
         cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
         sources["crop_scale"] = "the objective (-1)"
     check_settings(cfg)
