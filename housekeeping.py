@@ -605,8 +605,9 @@ def describe_run(run, config, sources):
             f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
             f"{cfg.warmup} steps")
     if isinstance(run.data, ImageStream):
-        run.log(f"streaming {run.data.num_train():,} training images from disk, "
-                f"{run.data.workers} decoding processes per rank: MAE's crops (area "
+        workers = run.data.workers
+        run.log(f"streaming {run.data.num_train():,} training images from disk, {workers} "
+                f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
                 f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
     sources.update(dict.fromkeys(dictated, "the data"))
