@@ -244,6 +244,9 @@ def shard(draws, rank, world, grad_accum, k):
 
 # ImageNet's channel statistics, by which MAE and timm normalise: a stream is never read whole
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# What torch's DataLoader raises when its workers are gone: its own error, or the broken connection
+# to a dead worker that had yet to hand over a batch's shared memory
+WORKERS_GONE = (RuntimeError, OSError, EOFError)
 
 
 class ImageStream:
@@ -298,7 +301,7 @@ class ImageStream:
         if self.batches is not None:
             try:
                 item = next(self.batches)
-            except RuntimeError:  # torch's DataLoader: a worker exited
+            except WORKERS_GONE:
                 self.batches = None
         x, y, index = checked(item if item is not None else self.replay.decode(draws))
         if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
@@ -306,10 +309,17 @@ class ImageStream:
         return self.model_input(x), to_device(y, self.device)
 
     def eval_batches(self, batch_size, limit=None):
-        """The first `limit` test images, in order, in MAE's evaluation view."""
+        """The first `limit` test images, in order, in MAE's evaluation view (decoded here from
+        where the workers stopped, if a signal to every process stops them)."""
         files = self.files["test"][:limit]
         batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
-        for item in self.loader(StreamEval(batches, self.image_size, self.worker_statistics())):
+        dataset = StreamEval(batches, self.image_size, self.worker_statistics())
+        items = iter(self.loader(dataset))
+        for i in range(len(dataset)):
+            try:
+                item = next(items) if items is not None else dataset[i]
+            except WORKERS_GONE:
+                items, item = None, dataset[i]
             x, y = checked(item)
             yield self.model_input(x), to_device(y, self.device)
 
@@ -361,8 +371,11 @@ class StreamReplay(torch.utils.data.IterableDataset):
     every pixel, so any worker count gives the same batches."""
 
     def __init__(self, files, size, crop_scale, state, n, shard, statistics=None):
-        self.files, self.size, self.crop_scale = files, size, crop_scale
-        self.statistics = statistics
+        # two numpy arrays, not a list of 1.28M tuples: each worker's reference counting would
+        # copy the list's pages into its own memory, one ImageNet listing per worker
+        self.paths = np.array([os.fsencode(path) for path, _ in files])
+        self.labels = torch.tensor([label for _, label in files])
+        self.size, self.crop_scale, self.statistics = size, crop_scale, statistics
         self.state, self.n, (self.rank, self.world, self.grad_accum) = state, n, shard
 
     def __iter__(self):
@@ -371,19 +384,18 @@ class StreamReplay(torch.utils.data.IterableDataset):
         generator = torch.Generator()
         generator.set_state(self.state)
         for step in itertools.count():
-            draws = draw_stream_batch(self.n, len(self.files), generator)
+            draws = draw_stream_batch(self.n, len(self.labels), generator)
             for k in range(self.grad_accum):
                 if (step * self.grad_accum + k) % workers == worker:
                     yield self.decode(shard(draws, self.rank, self.world, self.grad_accum, k))
 
     def decode(self, part):
         try:
-            pixels = [train_view(self.files[i][0], self.size, self.crop_scale, seed)
+            pixels = [train_view(os.fsdecode(self.paths[i]), self.size, self.crop_scale, seed)
                       for i, seed in zip(part["index"].tolist(), part["seed"].tolist())]
         except DataError as e:
             return str(e)
-        labels = torch.tensor([self.files[i][1] for i in part["index"].tolist()])
-        return as_batch(pixels, self.statistics), labels, part["index"]
+        return as_batch(pixels, self.statistics), self.labels[part["index"]], part["index"]
 
 
 class StreamEval(torch.utils.data.Dataset):

@@ -1820,7 +1820,7 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
         mixed_jpegs):
     """A signal to every process ends the workers, maybe before they hand over the micro-batch
     the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
-    step starts new workers where the data order stands."""
+    step starts new workers where the data order stands. An evaluation reads on here too."""
     from data import ImageStream, list_folder
 
     def workers_that_exited():
@@ -1838,6 +1838,15 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
         got = stopped.train_batch(draws)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
         assert (stopped.batches is None) == (step == 1)
+
+    def loader_that_stops_after_one(dataset):
+        yield dataset[0]
+        raise ConnectionResetError(104, "Connection reset by peer")  # fetching a dead worker's fd
+
+    stopped.loader = loader_that_stops_after_one
+    got, expected = list(stopped.eval_batches(10)), list(steady.eval_batches(10))
+    assert len(got) == len(expected) == 5
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
 
 
 def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
