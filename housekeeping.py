@@ -25,7 +25,8 @@ import torch.distributed as dist
 import checkpoint
 import fast
 from bamboo import Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, DataError, ImageStream
+from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
+from stream import ImageStream
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir

@@ -1715,7 +1715,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 
 
 
-# ------------------------------------------------------ streaming image folders (data.ImageStream)
+# ------------------------------------------------------ streaming image folders (stream.py)
 
 @pytest.fixture(scope="session")
 def mixed_jpegs(tmp_path_factory):
@@ -1740,7 +1740,8 @@ STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmu
 
 
 def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
-    from data import ImageData, ImageStream, _decode, list_folder
+    from data import ImageData, _decode, list_folder
+    from stream import ImageStream
 
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
@@ -1766,7 +1767,7 @@ def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
     from PIL import Image
     from torchvision import transforms
 
-    from data import eval_view, train_view
+    from stream import eval_view, train_view
 
     strip = mixed_jpegs / "strip.jpg"
     Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
@@ -1791,7 +1792,8 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
         mixed_jpegs):
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
-    from data import ImageStream, list_folder, shard
+    from data import list_folder, shard
+    from stream import ImageStream
 
     listing = list_folder(str(mixed_jpegs))
 
@@ -1821,7 +1823,8 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
     """A signal to every process ends the workers, maybe before they hand over the micro-batch
     the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
     step starts new workers where the data order stands. An evaluation reads on here too."""
-    from data import ImageStream, list_folder
+    from data import list_folder
+    from stream import ImageStream
 
     def workers_that_exited():
         raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
@@ -1898,7 +1901,8 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
 
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
     import probe
-    from data import ImageStream, eval_view, first_samples, held_out, standardised
+    from data import first_samples, held_out
+    from stream import ImageStream, eval_view, standardised
 
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
@@ -3655,7 +3659,7 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
                    "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py",
-                   "housekeeping.py", "downloads.py")
+                   "housekeeping.py", "downloads.py", "stream.py")
 
 
 def instance_attributes(model):

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 import checkpoint
 import fast
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import (IMAGE_DATASETS, TEXT_DATASETS, ImageStream, TextData, first_samples, open_images,
-                  shard, to_device)
+from data import (IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard,
+                  to_device)
 from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
                           check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
                           code_and_machine, describe_run, evaluation_fits, exit_process,
@@ -37,6 +37,7 @@ from housekeeping import (TrainingError, check_dataset_fits, check_invocation, c
                           say_how_to_resume, show_progress, stop_if_non_finite, stop_signals,
                           summary, time_to_stop)
 from probe import logged_metrics
+from stream import ImageStream
 
 
 # ----------------------------------------------------------------------------- settings

@@ -1,0 +1,259 @@
+"""Image folders too large to decode whole (ImageNet-1k at 224: 190 GB of uint8), read from disk as
+training goes, with MAE's augmentation: data.open_images picks ImageStream over data.ImageData
+where a folder's decoded splits would not fit --memory_gb, or with --stream on.
+
+  ImageStream    what train.py reads: the data order of the run's generator, decoded ahead by
+                 DataLoader workers (StreamReplay), each DDP rank only its slice
+  train_view     MAE's training view: RandomResizedCrop (resized_crop_box) and a flip
+  eval_view      MAE's evaluation view: the shorter side resized, then the centre crop
+Every uint8 pixel of both views equals torchvision's for the same seed.
+
+Run: python -c "import data, stream; print(stream.ImageStream(data.list_folder('DIR'), 'cpu',
+     224).num_train())"
+"""
+import copy
+import itertools
+import math
+import os
+
+import numpy as np
+import torch
+
+from data import DataError, as_batch, read_rgb, shard, to_device
+
+# ImageNet's channel statistics, by which MAE and timm normalise: a stream is never read whole
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# What torch's DataLoader raises when its workers are gone: its own error, or the broken connection
+# to a dead worker that had yet to hand over a batch's shared memory
+WORKERS_GONE = (RuntimeError, OSError, EOFError)
+
+
+class ImageStream:
+    """An image folder read from disk as training goes, for folders too large to decode whole
+    (ImageNet-1k at 224: 190 GB of uint8): DataLoader workers decode ahead of the loop, each rank
+    its own slice, as MAE augments (train_view, eval_view), normalised by ImageNet's statistics."""
+
+    def __init__(self, listing, device, image_size, crop_scale=0.2, workers=0, rank=0, world=1,
+                 grad_accum=1):
+        self.files, classes = listing
+        self.classes, self.num_classes = list(classes), len(classes)
+        self.device, self.image_size, self.channels = torch.device(device), image_size, 3
+        if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8
+            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1)
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            workers = min(8, max(1, cpus // ranks_here - 1))
+        self.crop_scale, self.workers = crop_scale, workers
+        self.shard = (rank, world, grad_accum)
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        self.replay = self.batches = None  # what the workers decode, and their micro-batches
+
+    def num_train(self):
+        return len(self.files.get("train", ()))
+
+    def num_held_out(self):
+        return len(self.files["test"])
+
+    def as_held_out(self):
+        """This data as held_out() loads it: the test split, evaluated on the CPU."""
+        view = copy.copy(self)
+        view.device, view.mean, view.std = torch.device("cpu"), self.mean.cpu(), self.std.cpu()
+        return view
+
+    def sample(self, n, generator):
+        """The random draws of one global batch: which images, and each one's crop seed."""
+        if self.batches is None:  # from here on, the workers replay the generator
+            self.replay = StreamReplay(self.files["train"], self.image_size, self.crop_scale,
+                                       generator.get_state(), n, self.shard,
+                                       self.worker_statistics())
+            self.batches = iter(self.loader(self.replay))
+        return draw_stream_batch(n, self.num_train(), generator)
+
+    def train_batch(self, draws):
+        """The next micro-batch the workers decoded: the one these draws name. If the workers were
+        stopped (a signal to every process), this process decodes it, and sample() starts anew."""
+        item = None
+        if self.batches is not None:
+            try:
+                item = next(self.batches)
+            except WORKERS_GONE:
+                self.batches = None
+        x, y, index = checked(item if item is not None else self.replay.decode(draws))
+        if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
+            raise RuntimeError("the streamed micro-batch is not the one sampled")
+        return self.model_input(x), to_device(y, self.device)
+
+    def eval_batches(self, batch_size, limit=None):
+        """The first `limit` test images, in order, in MAE's evaluation view (decoded here from
+        where the workers stopped, if a signal to every process stops them)."""
+        files = self.files["test"][:limit]
+        batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
+        dataset = StreamEval(batches, self.image_size, self.worker_statistics())
+        items = iter(self.loader(dataset))
+        for i in range(len(dataset)):
+            try:
+                item = next(items) if items is not None else dataset[i]
+            except WORKERS_GONE:
+                items, item = None, dataset[i]
+            x, y = checked(item)
+            yield self.model_input(x), to_device(y, self.device)
+
+    def worker_statistics(self):
+        """What the workers normalise with: nothing for a GPU, which takes uint8 (a quarter of the
+        bytes) and normalises them itself; else the mean and std, so that the workers share it."""
+        return (self.mean, self.std) if self.device.type == "cpu" else None
+
+    def model_input(self, x):
+        """A worker's batch on the device, normalised."""
+        x = to_device(x, self.device)
+        return standardised(x, self.mean, self.std) if x.dtype == torch.uint8 else x
+
+    def loader(self, dataset):
+        """torch's DataLoader over whole micro-batches, in order. Its own generator: the default
+        would draw the workers' seeds from the global RNG, which MAE's masks come from."""
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=self.workers,
+                                           pin_memory=self.device.type == "cuda",
+                                           worker_init_fn=leave_stopping_to_the_main_process,
+                                           generator=torch.Generator())
+
+
+def draw_stream_batch(n, num_train, generator):
+    """Which images a global batch takes (with replacement) and a seed for each one's crop."""
+    return {"index": torch.randint(0, num_train, (n,), generator=generator),
+            "seed": torch.randint(0, 2 ** 62, (n,), generator=generator)}
+
+
+def checked(item):
+    """A worker's result; a worker's DataError comes back as its line (a traceback otherwise)."""
+    if isinstance(item, str):
+        raise DataError(item)
+    return item
+
+
+def leave_stopping_to_the_main_process(worker_id):
+    """Ctrl-C reaches every process: the main one stops at a checkpoint and ends the workers. A
+    SIGTERM (the DataLoader's own, a scheduler's) ends a worker quietly; see train_batch."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
+class StreamReplay(torch.utils.data.IterableDataset):
+    """One rank's micro-batches in the loop's order: each worker replays the run's generator from
+    `state` (where the first sample() found it, a resumed run's restored one) and worker w of W
+    decodes micro-batches w, w + W, ..., which the DataLoader returns in turn. The draws decide
+    every pixel, so any worker count gives the same batches."""
+
+    def __init__(self, files, size, crop_scale, state, n, shard, statistics=None):
+        # two numpy arrays, not a list of 1.28M tuples: each worker's reference counting would
+        # copy the list's pages into its own memory, one ImageNet listing per worker
+        self.paths = np.array([os.fsencode(path) for path, _ in files])
+        self.labels = torch.tensor([label for _, label in files])
+        self.size, self.crop_scale, self.statistics = size, crop_scale, statistics
+        self.state, self.n, (self.rank, self.world, self.grad_accum) = state, n, shard
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        generator = torch.Generator()
+        generator.set_state(self.state)
+        for step in itertools.count():
+            draws = draw_stream_batch(self.n, len(self.labels), generator)
+            for k in range(self.grad_accum):
+                if (step * self.grad_accum + k) % workers == worker:
+                    yield self.decode(shard(draws, self.rank, self.world, self.grad_accum, k))
+
+    def decode(self, part):
+        try:
+            pixels = [train_view(os.fsdecode(self.paths[i]), self.size, self.crop_scale, seed)
+                      for i, seed in zip(part["index"].tolist(), part["seed"].tolist())]
+        except DataError as e:
+            return str(e)
+        return as_input(pixels, self.statistics), self.labels[part["index"]], part["index"]
+
+
+class StreamEval(torch.utils.data.Dataset):
+    """Held-out batches of (path, label), each decoded in MAE's evaluation view."""
+
+    def __init__(self, batches, size, statistics=None):
+        self.batches, self.size, self.statistics = batches, size, statistics
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        try:
+            pixels = [eval_view(path, self.size) for path, _ in self.batches[i]]
+        except DataError as e:
+            return str(e)
+        return (as_input(pixels, self.statistics),
+                torch.tensor([label for _, label in self.batches[i]]))
+
+
+def as_input(pixels, statistics=None):
+    """(H, W, 3) uint8 arrays as one (N, 3, H, W) uint8 tensor, or standardised by (mean, std)."""
+    x = as_batch(pixels)
+    return x if statistics is None else standardised(x, *statistics)
+
+
+def standardised(x, mean, std):
+    """uint8 images as float32 (x / 255 - mean) / std, in three passes over one new tensor (these
+    are the largest tensors a streamed step makes on the CPU)."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+    return out.mul_(1 / (255 * std)).sub_(mean / std)
+
+
+def resized_crop_box(width, height, scale, generator, ratio=(3 / 4, 4 / 3)):
+    """torchvision's RandomResizedCrop.get_params, drawing from `generator`: (top, left, h, w) of a
+    crop of area scale[0]..scale[1] of the image and aspect ratio 3/4..4/3 (log-uniform); after ten
+    misses, the centre crop nearest in shape."""
+    area, log_ratio = width * height, torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1],
+                                                   generator=generator)).item()
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, (1,), generator=generator).item()
+            left = torch.randint(0, width - w + 1, (1,), generator=generator).item()
+            return top, left, h, w
+    w, h = width, height
+    if width / height < min(ratio):
+        h = round(w / min(ratio))
+    elif width / height > max(ratio):
+        w = round(h * max(ratio))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def train_view(path, size, crop_scale, seed):
+    """MAE's training view of an image: RandomResizedCrop(size, (crop_scale, 1), bicubic), then a
+    horizontal flip half the time: torchvision's pipeline under torch.manual_seed(seed). (size,
+    size, 3) uint8."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    im = read_rgb(path)
+    top, left, h, w = resized_crop_box(*im.size, (crop_scale, 1.0), generator)
+    im = im.crop((left, top, left + w, top + h)).resize((size, size), Image.BICUBIC)
+    if torch.rand(1, generator=generator) < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(im)
+
+
+def eval_view(path, size):
+    """MAE's evaluation view: torchvision's Resize(int(size / crop), bicubic) of the shorter side,
+    then CenterCrop(size); crop is 224 / 256 up to 224 px, else 1 (MAE's build_transform)."""
+    from PIL import Image
+
+    im = read_rgb(path)
+    width, height = im.size
+    short = int(size / (224 / 256 if size <= 224 else 1.0))
+    if width <= height:
+        new = (short, int(short * height / width))
+    else:
+        new = (int(short * width / height), short)
+    im = im.resize(new, Image.BICUBIC)  # PIL returns a copy when the size is already right
+    top, left = int(round((new[1] - size) / 2)), int(round((new[0] - size) / 2))
+    return np.asarray(im.crop((left, top, left + size, top + size)))
