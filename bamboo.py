@@ -222,14 +222,16 @@ class MLP(nn.Module):
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: drop a sample's whole residual branch with probability p."""
+    """Stochastic depth: drop a sample's whole residual branch with probability p. p is a tensor:
+    compiled, a float that differs per block would compile every block anew."""
 
     def __init__(self, p):
         super().__init__()
-        self.p = p
+        self.active = p > 0
+        self.register_buffer("p", torch.tensor(float(p)), persistent=False)
 
     def forward(self, x):
-        if not self.training or self.p == 0:
+        if not self.training or not self.active:
             return x
         keep = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p
         return x * keep.to(x.dtype) / (1 - self.p)

@@ -136,11 +136,10 @@ def check_split_classes(data_dir, train_classes, test_classes):
                         f"only in test: {only_test[:5]}); give both the same class folders")
 
 
-def _load_split(name, data_dir, split, image_size, files, limit=0):
+def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=None):
     if name == "folder":
-        with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
-            pixels = list(pool.map(lambda s: _decode(s[0], image_size), files[split]))
-        return as_batch(pixels), torch.tensor([label for _, label in files[split]]), None
+        labels = torch.tensor([label for _, label in files[split]])
+        return decode_folder(files[split], image_size, cache_dir), labels, None
     from downloads import cifar  # torchvision's CIFAR, downloaded to data_dir if absent
 
     images, labels, classes = cifar(name, data_dir, split == "train")
@@ -150,6 +149,30 @@ def _load_split(name, data_dir, split, image_size, files, limit=0):
     if images.shape[-1] != image_size:  # a few hundred at a time: float copies of all would be GBs
         images = torch.cat([resize(chunk, image_size) for chunk in images.split(500)])
     return images, labels, classes
+
+
+def decode_folder(files, size, cache_dir=None):
+    """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
+    cache_dir, later runs load the saved array, keyed by every file's path, size and time and by
+    the image size, so that a changed folder is decoded again."""
+    key = hashlib.sha1(str(size).encode())
+    for path, _ in files:
+        stat = os.stat(path)
+        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    cache = cache_dir and os.path.join(cache_dir, f"images.{len(files)}x{size}px."
+                                                  f"{key.hexdigest()[:16]}.npy")
+    if cache and os.path.exists(cache):
+        return torch.from_numpy(np.load(cache))
+    with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
+        images = as_batch(list(pool.map(lambda s: _decode(s[0], size), files)))
+    if cache:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            atomic_write(cache, lambda f: np.save(f, images.numpy()))
+        except OSError as e:  # the run goes on; the next one decodes again
+            print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
+                  "to a writable folder to load them at once next time", flush=True)
+    return images
 
 
 def as_batch(pixels):
@@ -176,19 +199,21 @@ class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
     def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0,
-                 listing=None):
+                 listing=None, cache_dir=None):
         """train=False loads the test split only (the probe needs nothing else); train_samples > 0
         keeps a fixed random subset of the training split (the test split stays whole); a folder's
-        listing is list_folder's, made here unless given."""
+        listing is list_folder's, made here unless given; its decoded splits are kept in
+        cache_dir, if given."""
         files = classes = None
         if name == "folder":
             files, classes = listing or list_folder(data_dir, train, train_samples)
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
-                                                             files)
+                                                             files, cache_dir=cache_dir)
         self.train_x, self.train_y, _ = (
-            _load_split(name, data_dir, "train", image_size, files, train_samples) if train
+            _load_split(name, data_dir, "train", image_size, files, train_samples, cache_dir)
+            if train
             else (self.test_x[:0], self.test_y[:0], None))
         self.classes = list(classes or test_classes)  # folder names, in label order
         self.num_classes = len(self.classes)
@@ -244,9 +269,10 @@ def shard(draws, rank, world, grad_accum, k):
 
 
 def open_images(name, data_dir, device, image_size, train=True, train_samples=0, stream="off",
-                memory_gb=16.0, **streaming):
-    """ImageData (decoded once into memory), or ImageStream where asked (stream 'on') or, under
-    'auto', where an image folder's decoded splits would take more than memory_gb."""
+                memory_gb=16.0, cache_dir=None, **streaming):
+    """ImageData (decoded once into memory, a folder's decoded splits kept in cache_dir), or
+    ImageStream where asked (stream 'on') or, under 'auto', where an image folder's decoded splits
+    would take more than memory_gb."""
     if name != "folder":
         if stream == "on":
             raise DataError(f"--stream on reads an image folder; --dataset {name} is decoded into "
@@ -258,7 +284,7 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
     decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
     if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
         return ImageStream(listing, device, image_size, **streaming)
-    return ImageData(name, data_dir, device, image_size, train, train_samples, listing)
+    return ImageData(name, data_dir, device, image_size, train, train_samples, listing, cache_dir)
 
 
 def normalisation(images):
@@ -282,7 +308,8 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
     if c.is_image:  # a streamed run is evaluated in its own view (and a stream reads only a folder)
         streamed = dataset == "folder" and train_cfg.get("stream") == "on"
         return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
-                           stream="on" if streamed else "off")
+                           stream="on" if streamed else "off",
+                           cache_dir=train_cfg.get("cache_dir", "./data/cache"))
     data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
                     val_file or train_cfg.get("val_file", "val.txt"),
                     train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)

@@ -569,7 +569,7 @@ def show_progress(run, bar, train_loss, lr):
 
 
 def record_evaluation(run, metrics, train_loss, log, bar, correct):
-    """Log and print the evaluation (with the initial trunk's hash), a classifier's per-image
+    """Log and print the evaluation (with the trunk's hashes), a classifier's per-image
     correctness to eval_correct.npy; whether it is the best so far. metrics None: it did not fit
     in --time_limit, and the line says so."""
     if metrics is None:
@@ -585,8 +585,11 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
     run.metrics = metrics
     elapsed = time.time() - run.t_start
     record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
-    log.write(json.dumps({"eval": True, **record, "init_trunk_sha256": run.init_hash["trunk"]})
-              + "\n")
+    hashes = {"init_trunk_sha256": run.init_hash["trunk"],  # the seed's initial trunk
+              "trunk_sha256": checkpoint.weights_hash(run.model)["trunk"]}  # the one evaluated
+    if "loaded_trunk" in run.init_hash:  # --init_from: the pretrained trunk training started from
+        hashes["loaded_trunk_sha256"] = run.init_hash["loaded_trunk"]
+    log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")
     if correct:
         flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
         path = os.path.join(run.cfg.out_dir, "eval_correct.npy")
@@ -671,6 +674,9 @@ def summary(run):
     if peak:
         flops = run.model.flops_per_sample() * cfg.batch_size / step_s
         line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
+    line += f"; first step {run.step_times[0]:.1f} s (compilation, capture)"
+    if run.eval_s is not None:
+        line += f", last evaluation {run.eval_s:.1f} s"
     run.log(line)
 
 

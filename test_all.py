@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1152,6 +1153,38 @@ def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(
     (tmp_path / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
     assert "corrupt or truncated" in err
+
+
+def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
+                                                                        monkeypatch, capsys):
+    import data
+    from PIL import Image
+
+    folder, cache = tmp_path / "images", tmp_path / "cache"
+    shutil.copytree(tiny_data / "images", folder)
+    decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
+    first = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
+    decodes = []
+    real_decode = data._decode
+    monkeypatch.setattr(data, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
+    cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert decodes == []  # loaded, not decoded
+    for got in (first, cached):
+        assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)
+        assert torch.equal(got.train_y, decoded.train_y) and torch.equal(got.mean, decoded.mean)
+    changed = sorted((folder / "test" / "red").iterdir())[0]  # one test image repainted
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
+    again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
+    where = [str(p) for p, _ in data.list_folder(str(folder))[0]["test"]].index(str(changed))
+    assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
+    capsys.readouterr()
+    (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
+    unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
+    assert torch.equal(unwritable.train_x, decoded.train_x)
+    note = capsys.readouterr().out
+    assert note.count("note: decoded images not cached") == 2 and note.count("\n") == 2, note
 
 
 def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):

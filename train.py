@@ -51,7 +51,7 @@ class TrainConfig:
     tokenizer: str = "gpt2"          # text: a tiktoken encoding, or bytes (256 ids, no download)
     train_file: str = "train.txt"    # --dataset text: training file inside data_dir
     val_file: str = "val.txt"        # --dataset text: evaluation file inside data_dir
-    cache_dir: str = "./data/cache"  # text: where tokenized .bin files are cached
+    cache_dir: str = "./data/cache"  # tokenized text and decoded image folders are kept here
     batch_size: int = 128            # samples per optimizer step, over processes and grad_accum
     grad_accum: int = 1              # micro-batches per optimizer step
     max_iters: int = 2000            # optimizer steps
@@ -138,7 +138,7 @@ class Run:
     lock: object = None  # the open out_dir/.lock that keeps a second run out (rank 0)
     created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
     said: float = 0.0  # wall clock of the last progress line in a log file
-    init_hash: dict = None  # sha256 of the initial weights: {"trunk": stem and blocks, "model"}
+    init_hash: dict = None  # sha256 of the initial weights: {"trunk", "model", "loaded_trunk"}
     eval_s: float = None  # seconds the last evaluation took
     probe_x: torch.Tensor = None  # the held-out samples probed at every evaluation (rank 0)
     made_by: dict = None  # the commit, command, torch and device of this invocation
@@ -182,6 +182,7 @@ def setup(args):
         run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
         if pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
             check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
+            run.init_hash["loaded_trunk"] = checkpoint.weights_hash(run.model)["trunk"]
         # the optimizer, the data order, then a resumed run's state over all of it
         run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
                                                       cfg.layer_decay,
@@ -395,7 +396,8 @@ def load_data(cfg, settings, device, rank=0, world=1):
         data = open_images(cfg.dataset, cfg.data_dir, device,
                            settings.get("image_size", Config.image_size),
                            train_samples=cfg.train_samples, stream=cfg.stream,
-                           memory_gb=cfg.memory_gb, crop_scale=cfg.crop_scale,
+                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
+                           crop_scale=cfg.crop_scale,
                            workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
         cfg.stream = "on" if isinstance(data, ImageStream) else "off"  # what the checkpoint keeps
         return data, Config.from_dict({**settings, "image_size": data.image_size,

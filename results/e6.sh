@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Experiment 6 (results/e6/PLAN.md): does depth pay under MAE at equal FLOPs? One command per stretch of GPU
 # time: it fixes the design once (results/e6_design.py's rule from bench.py's steps on this GPU), then runs
-# whole seeds while they fit in BUDGET seconds: per seed, the shallow and the deep trunk side by side, each
-# MAE then fine-tuning then the probe of both models. A finished seed lands in results/e6/sN/ and is skipped
-# by every later command, on this machine or a fresh one; a seed that did not finish leaves nothing there.
-#   DATA=DIR bash results/e6.sh             DIR holds cifar10-jpeg/; checkpoints go to RUNS (/tmp/e6)
+# whole seeds while they fit in BUDGET seconds: per seed, the shallow then the deep trunk, each MAE then
+# fine-tuning from it, each run's final evaluation logging the per-layer probe. A seed starts only if the
+# longest seed measured so far (the design's estimate before the first) fits what is left of BUDGET. A
+# finished seed lands in results/e6/sN/ and is skipped by every later command, on this machine or a fresh
+# one; a seed that did not finish leaves nothing there (on this machine, the next command resumes it).
+#   DATA=DIR bash results/e6.sh             DIR holds cifar10-jpeg/; checkpoints and decoded images go to RUNS
 #   ARCHIVE=FILE                            also pack results/e6/ into FILE (a runner that returns few files)
-# SEEDS ("0 1 2 3 4 5"), BUDGET (540 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6).
+# SEEDS ("0 1 2 3 4 5"), BUDGET (570 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6), RUNS (/tmp/e6).
 # The suite's dry run puts a tiny design.json in RESULTS and runs with DEVICE=cpu.
 set -euo pipefail
 if [ $# -gt 0 ]; then
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 source results/checks.sh
 PY=${PYTHON:-python}
 DATA=${DATA:-../shared/data} RUNS=${RUNS:-/tmp/e6} DEVICE=${DEVICE:-cuda} SEEDS=${SEEDS:-0 1 2 3 4 5}
-BUDGET=${BUDGET:-540} PROBE_SAMPLES=${PROBE_SAMPLES:-256} OUT=${RESULTS:-results/e6}
+BUDGET=${BUDGET:-570} PROBE_SAMPLES=${PROBE_SAMPLES:-256} OUT=${RESULTS:-results/e6}
 seed_list SEEDS
 for v in BUDGET PROBE_SAMPLES; do positive_whole $v ""; done
 if [ "$DEVICE" = cuda ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
@@ -28,6 +30,7 @@ if [ ! -d "$DATA/cifar10-jpeg/train" ]; then
   exit 2
 fi
 start=$SECONDS
+export TORCH_LOGS=${TORCH_LOGS-recompiles}  # each arm's output says what compiled twice, and why
 mkdir -p "$OUT" "$RUNS"
 if [ "$DEVICE" = cuda ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -52,30 +55,28 @@ fi
 eval "$($PY results/e6_design.py shell "$OUT/design.json")"
 
 COMMON="--dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --eval_samples 0
-        --device $DEVICE --log_interval 50"
+        --device $DEVICE --log_interval 50 --probe_samples $PROBE_SAMPLES --cache_dir $RUNS/cache"
 MAE="--objective mae --batch_size $MAE_BATCH --base_lr 1.5e-4 --norm_pix_loss --warmup $MAE_WARMUP"
 FT="--objective cls --batch_size $FT_BATCH --base_lr 5e-4 --drop_path 0.1 --label_smoothing 0.1
     --warmup $FT_WARMUP"
+REVISION=3  # of PLAN.md: the procedure a kept seed ran under (seed 0 ran under revision 2)
 
 finished() {  # finished RUN PLANNED: the run's log holds an evaluation at its planned step
   [ -f "$1/log.jsonl" ] && grep -q "\"eval\": true, \"step\": $2," "$1/log.jsonl"
 }
 
-arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what is left of BUDGET, then probe it
+arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what is left of BUDGET
   local seed=$1 run=$2 planned=$3; shift 3
-  local left=$((BUDGET - (SECONDS - start) - 30))
-  if ! finished "$run" "$planned" && [ "$left" -ge 10 ]; then
-    if [ -f "$run/ckpt.pt" ]; then
-      $PY train.py --resume --out_dir "$run" --time_limit "$left" --device "$DEVICE"
-    else
-      $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
-        --out_dir "$run" --time_limit "$left" "$@"
-    fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
-  fi
-  if finished "$run" "$planned" && [ ! -f "$run.probe.json" ]; then  # a probe that failed is tried again
-    $PY probe.py "$run/ckpt.pt" --dataset folder --data_dir "$DATA/cifar10-jpeg" --device "$DEVICE" \
-      --samples "$PROBE_SAMPLES" --json "$run.probe.json" > /dev/null || echo "probe of $run failed" >&2
-  fi
+  local left=$((BUDGET - (SECONDS - start) - 15))
+  if finished "$run" "$planned" || [ "$left" -lt 10 ]; then return; fi
+  local began=$SECONDS
+  if [ -f "$run/ckpt.pt" ]; then
+    $PY train.py --resume --out_dir "$run" --time_limit "$left" --device "$DEVICE"
+  else
+    $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
+      --out_dir "$run" --time_limit "$left" "$@"
+  fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
+  echo "e6.sh: this process took $((SECONDS - began)) s" >> "$run.txt"
 }
 
 trunk() {  # trunk SEED NAME FLAGS DECAY: MAE, then fine-tuning from it
@@ -86,11 +87,10 @@ trunk() {  # trunk SEED NAME FLAGS DECAY: MAE, then fine-tuning from it
   fi
 }
 
-seed_done() {  # every run of the seed at its planned step, with its probe
+seed_done() {  # every run of the seed at its planned step
   local runs=$RUNS/s$1 name
   for name in shallow deep; do
-    finished "$runs/$name-mae" "$MAE_STEPS" && finished "$runs/$name-ft" "$FT_STEPS" &&
-      [ -f "$runs/$name-mae.probe.json" ] && [ -f "$runs/$name-ft.probe.json" ] || return 1
+    finished "$runs/$name-mae" "$MAE_STEPS" && finished "$runs/$name-ft" "$FT_STEPS" || return 1
   done
 }
 
@@ -99,34 +99,45 @@ keep_seed() {  # copy a finished seed's small outputs into OUT/sN, whole or not 
   rm -rf "$part" && mkdir -p "$part"
   for run in shallow-mae shallow-ft deep-mae deep-ft; do
     cp "$runs/$run/log.jsonl" "$part/$run.jsonl"
-    cp "$runs/$run.txt" "$runs/$run.probe.json" "$part/"
+    cp "$runs/$run.txt" "$part/"
     if [ -f "$runs/$run/eval_correct.npy" ]; then cp "$runs/$run/eval_correct.npy" "$part/$run.npy"; fi
   done
   echo "$2" > "$part/seconds.txt"
+  echo "$REVISION" > "$part/revision.txt"
   mv "$part" "$OUT/s$1"
 }
 
-left_over=0 last_seed_s=$PREDICTED_SEED_S
+longest_seed() {  # the longest seed of this revision kept in OUT, or the design's estimate before the first
+  local longest=$SEQUENTIAL_SEED_S folder measured=0
+  for folder in "$OUT"/s*/; do
+    if [ "$(cat "$folder/revision.txt" 2> /dev/null)" = "$REVISION" ]; then
+      measured=$(( $(cat "$folder/seconds.txt") > measured ? $(cat "$folder/seconds.txt") : measured ))
+    fi
+  done
+  if [ "$measured" -gt 0 ]; then longest=$measured; fi
+  echo "$longest"
+}
+
+left_over=0
 for seed in $SEEDS; do
   if [ -d "$OUT/s$seed" ]; then continue; fi
-  need=$last_seed_s
-  if [ -d "$RUNS/s$seed" ]; then need=$((last_seed_s / 2)); fi  # a seed begun here goes on
+  need=$(longest_seed)
+  spent=$(cat "$RUNS/s$seed/seconds" 2> /dev/null || echo 0)  # a seed begun on this machine goes on
+  if [ "$spent" -gt 0 ]; then need=$(( need - spent > 60 ? need - spent : 60 )); fi
   if [ $((BUDGET - (SECONDS - start))) -lt "$need" ]; then
-    echo "seed $seed: not started, $((BUDGET - (SECONDS - start))) s left, a seed takes about $need s"
+    echo "seed $seed: not started, $((BUDGET - (SECONDS - start))) s left, it needs about $need s"
     left_over=1; break
   fi
   seed_start=$SECONDS
-  echo "seed $seed: both trunks side by side ($PAIR, MAE $MAE_STEPS steps, fine-tuning $FT_STEPS)"
+  echo "seed $seed: the shallow then the deep trunk ($PAIR, MAE $MAE_STEPS steps, fine-tuning $FT_STEPS)"
   mkdir -p "$RUNS/s$seed"
-  trunk "$seed" shallow "$SHALLOW_FLAGS" "$SHALLOW_DECAY" &
-  trunk "$seed" deep "$DEEP_FLAGS" "$DEEP_DECAY" &
-  wait
-  spent=$(( $(cat "$RUNS/s$seed/seconds" 2> /dev/null || echo 0) + SECONDS - seed_start ))
+  trunk "$seed" shallow "$SHALLOW_FLAGS" "$SHALLOW_DECAY"
+  trunk "$seed" deep "$DEEP_FLAGS" "$DEEP_DECAY"
+  spent=$(( spent + SECONDS - seed_start ))
   echo "$spent" > "$RUNS/s$seed/seconds"  # a seed continued on this machine adds its commands' times
   if seed_done "$seed"; then
-    last_seed_s=$spent
-    keep_seed "$seed" "$last_seed_s"
-    echo "seed $seed: done in $last_seed_s s, kept in $OUT/s$seed"
+    keep_seed "$seed" "$spent"
+    echo "seed $seed: done in $spent s, kept in $OUT/s$seed"
   else
     echo "seed $seed: not finished in this command; run it again to continue (on this machine it resumes)"
     left_over=1; break

@@ -1,7 +1,8 @@
 """Experiment 6's verdict from the seeds results/e6.sh kept (results/e6/sN/), by the rule of PLAN.md.
 
 Per seed and trunk: the fine-tuned test top-1 at its planned step (a run that did not reach it is refused),
-and whether MAE and fine-tuning started from the same stem and blocks (equal logged initial-trunk hashes).
+checked to come from that seed's MAE (equal initial-trunk hashes; since revision 3 also the trunk fine-tuning
+loaded against the MAE's final one).
 Across seeds, paired by seed (analysis.paired_summary: mean, 95% t-interval, sign test):
   D = FT(deep) - FT(shallow)
 Verdict on D's interval [lo, hi], four regions that never overlap: direction confirmed (lo > 0, hi >= 0.9),
@@ -9,7 +10,7 @@ positive, smaller than the paper's (lo > 0, hi < 0.9), refuted at this scale (hi
 (lo <= 0 <= hi, with the smallest effect the design could detect). Writes e6.json, table.md and e6.png
 (abs_cos_centered and erank against relative depth, each trunk after MAE and after fine-tuning).
 
-Run: python results/e6_analyze.py [--root results/e6]
+Run: python results/e6_analyze.py [--root results/e6]; --power: the rule's chances for six seeds (PLAN.md)
 """
 import argparse
 import json
@@ -46,7 +47,9 @@ def seeds_in(root):
 
 
 def seed_top1(root, seed, design):
-    """{trunk: fine-tuned top-1} of one seed, each trunk's MAE and fine-tuning checked to start alike."""
+    """{trunk: fine-tuned top-1} of one seed. Each trunk's MAE and fine-tuning started from one seed's
+    weights (equal initial-trunk hashes), and fine-tuning from that MAE's final trunk: the trunk it
+    loaded equals the one MAE's last evaluation judged (logged since revision 3; seed 0 predates it)."""
     folder = os.path.join(root, f"s{seed}")
     top1 = {}
     for trunk in TRUNKS:
@@ -55,8 +58,25 @@ def seed_top1(root, seed, design):
         if mae["init_trunk_sha256"] != ft["init_trunk_sha256"]:
             raise AnalysisError(f"{folder}: the {trunk} MAE and fine-tuning of seed {seed} did not start from "
                                 "the same stem and blocks (their initial-trunk hashes differ)")
+        if "trunk_sha256" in mae and mae["trunk_sha256"] != ft.get("loaded_trunk_sha256"):
+            raise AnalysisError(f"{folder}: the {trunk} fine-tuning of seed {seed} did not load its MAE's "
+                                "final trunk (loaded_trunk_sha256 differs from the MAE's trunk_sha256)")
         top1[trunk] = ft["top1"]
     return top1
+
+
+def final_probe(folder, run):
+    """{metric: per-layer values} of a finished run: its final evaluation's probe (revision 3), or the
+    probe.py report kept beside it (seed 0, revision 2)."""
+    path = os.path.join(folder, f"{run}.probe.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return {m: next(iter(v.values())) for m, v in json.load(f)["metrics"].items()}
+    with open(os.path.join(folder, f"{run}.jsonl")) as f:
+        layers = [r for r in map(json.loads, f) if r.get("eval")][-1].get("layers")
+    if not layers:
+        raise AnalysisError(f"{folder}/{run}.jsonl: its final evaluation logged no probe (--probe_samples)")
+    return layers
 
 
 def detectable(sd, n):
@@ -94,6 +114,33 @@ def analyze(root, seeds=None):
             "seed_seconds": seconds, "predicted_seed_s": design["predicted_seed_s"]}
 
 
+def region_chances(true_d, sd, n=6, draws=100_000, seed=0):
+    """How often the rule lands in each region when the true D is true_d and the paired differences
+    of n seeds scatter normally with sd: the plan's power, by simulation."""
+    import numpy as np
+
+    x = np.random.default_rng(seed).normal(true_d, sd, (draws, n))
+    half = t_quantile(0.975, n - 1) * x.std(1, ddof=1) / math.sqrt(n)
+    lo, hi = x.mean(1) - half, x.mean(1) + half
+    regions = {"direction confirmed": (lo > 0) & (hi >= PAPER_GAIN),
+               "positive, smaller than the paper's": (lo > 0) & (hi < PAPER_GAIN),
+               "refuted at this scale": hi < 0, "inconclusive": (lo <= 0) & (hi >= 0)}
+    return {name: float(held.mean()) for name, held in regions.items()}
+
+
+def power_table(n=6, effects=(-4.33, -2.0, -1.0, 0.0, PAPER_GAIN, 2.0), spreads=(1.2, 2.5, 4.0)):
+    """region_chances for the effects and spreads PLAN.md names, as markdown."""
+    lines = [f"| true D | sd | {' | '.join(REGIONS)} |", "|---|---|" + "---|" * len(REGIONS)]
+    for d in effects:
+        for sd in spreads:
+            chances = region_chances(d, sd, n)
+            lines.append(f"| {d:+.2f} | {sd} | " + " | ".join(f"{chances[r]:.2f}" for r in REGIONS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+REGIONS = ("direction confirmed", "positive, smaller than the paper's", "refuted at this scale", "inconclusive")
+
+
 def table(report):
     """Every seed's top-1s, D, its interval and the verdict, as markdown."""
     seeds = report["seeds"]
@@ -126,8 +173,7 @@ def plot(root, seeds, path):
             for run, style in zip(RUNS, ("--", "-")):
                 curves = []
                 for seed in seeds:
-                    with open(os.path.join(root, f"s{seed}", f"{trunk}-{run}.probe.json")) as f:
-                        curves.append(next(iter(json.load(f)["metrics"][metric].values())))
+                    curves.append(final_probe(os.path.join(root, f"s{seed}"), f"{trunk}-{run}")[metric])
                 mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(curves[0]))]
                 ax.plot([i / (len(mean) - 1) for i in range(len(mean))], mean, style, marker="o",
                         markersize=2, label=f"{trunk} after {'MAE' if run == 'mae' else 'fine-tuning'}")
@@ -144,7 +190,11 @@ def main(argv=None):
     p.add_argument("--root", default=os.path.join(HERE, "e6"), help="what e6.sh wrote (results/e6)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: every seed kept")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the probe figure")
+    p.add_argument("--power", action="store_true", help="print the rule's chances by simulation, and stop")
     args = p.parse_args(argv)
+    if args.power:
+        print(power_table())
+        return None
     report = analyze(args.root, args.seeds)
     with open(os.path.join(args.root, "e6.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -21,6 +21,7 @@ EPOCHS = (400, 300, 200, 150, 100)  # MAE epochs, largest first; fine-tuning get
 TRAIN_IMAGES, MAE_BATCH, FT_BATCH = 50_000, 1024, 512
 PROCESS_S = 60  # per process: start, data, compilation, final evaluation, probe
 SEED_BUDGET_S = 270  # two whole seeds in one 10-minute command
+RUN_S = 30  # revision 3, per run: start (decoded images cached), compilation, evaluation, probe
 BASE_DECAY = 0.65  # MAE's layer decay for 12 blocks; depth L gets 0.65^(12 / L)
 
 
@@ -44,6 +45,15 @@ def seed_seconds(mae_ms, ft_ms, epochs):
     mae_steps, ft_steps = steps(epochs, MAE_BATCH), steps(math.ceil(epochs / 8), FT_BATCH)
     return max(mae_steps * mae_ms[t] / 1000 + ft_steps * ft_ms[t] / 1000 + 2 * PROCESS_S
                for t in ("shallow", "deep"))
+
+
+def sequential_seed_seconds(design):
+    """Revision 3's estimate of a seed before any is measured: both trunks one after the other, at
+    the bench's step times, and RUN_S per run for its start, compilation and evaluation."""
+    ms = design["bench_ms"]
+    training = sum(design[arm]["steps"] * ms[arm][t] / 1000 for arm in ("mae", "ft")
+                   for t in ("shallow", "deep"))
+    return training + 4 * RUN_S
 
 
 def bench_ms(path, pair):
@@ -90,7 +100,7 @@ def shell(path):
               "MAE_BATCH": d["mae"]["batch"], "MAE_STEPS": d["mae"]["steps"],
               "MAE_WARMUP": d["mae"]["warmup"], "FT_BATCH": d["ft"]["batch"],
               "FT_STEPS": d["ft"]["steps"], "FT_WARMUP": d["ft"]["warmup"],
-              "PREDICTED_SEED_S": math.ceil(d["predicted_seed_s"])}
+              "SEQUENTIAL_SEED_S": math.ceil(sequential_seed_seconds(d))}
     for name, trunk in d["trunks"].items():
         values[f"{name.upper()}_FLAGS"] = trunk["flags"]
         values[f"{name.upper()}_DECAY"] = trunk["layer_decay"]

@@ -6,6 +6,7 @@ Run: python -m pytest -q results
 import importlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -523,13 +524,15 @@ TINY_E6 = {"pair": "tiny", "train_samples": 32, "predicted_seed_s": 60,
                                            "--decoder_heads 1", "layer_decay": 0.65},
                       "deep": {"flags": "--depth 4 --width 16 --heads 1 --decoder_depth 1 --decoder_width 32 "
                                         "--decoder_heads 1", "layer_decay": 0.8979}},
-           "mae": {"batch": 8, "steps": 3, "warmup": 1}, "ft": {"batch": 8, "steps": 2, "warmup": 1}}
+           "mae": {"batch": 8, "steps": 3, "warmup": 1}, "ft": {"batch": 8, "steps": 2, "warmup": 1},
+           "bench_ms": {"mae": {"shallow": 100, "deep": 200}, "ft": {"shallow": 100, "deep": 200}}}
 
 
 def test_experiment_6_keeps_whole_seeds_and_a_fresh_machine_skips_them(tiny_data, tmp_path):
-    """A dry run at tiny scale on the CPU: seed 0 runs both trunks (MAE, fine-tuning from it, probes) and
-    lands whole in RESULTS/s0; a second command on a "fresh machine" (no checkpoints) skips seed 0 and does
-    not start seed 1, for which too little of its budget is left; the analysis reads the kept seed."""
+    """A dry run at tiny scale on the CPU: seed 0 runs both trunks (MAE, fine-tuning from its final trunk,
+    the probe in each final evaluation) and lands whole in RESULTS/s0; a second command on a "fresh
+    machine" (no checkpoints) skips seed 0 and does not start seed 1, whose budget is shorter than the
+    seed measured; the analysis reads the kept seed and draws its probes."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
     out = tmp_path / "e6"
@@ -543,19 +546,29 @@ def test_experiment_6_keeps_whole_seeds_and_a_fresh_machine_skips_them(tiny_data
     assert first.returncode == 0 and "seed 0: done in" in first.stdout, first.stdout + first.stderr
     kept = sorted(p.name for p in (out / "s0").iterdir())
     assert kept == sorted([f"{t}-{r}{ext}" for t in ("shallow", "deep") for r in ("mae", "ft")
-                           for ext in (".jsonl", ".txt", ".probe.json")] + ["deep-ft.npy", "shallow-ft.npy",
-                                                                           "seconds.txt"])
+                           for ext in (".jsonl", ".txt")] + ["deep-ft.npy", "shallow-ft.npy", "seconds.txt",
+                                                             "revision.txt"])
     assert "mae 4x16" in (out / "s0" / "deep-mae.txt").read_text()
-    assert 0 < int((out / "s0" / "seconds.txt").read_text()) < 240
+    seconds = int((out / "s0" / "seconds.txt").read_text())
+    assert 0 < seconds < 240 and (out / "s0" / "revision.txt").read_text() == "3\n"
     assert len(np.load(out / "s0" / "deep-ft.npy")) == 32  # per test image, all of them
     assert "cls 4x16" in (out / "s0" / "deep-ft.txt").read_text()  # the trunk of its MAE
+    for trunk in ("shallow", "deep"):  # fine-tuning loaded the very trunk MAE ended with
+        mae, ft = (json.loads((out / "s0" / f"{trunk}-{r}.jsonl").read_text().splitlines()[-1]) for r in ("mae", "ft"))
+        assert ft["loaded_trunk_sha256"] == mae["trunk_sha256"] != mae["init_trunk_sha256"] == ft["init_trunk_sha256"]
+        assert len(mae["layers"]["erank"]) == int(trunk == "shallow") + 4 * int(trunk == "deep") + 1
+    assert len(list((tmp_path / "runs" / "cache").glob("images.*.npy"))) == 2  # train, test: decoded once
     second = subprocess.run(script, capture_output=True, text=True, timeout=60,
-                            env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"), "BUDGET": "30"})
-    assert second.returncode == 0 and "seed 1: not started" in second.stdout and "seed 0" not in second.stdout
+                            env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"),
+                                 "BUDGET": str(seconds - 1)})
+    assert second.returncode == 0 and "seed 0" not in second.stdout
+    assert re.search(rf"seed 1: not started, \d+ s left, it needs about {seconds} s", second.stdout), second.stdout
     assert not (out / "s1").exists() and not (tmp_path / "fresh" / "s0").exists()
     e6 = results_module("e6_analyze")
     top1 = e6.seed_top1(str(out), 0, TINY_E6)
     assert set(top1) == {"shallow", "deep"} and all(0 <= v <= 100 for v in top1.values())
+    e6.plot(str(out), [0], str(tmp_path / "e6.png"))
+    assert (tmp_path / "e6.png").stat().st_size > 1000
 
 
 def synthetic_e6(root, gains, planned=10):
@@ -604,6 +617,17 @@ def test_experiment_6_regions_never_overlap_and_cover_every_interval():
     assert e6.detectable(1.0, 6) == pytest.approx(1.425, abs=0.002)
 
 
+def test_experiment_6_power_by_simulation_has_the_t_intervals_error_rates():
+    e6 = results_module("e6_analyze")
+    null = e6.region_chances(0.0, 2.0, draws=40_000)
+    assert sum(null.values()) == pytest.approx(1.0)
+    wrong_sign = null["direction confirmed"] + null["positive, smaller than the paper's"]
+    assert wrong_sign == pytest.approx(0.025, abs=0.005) and null["refuted at this scale"] == pytest.approx(0.025, abs=0.005)
+    assert e6.region_chances(-4.33, 1.2, draws=10_000)["refuted at this scale"] > 0.99
+    paper = e6.region_chances(0.9, 1.2, draws=40_000)  # six seeds rarely confirm the paper's own gain
+    assert 0.25 < paper["direction confirmed"] < 0.4 and paper["positive, smaller than the paper's"] < 0.01
+
+
 def test_experiment_6_analysis_refuses_unfinished_or_differently_started_runs(tmp_path):
     e6 = results_module("e6_analyze")
     synthetic_e6(tmp_path, [1.0, 1.0, 1.0])
@@ -614,6 +638,13 @@ def test_experiment_6_analysis_refuses_unfinished_or_differently_started_runs(tm
     (tmp_path / "s1" / "deep-ft.jsonl").write_text(good.replace('"deep"', '"other"'))
     with pytest.raises(e6.AnalysisError, match="deep MAE and fine-tuning of seed 1 did not start from the same"):
         e6.analyze(str(tmp_path))
+    (tmp_path / "s1" / "deep-ft.jsonl").write_text(good)  # since revision 3: the trunk fine-tuning loaded
+    mae = tmp_path / "s1" / "deep-mae.jsonl"
+    mae.write_text(mae.read_text().replace("}", ', "trunk_sha256": "final"}'))
+    with pytest.raises(e6.AnalysisError, match="deep fine-tuning of seed 1 did not load its MAE's final trunk"):
+        e6.analyze(str(tmp_path))
+    (tmp_path / "s1" / "deep-ft.jsonl").write_text(good.replace("}", ', "loaded_trunk_sha256": "final"}'))
+    assert e6.analyze(str(tmp_path))["D"]["n"] == 3
 
 
 def test_experiment_6_design_rule_takes_the_longest_mae_that_fits_and_falls_back(tmp_path):
