@@ -104,6 +104,7 @@ keep_seed() {  # copy a finished seed's small outputs into OUT/sN, whole or not 
   done
   echo "$2" > "$part/seconds.txt"
   echo "$REVISION" > "$part/revision.txt"
+  if [ -f "$OUT/gpu.txt" ]; then cp "$OUT/gpu.txt" "$part/"; fi  # the GPU this seed ran on
   mv "$part" "$OUT/s$1"
 }
 

@@ -25,6 +25,7 @@ from analysis import AnalysisError, command_line, paired_summary, t_quantile  # 
 TRUNKS = ("shallow", "deep")
 RUNS = ("mae", "ft")
 PAPER_GAIN = 0.9  # Bamboo Table 2: Bamboo-B 84.2 against MAE-B 83.3 top-1 on ImageNet
+PLANNED_SEEDS = 6  # PLAN.md: the verdict waits for all of them
 
 
 def final_eval(folder, run, planned):
@@ -105,13 +106,27 @@ def analyze(root, seeds=None):
         raise AnalysisError(f"no finished seed under {root}; run results/e6.sh on a GPU first")
     top1 = {s: seed_top1(root, s, design) for s in seeds}
     d = paired_summary([top1[s]["deep"] - top1[s]["shallow"] for s in seeds])
-    seconds = []
+    seconds, gpus = [], []
     for s in seeds:
         with open(os.path.join(root, f"s{s}", "seconds.txt")) as f:
             seconds.append(float(f.read()))
+        gpus.append(seed_gpu(os.path.join(root, f"s{s}")))
+    by_gpu = {g: [top1[s]["deep"] - top1[s]["shallow"] for s, gs in zip(seeds, gpus) if gs == g]
+              for g in sorted(set(gpus))}
     return {"seeds": seeds, "pair": design["pair"], "trunks": design["trunks"], "top1": top1, "D": d,
-            "verdict": verdict(d), "detectable_80": detectable(d["sd"], d["n"]),
-            "seed_seconds": seconds, "predicted_seed_s": design["predicted_seed_s"]}
+            "verdict": verdict(d), "final": len(seeds) >= PLANNED_SEEDS,
+            "detectable_80": detectable(d["sd"], d["n"]), "seed_seconds": seconds,
+            "predicted_seed_s": design["predicted_seed_s"], "gpus": gpus, "D_by_gpu": by_gpu}
+
+
+def seed_gpu(folder):
+    """The GPU a seed ran on: the first field of its gpu.txt's second line (nvidia-smi's CSV)."""
+    path = os.path.join(folder, "gpu.txt")
+    if not os.path.isfile(path):
+        return "unknown"
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return lines[1].split(",")[0].strip() if len(lines) > 1 else "unknown"
 
 
 def region_chances(true_d, sd, n=6, draws=100_000, seed=0):
@@ -155,8 +170,12 @@ def table(report):
     seconds = ", ".join(f"{s:.0f}" for s in report["seed_seconds"])
     lines += ["", (f"- D = FT(deep) - FT(shallow): {per_seed} -> {d['mean']:+.2f}, 95% interval "
                    f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sd {d['sd']:.2f}, sign test p {d['sign_test_p']:.3g}"),
-              f"- verdict on D ({len(seeds)} seed{'s' * (len(seeds) > 1)}): {report['verdict']}",
-              f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})"]
+              (f"- verdict on D ({len(seeds)} seed{'s' * (len(seeds) > 1)}): {report['verdict']}"
+               if report["final"] else
+               f"- no verdict: {len(seeds)} of the plan's {PLANNED_SEEDS} seeds"),
+              f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})",
+              "- D by GPU: " + "; ".join(f"{g}: {' '.join(f'{v:+.2f}' for v in ds)}"
+                                         for g, ds in report["D_by_gpu"].items())]
     return "\n".join(lines) + "\n"
 
 

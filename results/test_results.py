@@ -599,7 +599,12 @@ def test_experiment_6_analysis_gives_each_region_of_the_plans_rule(tmp_path, gai
     assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half], rel=1e-3)
     assert report["verdict"].startswith(verdict) and report["seeds"] == [0, 1, 2]
     assert e6.analyze(str(tmp_path), [0])["verdict"].startswith("no verdict from one seed")
-    assert "verdict on D (3 seeds)" in (tmp_path / "table.md").read_text()
+    assert "no verdict: 3 of the plan's 6 seeds" in (tmp_path / "table.md").read_text()
+    shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
+    synthetic_e6(tmp_path, gains * 2)  # all six seeds: the rule decides
+    assert e6.main(["--root", str(tmp_path), "--no-plot"])["final"]
+    assert f"verdict on D (6 seeds): {verdict}" in (tmp_path / "table.md").read_text()
 
 
 def test_experiment_6_regions_never_overlap_and_cover_every_interval():
