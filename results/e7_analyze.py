@@ -86,6 +86,8 @@ def analyze(folder):
         "top1": {f"{t} {arm}": [a[t, arm][0] for a in per_seed] for t, arm in per_seed[0]},
         "late_abs_cos_centered": {f"{t} {arm}": [a[t, arm][1] for a in per_seed]
                                   for t, arm in per_seed[0]},
+        "cos_gap_by_trunk": {t: paired_summary([a[t, "neutreno-0.6"][1] - a[t, "softmax"][1]
+                                                for a in per_seed]) for t in TRUNKS},
         "gain_by_trunk": {t: paired_summary([gain(a, t) for a in per_seed]) for t in TRUNKS},
         "gain_by_lambda": {lam: paired_summary([gain(a, "24x64", lam) for a in per_seed])
                            for lam in LAMBDAS},
@@ -105,6 +107,9 @@ def report(result):
              for t, s in result["gain_by_trunk"].items()]
     lines += [f"G at 24x64, lambda {lam}: {interval(s)}"
               for lam, s in result["gain_by_lambda"].items()]
+    lines += [f"late blocks' centred cosine, NeuTRENO 0.6 minus softmax, at {t}: "
+              f"{s['mean']:+.3f} [{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]"
+              for t, s in result["cos_gap_by_trunk"].items()]
     lines += [f"trend G(24x64) - G(6x128): {interval(result['trend'])}: "
               f"{result['trend']['verdict']}",
               f"NeuTRENO 24x64 minus 6x128: {interval(result['depth_neutreno'])}: "
