@@ -326,6 +326,9 @@ def init_stack(*modules, residual_depth=0):
                     nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * residual_depth))
 
 
+TRUNK = ("patch_embed.", "pos_embed", "tok_embed.", "blocks.")  # the stem and the blocks, by name
+
+
 def layer_id(name, depth):
     """0 for the stem, i + 1 for block i, depth + 1 for the final norm and the heads."""
     if name.startswith("blocks."):

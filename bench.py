@@ -425,7 +425,10 @@ def check_args(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return one_line_errors(args, check_args, run)
+    with one_line_errors() as outcome:
+        check_args(args)
+        run(args)
+    return outcome.code
 
 
 if __name__ == "__main__":

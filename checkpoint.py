@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from bamboo import Bamboo, Config
+from bamboo import TRUNK, Bamboo, Config
 
 
 class CheckpointError(ValueError):
@@ -73,9 +73,6 @@ def atomic_write(path, write):
 
 
 # ----------------------------------------------------------------------------- save
-
-
-TRUNK = ("patch_embed", "tok_embed", "pos_embed", "blocks.")  # the stem and the blocks
 
 
 def weights_hash(model):

@@ -5,7 +5,8 @@ Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir)
 (any ImageFolder tree with train/ and test/ or val/). Two ways to read them:
   ImageData    the whole split on the training device as one uint8 tensor; whole batches are
                augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
-               data, where loading is then never the bottleneck.
+               data, where loading is then never the bottleneck. A folder is decoded once and
+               kept in --cache_dir; later runs load it.
   ImageStream  (stream.py) a folder too large for that (ImageNet at 224: 190 GB decoded) read as
                training goes by DataLoader workers, with MAE's augmentation (RandomResizedCrop).
 Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from checkpoint import atomic_write
+import checkpoint
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
@@ -140,9 +141,9 @@ def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=Non
     if name == "folder":
         labels = torch.tensor([label for _, label in files[split]])
         return decode_folder(files[split], image_size, cache_dir), labels, None
-    from downloads import cifar  # torchvision's CIFAR, downloaded to data_dir if absent
+    import downloads  # torchvision's CIFAR, downloaded to data_dir if absent
 
-    images, labels, classes = cifar(name, data_dir, split == "train")
+    images, labels, classes = downloads.cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
         keep = fixed_subset(len(images), limit)
         images, labels = images[keep], labels[keep]
@@ -168,7 +169,7 @@ def decode_folder(files, size, cache_dir=None):
     if cache:
         try:
             os.makedirs(cache_dir, exist_ok=True)
-            atomic_write(cache, lambda f: np.save(f, images.numpy()))
+            checkpoint.atomic_write(cache, lambda f: np.save(f, images.numpy()))
         except OSError as e:  # the run goes on; the next one decodes again
             print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
                   "to a writable folder to load them at once next time", flush=True)
@@ -309,7 +310,7 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
         streamed = dataset == "folder" and train_cfg.get("stream") == "on"
         return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
                            stream="on" if streamed else "off",
-                           cache_dir=train_cfg.get("cache_dir", "./data/cache"))
+                           cache_dir=train_cfg.get("cache_dir"))  # a run's own; else none
     data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
                     val_file or train_cfg.get("val_file", "val.txt"),
                     train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
@@ -362,9 +363,9 @@ def get_tokenizer(name):
     import tiktoken
 
     if name.startswith("hf:"):
-        from downloads import HuggingFaceTokenizer
+        import downloads
 
-        return HuggingFaceTokenizer(name[3:])
+        return downloads.HuggingFaceTokenizer(name[3:])
     if name == "bytes":
         return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
                                  mergeable_ranks={bytes([i]): i for i in range(256)},
@@ -403,7 +404,7 @@ def tokenize_cached(path, tokenizer, cache_dir):
     if not os.path.exists(cache):
         os.makedirs(cache_dir, exist_ok=True)
         ids = tokenizer.encode_ordinary(read_text(path))
-        atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
+        checkpoint.atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
     return np.memmap(cache, dtype=dtype, mode="r")
 
 
@@ -415,9 +416,9 @@ class TextData:
         """train=False reads the validation file only (the probe needs nothing else)."""
         self.tokenizer = get_tokenizer(tokenizer)
         if name in ("wikitext2", "wikitext103"):
-            from downloads import download_wikitext
+            import downloads
 
-            data_dir = download_wikitext(name, data_dir)
+            data_dir = downloads.download_wikitext(name, data_dir)
             train_file, val_file = "train.txt", "valid.txt"
         wanted = ((train_file, "--train_file"),) if train else ()
         tokens = []

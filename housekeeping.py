@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import fields
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 import checkpoint
 import fast
-from bamboo import Config
+from bamboo import TRUNK, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
 from stream import ImageStream
 
@@ -254,9 +255,7 @@ def check_trunk_loaded(run, loaded, skipped):
     from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
     would silently train from scratch. Fewer blocks than the checkpoint is allowed."""
     model, path = run.model, run.cfg.init_from
-    stem = ("patch_embed.",) if model.config.is_image else ("tok_embed.", "pos_embed")
-    missing = [name for name in model.state_dict() if name.startswith(("blocks.",) + stem)
-               and name not in loaded]
+    missing = [name for name in model.state_dict() if name.startswith(TRUNK) and name not in loaded]
     if missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} "
@@ -693,28 +692,6 @@ def out_of_memory(e):
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
-def one_line_errors(args, *steps):
-    """Each step(args) in turn, for probe.py, look.py and bench.py: a user's mistake, a missing
-    package, an unwritable output or running out of memory is one line and exit status 2."""
-    try:
-        for step in steps:
-            step(args)
-        return 0
-    except (checkpoint.CheckpointError, DataError, TrainingError, ValueError) as e:
-        message = str(e)
-    except ImportError as e:
-        message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
-    except OSError as e:  # a full disk or a folder that vanished while writing an output
-        message = checkpoint.unwritable(e)
-    except RuntimeError as e:
-        if not out_of_memory(e):
-            raise
-        message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size or "
-                   "the model's size")
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def peer_lost(e):
     """Whether e is a DDP collective that failed because another rank went away."""
     words = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -722,32 +699,45 @@ def peer_lost(e):
     return int(os.environ.get("WORLD_SIZE", 1)) > 1 and any(w in str(e).lower() for w in words)
 
 
-def run_with_one_line_errors(train, args, out_dir):
-    """train(args), with every failure the user can fix said in one line (exit code 2)."""
+@contextmanager
+def one_line_errors(out_dir=None):
+    """with one_line_errors(out_dir) as outcome: ... Every failure a user can fix (a mistake, a
+    missing package, a full disk, running out of memory, a lost DDP peer, a second Ctrl-C) becomes
+    one line on stderr and outcome.code 2 (130 for Ctrl-C); out_dir: a training run's, whose
+    checkpoint the line speaks of. Anything else is a bug, and raises."""
+    outcome = types.SimpleNamespace(code=0)
+
+    def left():  # what the failure left to resume from, as it is now
+        return f"; {last_checkpoint(out_dir)}" if out_dir else ""
+
     try:
-        return train(args)
-    except (DataError, TrainingError, ValueError) as e:
+        yield outcome
+        return
+    except (checkpoint.CheckpointError, DataError, TrainingError, ValueError) as e:
         message = str(e)
-    except OSError as e:  # mostly the log: a full disk, a removed folder
-        message = (f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}); "
-                   f"{last_checkpoint(out_dir)}, once space is free or the path is back")
+    except ImportError as e:
+        message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
+    except OSError as e:  # a full disk, a folder that vanished while writing
+        message = checkpoint.unwritable(e) if not out_dir else (
+            f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}){left()}, once "
+            "space is free or the path is back")
     except RuntimeError as e:
         if out_of_memory(e):
             message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
-                       f"--grad_accum to keep the batch) or --eval_samples; "
-                       f"{last_checkpoint(out_dir)}")
-        elif peer_lost(e):
-            message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]}); "
-                       f"{last_checkpoint(out_dir)}, with every rank")
+                       f"--grad_accum to keep the batch) or --eval_samples, or the model's size"
+                       f"{left()}")
+        elif out_dir and peer_lost(e):
+            message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]})"
+                       f"{left()}, with every rank")
         else:
             raise
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without saving this step
-        print(f"error: interrupted twice; stopped at once; {last_checkpoint(out_dir)}",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # training: a second Ctrl-C, which stops without saving this step
+        print(f"error: interrupted; stopped at once{left()}", file=sys.stderr)
+        outcome.code = 130
+        return
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr)
-    return 2
+    outcome.code = 2
 
 
 def exit_process(code):

@@ -444,9 +444,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"sample": sample, "reconstruct": reconstruct, "attention": attention,
                 "curves": curves, "smoothing": smoothing}
-    code = one_line_errors(args, check_args, commands[args.command])
-    if code:
-        return code
+    with one_line_errors() as outcome:
+        check_args(args)
+        commands[args.command](args)
+    if outcome.code:
+        return outcome.code
     if getattr(args, "out", ""):
         print(f"wrote {args.out}")
     return 0

@@ -43,11 +43,11 @@ import sys
 
 import torch
 
+import checkpoint
+import fast
+import housekeeping
 from bamboo import Bamboo
-from checkpoint import atomic_write, check_output_path, model_from_checkpoint, save_figure
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, held_out
-from fast import pick_device
-from housekeeping import config_from_spec, one_line_errors
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 # defined from block 1 (attn_sim: block 2) on
@@ -199,9 +199,9 @@ def load_model(spec, dataset):
         model = adapters.load(spec)
         return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}
     if not spec.startswith("init:"):
-        model, ckpt = model_from_checkpoint(spec)
+        model, ckpt = checkpoint.model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
-    config = config_from_spec(spec[len("init:"):],
+    config = housekeeping.config_from_spec(spec[len("init:"):],
                               objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
     return Bamboo(config).eval(), {}
@@ -335,7 +335,7 @@ def run(args):
     for i, (label, spec) in enumerate(zip(labels, args.checkpoints), 1):
         print(f"probing {label} ({i} of {len(labels)}) ...", flush=True)
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
-        model.to(pick_device(args.device, 0))
+        model.to(fast.pick_device(args.device, 0))
         c = model.config
         key = (type(model).__name__, c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
                train_cfg.get("data_dir"))
@@ -362,11 +362,11 @@ def run(args):
                          for name in order}
     print_table(report)
     if args.json:
-        atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
+        checkpoint.atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     if args.plot:
         import look  # the pictures live there
 
-        save_figure(look.probe_figure(report, args.relative), args.plot)
+        checkpoint.save_figure(look.probe_figure(report, args.relative), args.plot)
     return report
 
 
@@ -402,12 +402,15 @@ def check_args(args):
         raise ValueError("--samples must be at least 2 and --batch_size at least 1")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
-            check_output_path(flag, path)
+            checkpoint.check_output_path(flag, path)
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return one_line_errors(args, check_args, run)
+    with housekeeping.one_line_errors() as outcome:  # a user's mistake: one line
+        check_args(args)
+        run(args)
+    return outcome.code
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from contextlib import nullcontext, redirect_stderr, redirect_stdout
@@ -76,9 +77,12 @@ def mean_cos(h):
 
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+# decoded image folders are cached outside the clone: the suite writes only temporary files
+IMAGE_CACHE = os.path.join(tempfile.gettempdir(), "bamboo-tests-cache")
 TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_size", "16",
                     "--patch_size", "4",
-                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2"]
+                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2",
+                    "--cache_dir", IMAGE_CACHE]
 TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32",
                    "--tokenizer", "bytes"]
 
@@ -814,15 +818,15 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     """A GPU only queues the steps between two reads of the loss, and the read waits for them: the
     speed in the last line must count that wait (a 50 ms sleep in every read stands in for it here;
     run_train reads every step)."""
-    import train
+    import housekeeping
 
-    read_loss = train.read_loss
+    read_loss = housekeeping.read_loss
 
     def waiting_read(run, total):
         time.sleep(0.05)
         return read_loss(run, total)
 
-    monkeypatch.setattr(train, "read_loss", waiting_read)
+    monkeypatch.setattr(housekeeping, "read_loss", waiting_read)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
                                           "3"),
                              out_dir=tmp_path)
@@ -1048,6 +1052,7 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
                                    "--heads", "1",
                                    "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
                                    "--data_dir", tiny_data / "images", "--batch_size", "8",
+                                   "--cache_dir", IMAGE_CACHE,
                                    "--max_iters", steps,
                                    "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr,
                                    "--warmup", cfg.warmup, out_dir=tmp_path)
@@ -1410,7 +1415,7 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
 
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
              "--preset", "cifar-tiny", "--image_size", "16", "--depth", "2", "--max_iters", "1",
-             "--batch_size", "16"]
+             "--batch_size", "16", "--cache_dir", IMAGE_CACHE]
     code, out, _ = run_train(*flags, out_dir=tmp_path)
     lines = out.replace("\n    ", " ").splitlines()  # a group's continuation lines joined
     assert code == 0 and any(line.startswith("from the data: channels=3 num_classes=")
@@ -2078,41 +2083,45 @@ def test_a_time_limit_bounds_the_evaluation_too_and_must_be_finite(capsys, tiny_
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     from tqdm import tqdm
 
+    import housekeeping
     import train
 
     run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10), torch.device("cpu"))
     run.step, run.step_times, run.t_start = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
     bar = tqdm(total=1000, disable=True)
-    train.show_progress(run, bar, 2.5, 1e-3)
+    housekeeping.show_progress(run, bar, 2.5, 1e-3)
     line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
             "--time_limit stops the run at about step 15 (all 1000 steps would take about "
             "16.5 min)")
     assert bar.total == 15 and line in capsys.readouterr().out
     run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
-    train.show_progress(run, bar, 2.5, 1e-3)  # without a time limit: the bar ends at max_iters
+    housekeeping.show_progress(run, bar, 2.5, 1e-3)  # no time limit: the bar ends at max_iters
     assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")
     run.said, run.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
-    train.show_progress(run, bar, 2.5, 1e-3)
+    housekeeping.show_progress(run, bar, 2.5, 1e-3)
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
 
 
 def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
                                                                                   monkeypatch):
-    from housekeeping import run_with_one_line_errors
+    from housekeeping import one_line_errors
 
-    def peer_gone(args):
+    def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
                            "by peer [127.0.0.1]:2")
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert run_with_one_line_errors(peer_gone, None, str(tmp_path)) == 2
+    with one_line_errors(str(tmp_path)) as outcome:
+        peer_gone()
+    assert outcome.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: another rank of this DDP run stopped ([../third_party/gloo")
     assert err.count("\n") == 1 and "nothing to resume" in err
     monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same words are not about a peer
     with pytest.raises(RuntimeError, match="Connection closed"):
-        run_with_one_line_errors(peer_gone, None, str(tmp_path))
+        with one_line_errors(str(tmp_path)):
+            peer_gone()
 
 
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
@@ -2297,13 +2306,13 @@ def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tm
 
 def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_data, tmp_path,
                                                                  monkeypatch):
-    import train
+    import data
 
-    def too_large(run, draws, k):
+    def too_large(data, draws):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
                            "83886080000 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(train, "micro_batch", too_large)
+    monkeypatch.setattr(data.ImageData, "train_batch", too_large)
     err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
                     str(tmp_path))
     assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
@@ -3740,6 +3749,32 @@ def test_measurement_tools_do_not_import_the_trainer():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
+PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
+OPERATIONS = {"checkpoint", "fast", "housekeeping", "stream", "downloads", "adapters", "look"}
+
+
+def test_the_tutorial_imports_itself_the_named_packages_and_operations_by_module_name():
+    """The five files import each other, the standard library, the packages the user named and the
+    operations modules, those by module name (so each call reads housekeeping.claim_out_dir(...)
+    where it happens); the one from-import is data.open_images's ImageStream, whose argument
+    `stream` would shadow the module. Anything else fails here."""
+    import ast
+
+    tutorial, found = {p[:-3] for p in TUTORIAL}, []
+    for path in TUTORIAL:
+        for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
+            if isinstance(node, ast.Import):
+                found += [(path, a.name.split(".")[0], None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found.append((path, node.module.split(".")[0], [a.name for a in node.names]))
+    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names)
+    others = [(path, module, names) for path, module, names in found if module not in allowed
+              and not (module in OPERATIONS and names is None)]
+    assert others == [("data.py", "stream", ["ImageStream"])]
+    assert {module for _, module, _ in found if module in OPERATIONS} == OPERATIONS
 
 
 def test_reference_code_passes_ruff_at_100_columns():

@@ -24,20 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import checkpoint
 import fast
+import housekeeping
+import stream
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import (IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard,
                   to_device)
-from housekeeping import (TrainingError, check_dataset_fits, check_invocation, check_recipe_fits,
-                          check_same_classes, check_settings, check_trunk_loaded, claim_out_dir,
-                          code_and_machine, describe_run, evaluation_fits, exit_process,
-                          flags_given, forget_unsaved_steps, log_and_progress, nothing_to_train,
-                          parser_of, read_loss, record_evaluation, release_out_dir,
-                          replace_old_run, report_evaluation_only, resumed_settings,
-                          run_with_one_line_errors,
-                          say_how_to_resume, show_progress, stop_if_non_finite, stop_signals,
-                          summary, time_to_stop)
 from probe import logged_metrics
-from stream import ImageStream
 
 
 # ----------------------------------------------------------------------------- settings
@@ -168,10 +160,10 @@ def setup(args):
     is decoded, and a run that fails here leaves no empty out_dir behind."""
     cfg, resumed, pretrained, settings, sources = resolve_settings(args)
     device, rank, world = start_processes(cfg)
-    run = Run(cfg, device, rank, world, made_by=code_and_machine(device))
+    run = Run(cfg, device, rank, world, made_by=housekeeping.code_and_machine(device))
     try:
         if run.master:
-            claim_out_dir(run)
+            housekeeping.claim_out_dir(run)
         run.log(f"loading {cfg.dataset} from {cfg.data_dir} ...")
         run.data, config = load_data(cfg, settings, device, rank, world)
         # the model: the same initial weights on every rank and for every arm of a comparison
@@ -181,7 +173,7 @@ def setup(args):
         run.model = Bamboo(config, explicit_attention=explicit).to(device)
         run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
         if pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
-            check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
+            housekeeping.check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
             run.init_hash["loaded_trunk"] = checkpoint.weights_hash(run.model)["trunk"]
         # the optimizer, the data order, then a resumed run's state over all of it
         run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -192,9 +184,9 @@ def setup(args):
         run.generator = torch.Generator().manual_seed(cfg.seed)  # data order: same on every rank
         torch.manual_seed(cfg.seed + 1 + run.rank)  # masks and dropout differ across ranks
         if resumed is not None:
-            check_same_classes(run, resumed)
+            housekeeping.check_same_classes(run, resumed)
             checkpoint.restore(run, resumed, run.ckpt_path)
-            forget_unsaved_steps(run)
+            housekeeping.forget_unsaved_steps(run)
             run.log(f"resumed from {run.ckpt_path} at step {run.step}")
         # what the step calls: the model in fast.py's wrapper for this machine, then DDP
         module, run.compile_mode, note = fast.for_training(run.model, device, run.dtype,
@@ -211,11 +203,11 @@ def setup(args):
         run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
         if run.master and cfg.probe_samples:  # the samples probe.py takes for this checkpoint
             run.probe_x = first_samples(run.data.as_held_out(), cfg.probe_samples)
-        replace_old_run(run)  # --overwrite: only now that every check has passed
+        housekeeping.replace_old_run(run)  # --overwrite: only now that every check has passed
     except BaseException:
-        release_out_dir(run)
+        housekeeping.release_out_dir(run)
         raise
-    describe_run(run, config, sources)
+    housekeeping.describe_run(run, config, sources)
     return run
 
 
@@ -227,9 +219,9 @@ def train(args):
     if cfg.eval_only:
         return evaluate_only(run)
     if run.step >= cfg.max_iters:
-        return nothing_to_train(run)
+        return housekeeping.nothing_to_train(run)
     run.t_start = time.time()
-    with stop_signals(run), log_and_progress(run) as (log, bar):
+    with housekeeping.stop_signals(run), housekeeping.log_and_progress(run) as (log, bar):
         while run.step < cfg.max_iters:
             t0 = time.time()
             # 1. the learning rate of this step; each group scales it by its layer-decay factor
@@ -240,7 +232,9 @@ def train(args):
             draws = run.data.sample(cfg.batch_size, run.generator)  # the global batch, every rank
             loss_sum = torch.zeros((), device=run.device)  # mean over micro-batches and ranks
             for k in range(cfg.grad_accum):
-                x, y = micro_batch(run, draws, k)
+                part = shard(draws, run.rank, run.world, cfg.grad_accum, k)  # this rank's slice
+                x, y = run.data.train_batch(part)
+                x = to_device(x, run.device)
                 # DDP averages the gradients over ranks on the last micro-batch only
                 with model.no_sync() if run.ddp and k < cfg.grad_accum - 1 else nullcontext():
                     with run.autocast:
@@ -259,11 +253,12 @@ def train(args):
             run.step += 1
             bar.update(1)
             # 4. log the loss: reading it waits for the device, so only every log_interval steps
-            stopping = time_to_stop(run)
+            stopping = housekeeping.time_to_stop(run)
             evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
             if run.step % cfg.log_interval == 0 or evaluating:
-                train_loss = read_loss(run, loss_sum)  # refuses a non-finite loss before any save
-                show_progress(run, bar, train_loss, lr)
+                # refuses a non-finite loss before any save
+                train_loss = housekeeping.read_loss(run, loss_sum)
+                housekeeping.show_progress(run, bar, train_loss, lr)
             run.step_times.append(time.time() - t0)  # up to the read: they add up to the wall clock
             if run.master and run.step % cfg.log_interval == 0:
                 log.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
@@ -271,25 +266,27 @@ def train(args):
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
                 metrics, correct = None, []
-                if run.master and evaluation_fits(run, stopping):  # within a time limit's stop
+                # a time limit's stop evaluates only if that fits
+                if run.master and housekeeping.evaluation_fits(run, stopping):
                     batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
                     if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
                         metrics["layers"] = logged_metrics(run.model, run.probe_x, batch)
                     run.eval_s = time.time() - t_eval
-                stop_if_non_finite(run, metrics)
+                housekeeping.stop_if_non_finite(run, metrics)
                 if run.master:
-                    improved = record_evaluation(run, metrics, train_loss, log, bar, correct)
+                    improved = housekeeping.record_evaluation(run, metrics, train_loss, log, bar,
+                                                              correct)
                     state["best"] = run.best
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(run.best_path, checkpoint.weights_only(state))
                     checkpoint.save(run.ckpt_path, state)
                     run.saved_step = run.step
             if stopping:
-                say_how_to_resume(run, bar)
+                housekeeping.say_how_to_resume(run, bar)
                 break
-    summary(run)
+    housekeeping.summary(run)
     return 130 if run.stop == "interrupted" else 0
 
 
@@ -305,7 +302,7 @@ def build_parser():
     """Every TrainConfig and Config field as a flag, with its comment as the help."""
     recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
                          for name, recipe in RECIPES.items())
-    return parser_of(((TrainConfig, "training"),
+    return housekeeping.parser_of(((TrainConfig, "training"),
                       (Config, "model (defaults shown; a --preset sets its own)")), CHOICES,
                      "a laptop preset also sets its training recipe (flags override it):\n"
                      + recipes)
@@ -327,19 +324,22 @@ def resolve_settings(args):
     """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
     setting came from), checked before any work. Precedence, lowest first: defaults < the preset
     and its recipe < a resumed run's saved settings < the --init_from trunk's shape < flags."""
-    check_invocation(args)
+    housekeeping.check_invocation(args)
     resumed = pretrained = None
-    given = {**flags_given(args, TrainConfig), **flags_given(args, Config)}
+    given = {**housekeeping.flags_given(args, TrainConfig),
+             **housekeeping.flags_given(args, Config)}
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
-        cfg, resumed = resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
+        cfg, resumed = housekeeping.resumed_settings(args, TrainConfig, Config, RESUMABLE,
+                                                     PER_INVOCATION)
         settings = dict(resumed["config"])
         saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
         sources = dict.fromkeys([*settings, *saved], "the resumed run")
     else:
         recipe = RECIPES.get(given.get("preset", ""), {})
-        cfg = TrainConfig(**{**recipe, **flags_given(args, TrainConfig)})
+        cfg = TrainConfig(**{**recipe, **housekeeping.flags_given(args, TrainConfig)})
         if cfg.preset in RECIPES:
-            check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
+            housekeeping.check_recipe_fits(cfg.preset, cfg.dataset,
+                                           "seq_len" in PRESETS[cfg.preset])
         settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
         sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
                    **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
@@ -347,10 +347,10 @@ def resolve_settings(args):
             pretrained = checkpoint.load(cfg.init_from)
             settings.update({k: pretrained["config"][k] for k in TRUNK_SHAPE})
             sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
-        settings.update(flags_given(args, Config))
+        settings.update(housekeeping.flags_given(args, Config))
     sources.update(dict.fromkeys(given, "flags"))
     objective = settings.get("objective", Config.objective)
-    check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
+    housekeeping.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
@@ -358,7 +358,7 @@ def resolve_settings(args):
     if cfg.crop_scale == -1 and objective in IMAGE_OBJECTIVES:  # MAE's: 0.2 pre-trains, 0.08 tunes
         cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
         sources["crop_scale"] = "the objective (-1)"
-    check_settings(cfg)
+    housekeeping.check_settings(cfg)
     return cfg, resumed, pretrained, settings, sources
 
 
@@ -384,7 +384,7 @@ def start_processes(cfg):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
-        raise TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
                             f"processes x grad_accum = {world} x {cfg.grad_accum}")
     return device, rank, world
 
@@ -399,7 +399,8 @@ def load_data(cfg, settings, device, rank=0, world=1):
                            memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
                            crop_scale=cfg.crop_scale,
                            workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
-        cfg.stream = "on" if isinstance(data, ImageStream) else "off"  # what the checkpoint keeps
+        # what the checkpoint keeps
+        cfg.stream = "on" if isinstance(data, stream.ImageStream) else "off"
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
@@ -407,21 +408,16 @@ def load_data(cfg, settings, device, rank=0, world=1):
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len))
     asked = settings.get("vocab_size", data.vocab_size)
     if asked != data.vocab_size:
-        raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
+        raise housekeeping.TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
                             f"{data.vocab_size} ids; drop --vocab_size (--tokenizer sets it)")
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
-
-
-def micro_batch(run, draws, k):
-    """Micro-batch k of this rank's part of the global batch whose random draws are `draws`."""
-    x, y = run.data.train_batch(shard(draws, run.rank, run.world, run.cfg.grad_accum, k))
-    return to_device(x, run.device), y
 
 
 def evaluate_only(run):
     """--eval_only (nanoGPT's eval_only): the weights as set up, judged once, nothing saved."""
     batch = run.micro_batch * run.cfg.grad_accum
-    return report_evaluation_only(run, evaluate(run.model, run.data, run.cfg, batch, run.device))
+    metrics = evaluate(run.model, run.data, run.cfg, batch, run.device)
+    return housekeeping.report_evaluation_only(run, metrics)
 
 
 @torch.no_grad()
@@ -472,8 +468,11 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return run_with_one_line_errors(train, args, getattr(args, "out_dir", TrainConfig.out_dir))
+    out_dir = getattr(args, "out_dir", TrainConfig.out_dir)
+    with housekeeping.one_line_errors(out_dir) as outcome:  # a user's mistake: one line
+        outcome.code = train(args)
+    return outcome.code
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    housekeeping.exit_process(main())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from checkpoint import TRUNK  # noqa: E402 (the stem and the blocks, as runs hash them)
+from bamboo import TRUNK  # noqa: E402 (the stem and the blocks, as runs hash them)
 
 
 class AnalysisError(Exception):
