@@ -234,7 +234,7 @@ class DropPath(nn.Module):
         if not self.training or not self.active:
             return x
         keep = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.p
-        return x * keep.to(x.dtype) / (1 - self.p)
+        return (x * (keep.float() / (1 - self.p))).to(x.dtype)  # the scale in fp32, never bf16
 
 
 class Block(nn.Module):

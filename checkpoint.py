@@ -75,18 +75,21 @@ def atomic_write(path, write):
 # ----------------------------------------------------------------------------- save
 
 
-def weights_hash(model):
+def weights_hash(model, trunk_only=False):
     """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
     names and bytes in name order: two runs that start from the same trunk (cls and MAE arms of one
-    seed) show it in their checkpoints and logs."""
+    seed) show it in their checkpoints and logs. trunk_only: the trunk's alone (cheaper)."""
     trunk, everything = hashlib.sha256(), hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        if trunk_only and not name.startswith(TRUNK):
+            continue
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         data = name.encode() + raw.numpy().tobytes()
         everything.update(data)
         if name.startswith(TRUNK):
             trunk.update(data)
-    return {"trunk": trunk.hexdigest(), "model": everything.hexdigest()}
+    return {"trunk": trunk.hexdigest()} if trunk_only else {"trunk": trunk.hexdigest(),
+                                                            "model": everything.hexdigest()}
 
 
 def training_state(run):

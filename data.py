@@ -154,19 +154,17 @@ def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=Non
 
 def decode_folder(files, size, cache_dir=None):
     """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
-    cache_dir, later runs load the saved array, keyed by every file's path, size and time and by
-    the image size, so that a changed folder is decoded again."""
-    key = hashlib.sha1(str(size).encode())
-    for path, _ in files:
-        stat = os.stat(path)
-        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    cache = cache_dir and os.path.join(cache_dir, f"images.{len(files)}x{size}px."
-                                                  f"{key.hexdigest()[:16]}.npy")
+    cache_dir, later runs load the saved array, keyed by every file's path, size and time, the
+    image size and DECODING, so that a changed folder (or decoder) is decoded again."""
+    cache = cache_dir and os.path.join(cache_dir, folder_key(files, size))
     if cache and os.path.exists(cache):
-        return torch.from_numpy(np.load(cache))
+        try:
+            return torch.from_numpy(np.load(cache))
+        except (OSError, ValueError, EOFError):  # damaged: decoded again and replaced below
+            pass
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         images = as_batch(list(pool.map(lambda s: _decode(s[0], size), files)))
-    if cache:
+    if cache and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one copy per machine under DDP
         try:
             os.makedirs(cache_dir, exist_ok=True)
             checkpoint.atomic_write(cache, lambda f: np.save(f, images.numpy()))
@@ -174,6 +172,18 @@ def decode_folder(files, size, cache_dir=None):
             print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
                   "to a writable folder to load them at once next time", flush=True)
     return images
+
+
+DECODING = "RGB, bicubic resize, uint8 (N, 3, H, W)"  # change it when _decode changes
+
+
+def folder_key(files, size):
+    """The cache file's name for these files decoded at this size."""
+    key = hashlib.sha1(f"{DECODING}|{size}".encode())
+    for path, _ in files:
+        stat = os.stat(path)
+        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
 
 
 def as_batch(pixels):

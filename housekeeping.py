@@ -585,7 +585,7 @@ def record_evaluation(run, metrics, train_loss, log, bar, correct):
     elapsed = time.time() - run.t_start
     record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
     hashes = {"init_trunk_sha256": run.init_hash["trunk"],  # the seed's initial trunk
-              "trunk_sha256": checkpoint.weights_hash(run.model)["trunk"]}  # the one evaluated
+              "trunk_sha256": checkpoint.weights_hash(run.model, trunk_only=True)["trunk"]}
     if "loaded_trunk" in run.init_hash:  # --init_from: the pretrained trunk training started from
         hashes["loaded_trunk_sha256"] = run.init_hash["loaded_trunk"]
     log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")
@@ -716,6 +716,8 @@ def one_line_errors(out_dir=None):
     except (checkpoint.CheckpointError, DataError, TrainingError, ValueError) as e:
         message = str(e)
     except ImportError as e:
+        if out_dir:  # in training a missing module is a broken install or a bug, not a choice
+            raise
         message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
     except OSError as e:  # a full disk, a folder that vanished while writing
         message = checkpoint.unwritable(e) if not out_dir else (
@@ -723,9 +725,9 @@ def one_line_errors(out_dir=None):
             "space is free or the path is back")
     except RuntimeError as e:
         if out_of_memory(e):
-            message = (f"out of memory ({str(e).splitlines()[0][:120]}); lower --batch_size (with "
-                       f"--grad_accum to keep the batch) or --eval_samples, or the model's size"
-                       f"{left()}")
+            advice = ("--batch_size (with --grad_accum to keep the batch) or --eval_samples"
+                      if out_dir else "--batch_size or the model's size")
+            message = f"out of memory ({str(e).splitlines()[0][:120]}); lower {advice}{left()}"
         elif out_dir and peer_lost(e):
             message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]})"
                        f"{left()}, with every rank")

@@ -1184,6 +1184,11 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
     where = [str(p) for p, _ in data.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
+    for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
+        damaged.write_bytes(b"not an array")
+    assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
+                                      cache_dir=str(cache)).train_x, decoded.train_x)
+    assert len(decodes) == 32 + 32 + 96 and np.load(damaged).shape[0] in (32, 96)
     capsys.readouterr()
     (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
     unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))

@@ -111,7 +111,7 @@ keep_seed() {  # copy a finished seed's small outputs into OUT/sN, whole or not 
 longest_seed() {  # the longest seed of this revision kept in OUT, or the design's estimate before the first
   local longest=$SEQUENTIAL_SEED_S folder measured=0
   for folder in "$OUT"/s*/; do
-    if [ "$(cat "$folder/revision.txt" 2> /dev/null)" = "$REVISION" ]; then
+    if [ "$(cat "$folder/revision.txt" 2> /dev/null)" = "$REVISION" ] && [ -f "$folder/seconds.txt" ]; then
       measured=$(( $(cat "$folder/seconds.txt") > measured ? $(cat "$folder/seconds.txt") : measured ))
     fi
   done
