@@ -59,6 +59,7 @@ class Config:
     norm_pix_loss: bool = False  # MAE: regress per-patch normalised pixels
     mlm_prob: float = 0.15       # MLM: share of positions in the loss (exact per window, as BERT)
     neutreno: float = 0.0        # NeuTRENO lambda, 0 = off (the papers: 0.6 images, 0.4 text)
+    neutreno_detach: bool = False  # NeuTRENO's V0 without gradient: same forward, no path back
     vo_param: str = "free"       # per-head W_V W_O: free, or smooth / sharpen (Dovonon et al.)
     checkpointing: bool = False  # recompute each block in backward: less memory, more time
 
@@ -96,6 +97,8 @@ class Config:
              "must be a multiple of 4 (2-D sin-cos positions)"),
             ("mlm_prob", 0 < self.mlm_prob < 1, "must be in (0, 1)"),
             ("neutreno", self.neutreno >= 0, "must be >= 0 (0 turns NeuTRENO off)"),
+            ("neutreno_detach", not self.neutreno_detach or self.neutreno > 0,
+             "applies to NeuTRENO only; give --neutreno > 0 too"),
             ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
         ]
         if self.objective in IMAGE_OBJECTIVES:
@@ -469,7 +472,8 @@ class Bamboo(nn.Module):
                 h, v, probs = checkpoint(block, h, v0, need_weights, use_reentrant=False)
             else:
                 h, v, probs = block(h, v0, need_weights)
-            v0 = v if v0 is None else v0
+            if v0 is None and v is not None:  # layer 0's values, V0 for every later layer
+                v0 = v.detach() if self.config.neutreno_detach else v
             if collect:
                 hiddens.append(h)
             if need_weights:

@@ -384,6 +384,26 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 
+def test_neutreno_detach_keeps_the_forward_and_cuts_only_the_gradient_path_to_v0():
+    """neutreno_detach: the same outputs and loss; the same gradients in every block after layer 0
+    and in the head; other gradients in layer 0 and the stem, which V0's path no longer reaches."""
+    x, y = batch(tiny("cls"))
+    grads, losses = [], []
+    for detach in (False, True):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("cls", depth=3, neutreno=0.6, neutreno_detach=detach))
+        out, loss = model(x, y)
+        loss.backward()
+        losses.append((out.detach(), loss.detach()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
+    same = {n for n in grads[0] if torch.equal(grads[0][n], grads[1][n])}
+    assert {n for n in grads[0] if n.startswith(("blocks.1.", "blocks.2.", "head."))} <= same
+    assert "blocks.0.attn.qkv.weight" not in same and "patch_embed.proj.weight" not in same
+    with pytest.raises(ValueError, match="neutreno_detach=True applies to NeuTRENO only"):
+        tiny("cls", neutreno_detach=True)
+
+
 @pytest.mark.parametrize("objective", ["cls", "mlm"])
 def test_neutreno_lowers_last_layer_cosine_at_init(objective):
     """NeuTRENO G.3: a randomly initialised 24-layer model smooths less with the term on."""

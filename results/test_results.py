@@ -745,6 +745,42 @@ def test_a_design_row_is_the_paired_difference_across_seeds(tmp_path, monkeypatc
         verdicts.design_rows("e4-test")
 
 
+@pytest.mark.parametrize("forward,path,verdict", [
+    ((5.0, 5.5, 6.0), (0.2, -0.3, 0.1), "the forward term carries the gain"),
+    ((0.3, -0.4, 0.2), (5.0, 5.5, 6.0), "the gain needs the gradient path through V0"),
+    ((3.0, 3.5, 4.0), (2.0, 2.5, 3.0), "both contribute"),
+    ((3.0, -3.0, 0.5), (-2.0, 2.5, 0.0), "uninformative at this scale")])
+def test_experiment_9_separates_the_forward_term_from_the_gradient_path(tmp_path, forward, path,
+                                                                        verdict):
+    """Per seed: softmax at 30 + seed, the detached arm `forward` above it, NeuTRENO `path` above the
+    detached arm, the gentle schedule 1 above softmax; the plan's rule reads F and S; an arm from
+    other weights is refused."""
+    e9 = results_module("e9_analyze")
+    for seed in range(3):
+        init = {"init_trunk_sha256": f"s{seed}", "layers": {"abs_cos_centered": [0.5] * 25}}
+        top1 = {"softmax": 30.0 + seed, "softmax-gentle": 31.0 + seed,
+                "neutreno-0.6-detached": 30.0 + seed + forward[seed],
+                "neutreno-0.6": 30.0 + seed + forward[seed] + path[seed]}
+        for arm, value in top1.items():
+            write_log(tmp_path / "logs" / f"s{seed}-24x64-{arm}.jsonl", [(1500, value)], init)
+    result = e9.main([str(tmp_path)])["part_a"]
+    assert result["verdict"].startswith(verdict) and "part_b" not in e9.analyze(str(tmp_path))
+    assert result["F"]["per_seed"] == pytest.approx(list(forward))
+    assert result["S"]["per_seed"] == pytest.approx(list(path))
+    assert result["E"]["per_seed"] == pytest.approx([1.0] * 3)  # sd 0: the interval is a point
+    assert "verdict: " + verdict in (tmp_path / "e9.txt").read_text()
+    write_log(tmp_path / "logs" / "s1-24x64-softmax-gentle.jsonl", [(1500, 31.0)],
+              {"init_trunk_sha256": "other"})
+    with pytest.raises(e9.AnalysisError, match="seed 1, 24x64: the arms did not start from the same"):
+        e9.analyze(str(tmp_path))
+
+
+def test_experiment_9_refuses_a_wrong_part_in_one_line(tmp_path):
+    done = subprocess.run(["bash", os.path.join(REPO, "results", "e9.sh")], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PART": "C"})
+    assert done.returncode == 2 and done.stderr == "PART must be A or B, got 'C'\n"
+
+
 def test_experiment_7_gives_the_plans_two_verdicts_from_paired_seeds(tmp_path):
     """Softmax at 30 + seed; NeuTRENO ahead by 1 point at 6x128 and 3 + seed at 24x64: the gain
     grows with depth (trend +2 + seed), the NeuTRENO arms' depth difference is read as planned, a
