@@ -155,6 +155,7 @@ def check_settings(cfg):
         ("train_samples", cfg.train_samples >= 0,
          "must be >= 0 (0 means the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
+        ("threads", cfg.threads >= 0, "must be >= 0 (0: torch's default)"),
         ("probe_samples", cfg.probe_samples >= 0, "must be >= 0 (0 turns the per-layer metrics "
          "off)"),
         ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
@@ -651,8 +652,18 @@ def say_how_to_resume(run, bar):
     """After an early stop: why, where the checkpoint is, and the command that continues."""
     if run.master:  # on a line of its own, not after the progress bar
         bar.write(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved "
-                  f"to {run.ckpt_path}; continue with: python train.py --resume --out_dir "
+                  f"to {run.ckpt_path}; continue with: {launcher(run.world)} --resume --out_dir "
                   f"{run.cfg.out_dir}")
+
+
+def launcher(world):
+    """How this run was started, for the commands it prints: python, or torchrun with its processes
+    (a resume needs as many as the run had)."""
+    if world == 1:
+        return "python train.py"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = f" --nnodes={world // per_node}" if per_node != world else ""
+    return f"torchrun{nodes} --nproc_per_node={per_node} train.py"
 
 
 def summary(run):

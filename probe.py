@@ -325,6 +325,8 @@ def absent_metrics(model, raw, reference):
 
 
 def run(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
         raise ValueError(f"--labels needs {len(args.checkpoints)} distinct "
@@ -389,6 +391,8 @@ def build_parser():
         help="held-out samples, the first N in order (default: 256)")
     add("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
     add("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
+    add("--threads", type=int, default=0,
+        help="CPU threads; 0: torch's default (1 on a CPU shared with other work)")
     add("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
     add("--relative", action="store_true", help="plot against relative depth (layer / depth)")
     add("--json", default="", help="write the numbers here")
@@ -398,8 +402,8 @@ def build_parser():
 
 def check_args(args):
     """One line for the first bad argument, before any model is loaded."""
-    if args.samples < 2 or args.batch_size < 1:
-        raise ValueError("--samples must be at least 2 and --batch_size at least 1")
+    if args.samples < 2 or args.batch_size < 1 or args.threads < 0:
+        raise ValueError("--samples must be at least 2, --batch_size at least 1, --threads >= 0")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             checkpoint.check_output_path(flag, path)

@@ -2149,6 +2149,33 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
             peer_gone()
 
 
+def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys,
+                                                                               monkeypatch):
+    import housekeeping
+    import train
+
+    before = torch.get_num_threads()
+    try:
+        train.start_processes(train.TrainConfig(threads=1, device="cpu"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "threads" in train.PER_INVOCATION  # a resume on another machine sets its own
+    with pytest.raises(housekeeping.TrainingError, match="--threads -1 must be >= 0"):
+        housekeeping.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5,
+                                                      threads=-1))
+    assert housekeeping.launcher(1) == "python train.py"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert housekeeping.launcher(2) == "torchrun --nproc_per_node=2 train.py"
+    assert housekeeping.launcher(4) == "torchrun --nnodes=2 --nproc_per_node=2 train.py"
+    run = types.SimpleNamespace(master=True, stop="time limit reached", step=7, world=2,
+                                ckpt_path="o/ckpt.pt", cfg=types.SimpleNamespace(out_dir="o"))
+    lines = []
+    housekeeping.say_how_to_resume(run, types.SimpleNamespace(write=lines.append))
+    assert lines == ["time limit reached at step 7; checkpoint saved to o/ckpt.pt; continue with: "
+                     "torchrun --nproc_per_node=2 train.py --resume --out_dir o"]
+
+
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
     import train
 
@@ -2626,9 +2653,14 @@ def trained_checkpoints(tiny_data, tmp_path_factory):
 
 
 def probe_cli(capsys, *argv):
+    """probe.py's command line in a scratch working folder: a foreign model's tokenized text is
+    cached under ./data/cache, which must not be the clone's."""
+    import contextlib
+
     import probe
 
-    code = probe.main([str(a) for a in argv])
+    with contextlib.chdir(tempfile.mkdtemp()):
+        code = probe.main([str(a) for a in argv])
     return code, capsys.readouterr()
 
 

@@ -69,6 +69,7 @@ class TrainConfig:
     seed: int = 1337                 # one seed for the init, the data order and the masks
     device: str = "auto"             # auto: cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (auto: bf16 where native)
+    threads: int = 0                 # CPU threads of this process; 0: torch's (1 on a shared CPU)
     compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py)
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
@@ -313,8 +314,8 @@ def build_parser():
 RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
              "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
              "init_from")
-PER_INVOCATION = ("out_dir", "device", "compile", "time_limit", "resume", "overwrite", "eval_only",
-                  "wandb_project", "memory_gb", "workers")
+PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
+                  "eval_only", "wandb_project", "memory_gb", "workers")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -374,6 +375,8 @@ def schedule_defaults(cfg, depth):
 
 def start_processes(cfg):
     """(device, rank, world): one process, or this rank of a torchrun DDP group."""
+    if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
+        torch.set_num_threads(cfg.threads)
     rank, world, local_rank = 0, 1, 0
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
