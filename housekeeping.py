@@ -390,9 +390,8 @@ def any_rank(run, flag):
 def time_to_stop(run):
     """Whether the run stops after this step: a signal came (stop_signals) or --time_limit passed.
     DDP ranks agree (a host sync) only at the steps that read the loss anyway."""
-    cfg, next_step = run.cfg, timed_step_s(run)
-    late = time.time() - run.t_start + next_step > cfg.time_limit  # the next step would overrun
-    if cfg.time_limit and late and run.step < cfg.max_iters:
+    cfg = run.cfg
+    if cfg.time_limit and limit_left(run) < timed_step_s(run) and run.step < cfg.max_iters:
         run.stop = run.stop or "time limit reached"
     if run.ddp:
         return run.step % cfg.log_interval == 0 and any_rank(run, run.stop is not None)
@@ -433,17 +432,17 @@ def timed_step_s(run):
     return seconds_per_step(run) if len(run.step_times) > 1 else 0.0
 
 
-def evaluation_fits(run, stopping):
-    """Whether the evaluation of a --time_limit stop fits in what is left of the limit: its last
-    measured time, or before the first, a forward pass over the held-out batches at a third of a
-    training step each. Every other evaluation runs, the last step's too (a resume could not)."""
+def limit_left(run):
+    """Seconds of --time_limit left for training steps: the limit counts from the invocation's
+    start and keeps back what the final evaluation and checkpoint take (as last measured; before
+    the first evaluation, a third of a step per held-out batch), so a stop ends with both."""
     cfg = run.cfg
-    if not stopping or run.stop != "time limit reached" or run.step >= cfg.max_iters:
-        return True
-    left = cfg.time_limit - (time.time() - run.t_start)
-    samples = min(cfg.eval_samples or math.inf, run.data.num_held_out())
-    guess = math.ceil(samples / (run.micro_batch * cfg.grad_accum)) * timed_step_s(run) / 3
-    return (run.eval_s if run.eval_s is not None else guess) <= left
+    evaluation = run.eval_s
+    if evaluation is None:
+        samples = min(cfg.eval_samples or math.inf, run.data.num_held_out())
+        batch = max(1, run.micro_batch * cfg.grad_accum)
+        evaluation = math.ceil(samples / batch) * timed_step_s(run) / 3
+    return cfg.time_limit - (time.time() - run.t_begin) - evaluation - (run.save_s or 0.0)
 
 
 def last_good_state(run):
@@ -554,12 +553,12 @@ def show_progress(run, bar, train_loss, lr):
     whole = steps * step_s + evals * (run.eval_s or 0.0)
     left, where = whole, ""
     if cfg.time_limit:
-        limit_left = max(0.0, cfg.time_limit - (time.time() - run.t_start))
-        steps = max(0, min(steps, int(limit_left / step_s)))
+        for_steps = max(0.0, limit_left(run))
+        steps = max(0, min(steps, int(for_steps / step_s)))
         bar.total = run.step + steps
         bar.refresh()
         if run.step + steps < cfg.max_iters:
-            left = limit_left
+            left = max(0.0, cfg.time_limit - (time.time() - run.t_begin))
             where = (f": --time_limit stops the run at about step {run.step + steps} "
                      f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
     if bar.disable and run.master and time.time() - run.said >= PROGRESS_EVERY_S:
@@ -570,13 +569,7 @@ def show_progress(run, bar, train_loss, lr):
 
 def record_evaluation(run, metrics, train_loss, log, bar, correct):
     """Log and print the evaluation (with the trunk's hashes), a classifier's per-image
-    correctness to eval_correct.npy; whether it is the best so far. metrics None: it did not fit
-    in --time_limit, and the line says so."""
-    if metrics is None:
-        bar.write(f"evaluation skipped at step {run.step}: it would not end within --time_limit "
-                  f"{run.cfg.time_limit:g} s; a resumed run evaluates at its next --eval_interval "
-                  "or at its end")
-        return False
+    correctness to eval_correct.npy; whether it is the best so far."""
     name, larger_is_better = selection_metric(run.model.config.objective)
     value = metrics[name]
     improved = run.best is None or (value > run.best if larger_is_better else value < run.best)

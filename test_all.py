@@ -2073,33 +2073,34 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
     monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0)
     code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "b")
     lines = out.splitlines()
-    # the limit leaves no time for an evaluation: skipped, and said, before the checkpoint
-    assert code == 0 and lines[-3].startswith("evaluation skipped at step 1: it would not end"), out
+    # a time limit's stop ends as every stop does: evaluated, saved, said
+    assert code == 0 and lines[-3].startswith("step 1 train_loss "), out
     assert "time limit reached at step 1; checkpoint saved to" in lines[-2], out
-    assert lines[-1].startswith("stopped: not evaluated, ") and "ms/step" in lines[-1]
+    assert lines[-1].startswith("stopped: top1 ") and "ms/step" in lines[-1]
     code, out, _ = run_train(*flags, out_dir=tmp_path / "c")
     assert len([line for line in out.splitlines() if re.match(r"step \d/6: ", line)]) == 5  # 2-6
 
 
-def test_a_time_limit_bounds_the_evaluation_too_and_must_be_finite(capsys, tiny_data, tmp_path):
-    """At a --time_limit stop the evaluation runs only if it fits in what is left: its last
-    measured time, or before the first, a third of a step per held-out batch; inf is refused."""
+def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
+                                                                              tmp_path):
+    """--time_limit counts from the invocation's start and stops training while the evaluation and
+    the checkpoint still fit: their last measured time, or before the first evaluation a third of a
+    step per held-out batch; inf is refused."""
+    import housekeeping
     import train
-    from housekeeping import evaluation_fits
 
     data = types.SimpleNamespace(num_held_out=lambda: 32)
     run = train.Run(train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0),
-                    torch.device("cpu"), data=data, stop="time limit reached")
-    run.t_start, run.step_times = time.time() - 9, [1.0, 1.0]  # about 1 s left, 1 s per step
+                    torch.device("cpu"), data=data)
+    run.t_begin, run.step_times = time.time() - 8, [1.0, 1.0]  # 2 s left, 1 s per step
     run.micro_batch, run.step = 16, 10
-    assert evaluation_fits(run, stopping=True)  # 2 batches x 1 s / 3
-    run.eval_s = 5.0
-    assert not evaluation_fits(run, stopping=True)
-    assert evaluation_fits(run, stopping=False)  # an evaluation the limit did not call
-    run.step = run.cfg.max_iters  # the last step's: a resume could never make it up
-    assert evaluation_fits(run, stopping=True)
-    run.step, run.stop = 10, "interrupted"  # a signal: the evaluation runs whatever its time
-    assert evaluation_fits(run, stopping=True)
+    assert not housekeeping.time_to_stop(run)  # 1 s step + 2 batches x 1 s / 3 fit in 2 s
+    run.eval_s = 0.5
+    assert not housekeeping.time_to_stop(run)
+    run.eval_s, run.save_s = 0.5, 0.6  # the step, the evaluation and the save: 2.1 s
+    assert housekeeping.time_to_stop(run) and run.stop == "time limit reached"
+    run.stop, run.step = None, run.cfg.max_iters  # at the last step there is nothing to stop
+    assert not housekeeping.time_to_stop(run)
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
     err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
@@ -2111,14 +2112,16 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     import housekeeping
     import train
 
-    run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10), torch.device("cpu"))
-    run.step, run.step_times, run.t_start = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
+    data = types.SimpleNamespace(num_held_out=lambda: 32)  # an evaluation: 2 batches, 1/3 s each
+    run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0),
+                    torch.device("cpu"), data=data, micro_batch=16)
+    run.step, run.step_times, run.t_begin = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
     bar = tqdm(total=1000, disable=True)
     housekeeping.show_progress(run, bar, 2.5, 1e-3)
     line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
-            "--time_limit stops the run at about step 15 (all 1000 steps would take about "
-            "16.5 min)")
-    assert bar.total == 15 and line in capsys.readouterr().out
+            "--time_limit stops the run at about step 14 (all 1000 steps would take about "
+            "16.5 min)")  # 5.5 s left, 0.7 s of them kept for the final evaluation
+    assert bar.total == 14 and line in capsys.readouterr().out
     run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
     housekeeping.show_progress(run, bar, 2.5, 1e-3)  # no time limit: the bar ends at max_iters
     assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")

@@ -73,7 +73,7 @@ class TrainConfig:
     compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py)
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
-    time_limit: float = 0.0          # stop with a checkpoint after this many seconds (0: no limit)
+    time_limit: float = 0.0          # end within this many seconds, evaluated and saved (0: none)
     eval_only: bool = False          # evaluate the weights as set up (--resume, --init_from), once
     wandb_project: str = ""          # also log to Weights & Biases under this project (pip install)
 
@@ -127,12 +127,14 @@ class Run:
     metrics: dict = None  # the last evaluation
     stop: str = None  # why the run stops early (a signal, the time limit), None while it goes on
     step_times: list = field(default_factory=list)  # seconds per step, evaluations left out
-    t_start: float = 0.0  # wall clock at the loop's start, for --time_limit
+    t_start: float = 0.0  # wall clock at the loop's start
+    t_begin: float = field(default_factory=time.time)  # the invocation's start, for --time_limit
     lock: object = None  # the open out_dir/.lock that keeps a second run out (rank 0)
     created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
     said: float = 0.0  # wall clock of the last progress line in a log file
     init_hash: dict = None  # sha256 of the initial weights: {"trunk", "model", "loaded_trunk"}
     eval_s: float = None  # seconds the last evaluation took
+    save_s: float = None  # seconds the last checkpoint took to write
     probe_x: torch.Tensor = None  # the held-out samples probed at every evaluation (rank 0)
     made_by: dict = None  # the commit, command, torch and device of this invocation
     ckpt_path: str = ""  # out_dir/ckpt.pt: the last evaluation's checkpoint, to resume from
@@ -267,8 +269,7 @@ def train(args):
             if evaluating:
                 state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
                 metrics, correct = None, []
-                # a time limit's stop evaluates only if that fits
-                if run.master and housekeeping.evaluation_fits(run, stopping):
+                if run.master:  # a stop evaluates too: --time_limit kept time for it
                     batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
                     metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
                     if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
@@ -280,10 +281,11 @@ def train(args):
                     improved = housekeeping.record_evaluation(run, metrics, train_loss, log, bar,
                                                               correct)
                     state["best"] = run.best
+                    t_save = time.time()
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(run.best_path, checkpoint.weights_only(state))
                     checkpoint.save(run.ckpt_path, state)
-                    run.saved_step = run.step
+                    run.saved_step, run.save_s = run.step, time.time() - t_save
             if stopping:
                 housekeeping.say_how_to_resume(run, bar)
                 break
