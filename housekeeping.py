@@ -251,6 +251,29 @@ def check_same_classes(run, resumed):
                             "class folders (same names, so the same order)")
 
 
+def check_scored_as_trained(path, ckpt, settings):
+    """--eval_only --init_from scores a checkpoint as it was trained: flags that reshape the model
+    or change its objective would score another model, a head that was never trained."""
+    changed = sorted(k for k, v in settings.items() if ckpt["config"].get(k, v) != v)
+    if changed:
+        raise TrainingError(f"--eval_only --init_from {path} scores that checkpoint as it was "
+                            f"trained; drop --{' --'.join(changed)} (to score another head, "
+                            "fine-tune it first: drop --eval_only)")
+
+
+def load_whole(model, state, path):
+    """Every weight of a checkpoint into model, or one line: data other than the checkpoint's
+    (another class count, image size or vocabulary) gives the model other shapes."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
+                     str(e).splitlines()[0])
+        raise TrainingError(f"--init_from {path} does not fit this data ({first[:160]}); score it "
+                            "on the data it was trained on (drop --dataset and --data_dir)") \
+            from None
+
+
 def check_trunk_loaded(run, loaded, skipped):
     """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
     from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
@@ -637,7 +660,9 @@ def leave(run):
 
 def report_evaluation_only(run, metrics):
     """--eval_only: the metrics of the weights as set up, one line; nothing saved."""
-    return end_without_training(run, f"evaluated at step {run.step}: " + " ".join(
+    scored = run.cfg.init_from and run.step == 0  # --init_from: a checkpoint, as it was trained
+    what = f"{run.cfg.init_from} as trained" if scored else f"at step {run.step}"
+    return end_without_training(run, f"evaluated {what}: " + " ".join(
         f"{k} {v:.4g}" for k, v in metrics.items()))
 
 

@@ -894,6 +894,17 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     assert code == 0 and "evaluated at step 0" in printed and not (tmp_path / "fresh").exists()
     err = cli_error(capsys, "--eval_only", "--overwrite", "--out_dir", str(out))
     assert "--eval_only saves nothing, so it replaces nothing; drop --overwrite" in err
+    # any checkpoint, best.pt too, scored as it was trained: its head, its data, its metric
+    code, printed, _ = run_train("--eval_only", "--init_from", out / "best.pt",
+                                 out_dir=tmp_path / "score")
+    best = max(r["top1"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+               if r.get("eval"))
+    assert code == 0 and f"evaluated {out / 'best.pt'} as trained: " in printed, printed
+    assert f"top1 {best:.4g}" in printed and not (tmp_path / "score").exists()
+    err = cli_error(capsys, "--eval_only", "--init_from", str(out / "best.pt"), "--objective",
+                    "mae", "--depth", "1", "--out_dir", str(tmp_path / "score"))
+    assert err.startswith(f"error: --eval_only --init_from {out / 'best.pt'} scores that "
+                          "checkpoint as it was trained; drop --depth --objective")
 
 
 def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_line(

@@ -175,7 +175,9 @@ def setup(args):
         explicit = fast.use_explicit_attention("auto", device, run.dtype, config)
         run.model = Bamboo(config, explicit_attention=explicit).to(device)
         run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
-        if pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
+        if pretrained is not None and cfg.eval_only:  # scoring: every weight, the head too
+            housekeeping.load_whole(run.model, pretrained["model"], cfg.init_from)
+        elif pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
             housekeeping.check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
             run.init_hash["loaded_trunk"] = checkpoint.weights_hash(run.model)["trunk"]
         # the optimizer, the data order, then a resumed run's state over all of it
@@ -318,6 +320,8 @@ RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eva
              "init_from")
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
                   "eval_only", "wandb_project", "memory_gb", "workers")
+# What --eval_only --init_from takes from the checkpoint besides its model: where its data is
+HELD_OUT = ("dataset", "data_dir", "tokenizer", "val_file", "cache_dir", "eval_samples", "stream")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -348,9 +352,17 @@ def resolve_settings(args):
                    **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
         if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
             pretrained = checkpoint.load(cfg.init_from)
-            settings.update({k: pretrained["config"][k] for k in TRUNK_SHAPE})
-            sources.update(dict.fromkeys(TRUNK_SHAPE, "the --init_from trunk"))
+            kept = list(pretrained["config"]) if cfg.eval_only else TRUNK_SHAPE
+            settings.update({k: pretrained["config"][k] for k in kept})
+            sources.update(dict.fromkeys(kept, "the --init_from checkpoint"))
+            if cfg.eval_only:  # scoring a checkpoint: its data too, as it was trained
+                saved = {k: v for k, v in pretrained.get("train", {}).items()
+                         if k in HELD_OUT and k not in given}
+                cfg = replace(cfg, **saved)
+                sources.update(dict.fromkeys(saved, "the --init_from checkpoint"))
         settings.update(housekeeping.flags_given(args, Config))
+        if cfg.eval_only and pretrained is not None:
+            housekeeping.check_scored_as_trained(cfg.init_from, pretrained, settings)
     sources.update(dict.fromkeys(given, "flags"))
     objective = settings.get("objective", Config.objective)
     housekeeping.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
