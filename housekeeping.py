@@ -629,6 +629,13 @@ def describe_run(run, config, sources):
         run.log(f"streaming {run.data.num_train():,} training images from disk, {workers} "
                 f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
                 f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
+    elif config.is_image:  # crops and decoding processes are the stream's: say what applies
+        if sources.get("crop_scale") != "flags":
+            sources.pop("crop_scale", None)
+        unused = [f"--{k}" for k in ("crop_scale", "workers") if sources.get(k) == "flags"]
+        if unused:
+            run.log(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
+                    "decodes its images into memory (--stream on to stream them)")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
     sources.update(dict.fromkeys(dictated, "the data"))
     run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))

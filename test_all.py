@@ -2069,6 +2069,18 @@ def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
 
 # ------------------------------------------------------------- feedback while a run goes, and after
 
+def test_the_settings_printed_are_those_that_apply(tiny_data, tmp_path):
+    """An in-memory image run does not list the stream's crop scale; a stream flag given to it is
+    one note, not silence."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "1")
+    code, out, _ = run_train(*flags, out_dir=tmp_path / "a")
+    assert code == 0 and "crop_scale" not in out and "streamed folder only" not in out, out
+    code, out, _ = run_train(*flags, "--crop_scale", "0.5", "--workers", "2",
+                             out_dir=tmp_path / "b")
+    assert code == 0 and ("note: --crop_scale and --workers apply to a streamed folder only; "
+                          "this run decodes its images into memory") in out, out
+
+
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
