@@ -26,6 +26,7 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
 import copy
 import hashlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -162,15 +163,21 @@ def decode_folder(files, size, cache_dir=None):
             return torch.from_numpy(np.load(cache))
         except (OSError, ValueError, EOFError):  # damaged: decoded again and replaced below
             pass
+    started = time.time()
     with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
         images = as_batch(list(pool.map(lambda s: _decode(s[0], size), files)))
+    seconds, kept = time.time() - started, False
     if cache and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one copy per machine under DDP
         try:
             os.makedirs(cache_dir, exist_ok=True)
             checkpoint.atomic_write(cache, lambda f: np.save(f, images.numpy()))
+            kept = True
         except OSError as e:  # the run goes on; the next one decodes again
             print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
                   "to a writable folder to load them at once next time", flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"decoded {len(files):,} images in {seconds:.1f} s"
+              + (f", kept in {cache_dir} for the next run" if kept else ""), flush=True)
     return images
 
 
