@@ -781,6 +781,49 @@ def test_experiment_9_refuses_a_wrong_part_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr == "PART must be A or B, got 'C'\n"
 
 
+def test_experiment_10_reads_the_shape_of_smoothing_and_which_gap_comes_first(tmp_path):
+    """Softmax's late cosine peaks at step 2,000 and falls; NeuTRENO's rises to 2,000 and stays;
+    the cosine gap is at half size from the first evaluation, the accuracy gap at 1,500: it leads.
+    A run without its per-layer record, or from other weights, is refused."""
+    e10 = results_module("e10_analyze")
+
+    def cosine(arm, t, seed):
+        if arm == "softmax":
+            return 0.6 - ((t - 2000) / 2000) ** 2 * 0.1 + 0.001 * seed
+        return 0.4 + 0.05 * min(t, 2000) / 2000 + 0.001 * seed
+
+    def write(seed, arm, init=None, layers=True):
+        lines = []
+        for t in range(250, 4001, 250):
+            top1 = 30.0 + seed + (8 * min(t, 3000) / 3000 if arm == "neutreno-0.6" else 0.0)
+            record = {"eval": True, "step": t, "top1": top1,
+                      "init_trunk_sha256": init or f"s{seed}"}
+            if layers:
+                record["layers"] = {"abs_cos_centered": [cosine(arm, t, seed)] * 25}
+            lines += [{"step": t, "loss": 1.0}, record]
+        path = tmp_path / "logs" / f"s{seed}-{arm}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    for seed in range(3):
+        for arm in ("softmax", "neutreno-0.6"):
+            write(seed, arm)
+    result = e10.main([str(tmp_path)])
+    assert result["shape"]["softmax"]["reading"] == "peaks and falls"
+    assert result["shape"]["softmax"]["peak_step"] == 2000
+    assert result["shape"]["neutreno-0.6"]["reading"] == "settles"
+    assert result["lead"]["per_seed"] == [250 - 1500] * 3 and result["lead"]["reading"].endswith(
+        "leads")
+    assert result["final_top1_gap"]["mean"] == pytest.approx(8.0)
+    assert (tmp_path / "e10.png").stat().st_size > 1000 and "settles" in (tmp_path / "e10.txt").read_text()
+    write(1, "neutreno-0.6", layers=False)
+    with pytest.raises(e10.AnalysisError, match="has no per-layer record"):
+        e10.analyze(str(tmp_path))
+    write(1, "neutreno-0.6", init="other")
+    with pytest.raises(e10.AnalysisError, match="seed 1: the arms did not start from the same"):
+        e10.analyze(str(tmp_path))
+
+
 def test_experiment_7_gives_the_plans_two_verdicts_from_paired_seeds(tmp_path):
     """Softmax at 30 + seed; NeuTRENO ahead by 1 point at 6x128 and 3 + seed at 24x64: the gain
     grows with depth (trend +2 + seed), the NeuTRENO arms' depth difference is read as planned, a
