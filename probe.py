@@ -202,7 +202,7 @@ def load_model(spec, dataset):
         model, ckpt = checkpoint.model_from_checkpoint(spec)
         return model.eval(), ckpt.get("train", {})
     config = housekeeping.config_from_spec(spec[len("init:"):],
-                              objective="cls" if dataset in IMAGE_DATASETS else "next")
+                                           objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
     return Bamboo(config).eval(), {}
 

@@ -308,9 +308,9 @@ def build_parser():
     recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
                          for name, recipe in RECIPES.items())
     return housekeeping.parser_of(((TrainConfig, "training"),
-                      (Config, "model (defaults shown; a --preset sets its own)")), CHOICES,
-                     "a laptop preset also sets its training recipe (flags override it):\n"
-                     + recipes)
+                                   (Config, "model (defaults shown; a --preset sets its own)")),
+                                  CHOICES, "a laptop preset also sets its training recipe (flags "
+                                  "override it):\n" + recipes)
 
 
 # What --resume may change: length and learning rate, where the data lives, logging. The settings
@@ -330,7 +330,8 @@ TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size
 def resolve_settings(args):
     """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
     setting came from), checked before any work. Precedence, lowest first: defaults < the preset
-    and its recipe < a resumed run's saved settings < the --init_from trunk's shape < flags."""
+    and its recipe < a resumed run's saved settings < the --init_from trunk's shape (under
+    --eval_only, its whole model and its data) < flags."""
     housekeeping.check_invocation(args)
     resumed = pretrained = None
     given = {**housekeeping.flags_given(args, TrainConfig),
@@ -402,7 +403,7 @@ def start_processes(cfg):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
         raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
-                            f"processes x grad_accum = {world} x {cfg.grad_accum}")
+                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
     return device, rank, world
 
 
@@ -426,7 +427,8 @@ def load_data(cfg, settings, device, rank=0, world=1):
     asked = settings.get("vocab_size", data.vocab_size)
     if asked != data.vocab_size:
         raise housekeeping.TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
-                            f"{data.vocab_size} ids; drop --vocab_size (--tokenizer sets it)")
+                                         f"{data.vocab_size} ids; drop --vocab_size (--tokenizer "
+                                         "sets it)")
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
 
