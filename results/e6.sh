@@ -22,6 +22,15 @@ DATA=${DATA:-../shared/data} RUNS=${RUNS:-/tmp/e6} DEVICE=${DEVICE:-cuda} SEEDS=
 BUDGET=${BUDGET:-570} PROBE_SAMPLES=${PROBE_SAMPLES:-256} OUT=${RESULTS:-results/e6}
 seed_list SEEDS
 for v in BUDGET PROBE_SAMPLES; do positive_whole $v ""; done
+if [ "$PROBE_SAMPLES" -lt 2 ]; then echo "PROBE_SAMPLES must be at least 2, got $PROBE_SAMPLES" >&2; exit 2; fi
+case $DEVICE in cuda|cpu) ;; *) echo "DEVICE must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;; esac
+if [ -n "${ARCHIVE:-}" ] && [ ! -d "$(dirname "$ARCHIVE")" ]; then
+  echo "ARCHIVE's folder $(dirname "$ARCHIVE") does not exist; make it or point ARCHIVE elsewhere" >&2; exit 2
+fi
+if [ "$DEVICE" = cpu ] && [ ! -f "$OUT/design.json" ]; then
+  echo "DEVICE=cpu needs a design.json in $OUT (the rule would benchmark GPU-size trunks on the CPU)" >&2
+  exit 2
+fi
 if [ "$DEVICE" = cuda ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   echo "no CUDA device here: experiment 6 runs on a GPU (the suite's dry run uses DEVICE=cpu)"; exit 1
 fi
@@ -75,7 +84,7 @@ arm() {  # arm SEED RUN PLANNED FLAGS...: train or continue one run inside what 
   else
     $PY train.py $COMMON --seed "$seed" --max_iters "$planned" --eval_interval "$planned" --overwrite \
       --out_dir "$run" --time_limit "$left" "$@"
-  fi >> "$run.txt" 2>&1 || echo "$run failed: see $run.txt" >&2
+  fi >> "$run.txt" 2>&1 || { echo "$run failed: see $run.txt" >&2; failed=1; }
   echo "e6.sh: this process took $((SECONDS - began)) s" >> "$run.txt"
 }
 
@@ -119,7 +128,7 @@ longest_seed() {  # the longest seed of this revision kept in OUT, or the design
   echo "$longest"
 }
 
-left_over=0
+left_over=0 failed=0
 for seed in $SEEDS; do
   if [ -d "$OUT/s$seed" ]; then continue; fi
   need=$(longest_seed)
@@ -145,5 +154,6 @@ for seed in $SEEDS; do
   fi
 done
 if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" --exclude='*.part' "$OUT"; fi
+if [ "$failed" = 1 ]; then echo "a run failed (above); its output says why" >&2; exit 1; fi
 if [ "$left_over" = 1 ]; then echo "run bash results/e6.sh again for the seeds left ($((SECONDS - start)) s used)"
 else echo "every seed is done; then: python results/e6_analyze.py"; fi

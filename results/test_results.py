@@ -511,6 +511,19 @@ def test_experiment_6_refuses_arguments_in_one_line_and_writes_nothing(tmp_path)
     assert done.stderr.count("\n") == 1 and not (tmp_path / "e6").exists()
 
 
+@pytest.mark.parametrize("env,line", [
+    ({"PROBE_SAMPLES": "1"}, "PROBE_SAMPLES must be at least 2, got 1"),
+    ({"DEVICE": "foo"}, "DEVICE must be cuda or cpu, got 'foo'"),
+    ({"ARCHIVE": "/nonexistent/e6.tgz"}, "ARCHIVE's folder /nonexistent does not exist"),
+    ({"DEVICE": "cpu"}, "DEVICE=cpu needs a design.json in ")])
+def test_experiment_6_refuses_bad_settings_before_any_work(tmp_path, env, line):
+    done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh")], capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "RESULTS": str(tmp_path / "e6"), **env})
+    assert done.returncode == 2 and done.stderr.startswith(line) and done.stderr.count("\n") == 1
+    assert not (tmp_path / "e6").exists()
+
+
 def test_experiment_6_without_a_gpu_says_so_in_one_line(tmp_path):
     done = subprocess.run(["bash", os.path.join(REPO, "results", "e6.sh")], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable,
