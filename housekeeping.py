@@ -576,8 +576,8 @@ def show_progress(run, bar, train_loss, lr):
     whole = steps * step_s + evals * (run.eval_s or 0.0)
     left, where = whole, ""
     if cfg.time_limit:
-        for_steps = max(0.0, limit_left(run))
-        steps = max(0, min(steps, int(for_steps / step_s)))
+        fit = max(0.0, limit_left(run)) / step_s  # may be huge: --time_limit 1e308
+        steps = max(0, int(min(steps, fit)))
         bar.total = run.step + steps
         bar.refresh()
         if run.step + steps < cfg.max_iters:

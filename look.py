@@ -282,14 +282,15 @@ def smoothing(args):
 
     runs = {}
     for out_dir in args.out_dirs:
-        evals = [r for r in read_log(out_dir)[1] if "layers" in r]
+        evals = [r for r in read_log(out_dir)[1] if r.get("layers")]  # null: non-finite states
         if not evals:
             raise ValueError(f"{out_dir}/log.jsonl has no per-layer metrics; train with "
                              "--probe_samples N (on by default) to log them at each evaluation")
         label = os.path.basename(os.path.normpath(out_dir)) or out_dir
         runs[out_dir if label in runs else label] = (
-            [r["step"] for r in evals], [r["layers"][args.metric] for r in evals])
-    values = [v for _, rows in runs.values() for row in rows for v in row if v is not None]
+            [r["step"] for r in evals],
+            [[math.nan if v is None else v for v in r["layers"][args.metric]] for r in evals])
+    values = [v for _, rows in runs.values() for row in rows for v in row if math.isfinite(v)]
     plt = pyplot()
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3.8),
                              squeeze=False, layout="constrained")
@@ -305,7 +306,7 @@ def smoothing(args):
     for label, (steps, rows) in runs.items():
         last.plot(steps, [row[-1] for row in rows], marker="o", ms=3, label=label)
         print(f"{label}: {args.metric} of the last layer at steps {steps}: "
-              + " ".join(f"{row[-1]:.4f}" for row in rows))
+              + " ".join(f"{row[-1]:.4f}" for row in rows))  # nan where it was undefined
     last.set(title="the last layer", xlabel="step", ylabel=args.metric)
     last.grid(alpha=0.3)
     last.legend(fontsize=8)

@@ -1507,6 +1507,15 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
     assert "has no per-layer metrics; train with --probe_samples" in capsys.readouterr().err
+    # what train.py writes when the probe met non-finite states ("layers": null), or a null value
+    records = (tmp_path / "c" / "log.jsonl").read_text().splitlines()
+    evals = [i for i, line in enumerate(records) if '"eval": true' in line]
+    first, last = json.loads(records[evals[0]]), json.loads(records[evals[-1]])
+    first["layers"], last["layers"]["abs_cos_centered"][-1] = None, None
+    records[evals[0]], records[evals[-1]] = json.dumps(first), json.dumps(last)
+    (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
+    assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
+    assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
 
 
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
@@ -2148,6 +2157,9 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
             "--time_limit stops the run at about step 14 (all 1000 steps would take about "
             "16.5 min)")  # 5.5 s left, 0.7 s of them kept for the final evaluation
     assert bar.total == 14 and line in capsys.readouterr().out
+    run.cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
+    housekeeping.show_progress(run, bar, 2.5, 1e-3)
+    assert bar.total == 1000
     run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
     housekeeping.show_progress(run, bar, 2.5, 1e-3)  # no time limit: the bar ends at max_iters
     assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")
