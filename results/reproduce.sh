@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-create every CPU experiment of results/README.md from scratch: the training runs of experiments 1 to 5, 7, 8
+# Re-create every CPU experiment of results/README.md from scratch: the training runs of experiments 1 to 5, 7 to 10
 # (3 seeds per arm, the same initial weights for the arms of a seed), their analyses (numbers, JSON, figures),
 # and the probes of fresh models. Run time on the 2-core development CPU: see "One command" in results/README.md.
 #   bash results/reproduce.sh [DATA]    DATA defaults to ../shared/data (CIFAR-10 JPEGs, WikiText-2, GPT-2 BPE)
@@ -18,7 +18,7 @@ for experiment in e1 e2 e3 e4 e5; do
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py" "$DATA" | tee "results/$experiment/$experiment.txt"
 done
-for experiment in e7 e8; do  # from their logs; each writes its own eN.txt
+for experiment in e7 e8 e9 e10; do  # from their logs; each writes its own eN.txt
   bash "results/$experiment.sh" "$DATA"
   $PY "results/${experiment}_analyze.py"
 done
