@@ -35,6 +35,15 @@ def command_line(main):
         sys.exit(2)
 
 
+def keep_report(folder, name, result, text):
+    """An analysis's outputs: NAME.json (the numbers) and NAME.txt (what it prints) in folder."""
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def experiment_data(argv, image_size=16, train_samples=5000, device="cpu"):
     """(CIFAR-10 folder, its test split on device) as the experiments trained on it: by default the CPU
     experiments' 16x16 images, normalised as training's evaluation normalised them (statistics of the fixed

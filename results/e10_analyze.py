@@ -10,13 +10,13 @@ final gaps. Writes e10.json, e10.txt and e10.png.
 
 Run: python results/e10_analyze.py
 """
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import AnalysisError, command_line, finished_log, paired_summary  # noqa: E402
+from analysis import (AnalysisError, command_line, finished_log, keep_report,  # noqa: E402
+                      paired_summary)
 
 SEEDS = (0, 1, 2)
 ARMS = ("softmax", "neutreno-0.6")
@@ -140,13 +140,8 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     folder = args[0] if args else os.path.join(HERE, "e10")
     result = analyze(folder)
-    with open(os.path.join(folder, "e10.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(folder, "e10.txt"), "w") as f:
-        f.write(text + "\n")
     figure(result, os.path.join(folder, "e10.png"))
-    print(text)
+    keep_report(folder, "e10", result, report(result))
     return result
 
 

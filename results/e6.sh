@@ -34,10 +34,7 @@ fi
 if [ "$DEVICE" = cuda ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   echo "no CUDA device here: experiment 6 runs on a GPU (the suite's dry run uses DEVICE=cpu)"; exit 1
 fi
-if [ ! -d "$DATA/cifar10-jpeg/train" ]; then
-  echo "no CIFAR-10 folder at $DATA/cifar10-jpeg (train/ and test/): set DATA to the folder above it" >&2
-  exit 2
-fi
+cifar_folder "$DATA"
 start=$SECONDS
 export TORCH_LOGS=${TORCH_LOGS-recompiles}  # each arm's output says what compiled twice, and why
 mkdir -p "$OUT" "$RUNS"

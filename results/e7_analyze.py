@@ -11,14 +11,13 @@ experiment 4's cls runs (same recipe) loss for loss. Writes e7.json, e7.txt and 
 
 Run: python results/e7_analyze.py
 """
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (AnalysisError, command_line, finished_log, last_evaluation,  # noqa: E402
-                      paired_summary)
+from analysis import (AnalysisError, command_line, finished_log, keep_report,  # noqa: E402
+                      last_evaluation, paired_summary)
 
 SEEDS = (0, 1, 2)
 TRUNKS = ("6x128", "12x92", "24x64")
@@ -149,15 +148,11 @@ def main(argv=None):
     folder = os.path.join(HERE, "e7")
     result = analyze(folder)
     result["softmax_against_e4"] = against_e4(folder, os.path.join(HERE, "e4"))
-    with open(os.path.join(folder, "e7.json"), "w") as f:
-        json.dump(result, f, indent=1)
     same = result["softmax_against_e4"]
     text = report(result) + (f"\nsoftmax arms that re-ran experiment 4's cls losses exactly: "
                              f"{sum(s['same_losses'] for s in same.values())} of {len(same)}")
-    with open(os.path.join(folder, "e7.txt"), "w") as f:
-        f.write(text + "\n")
     figure(result, os.path.join(folder, "e7.png"))
-    print(text)
+    keep_report(folder, "e7", result, text)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ and each arm's training compute per window (bamboo.training_flops). Writes e8.js
 
 Run: python results/e8_analyze.py
 """
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import ROOT, command_line, last_evaluation, paired_summary  # noqa: E402
+from analysis import ROOT, command_line, keep_report, last_evaluation, paired_summary  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from bamboo import training_flops  # noqa: E402
@@ -51,16 +50,12 @@ def analyze(folder):
 def main(argv=None):
     folder = os.path.join(HERE, "e8")
     result = analyze(folder)
-    with open(os.path.join(folder, "e8.json"), "w") as f:
-        json.dump(result, f, indent=1)
     d = result["D_ppl"]
     text = (f"perplexity 6x256: {result['ppl']['6x256']}\nperplexity 24x128: "
             f"{result['ppl']['24x128']}\nD = 6x256 minus 24x128: {d['mean']:+.2f} "
             f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]: {d['verdict']}\n"
             f"compute per window, 6x256 over 24x128: {result['compute_wide_over_deep']:.2f}")
-    with open(os.path.join(folder, "e8.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    keep_report(folder, "e8", result, text)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ case $PART in A) SEEDS=${SEEDS:-0 1 2} ;; B) SEEDS=${SEEDS:-3 4 5} ;;
 seed_list SEEDS
 JOBS=${JOBS:-2}
 positive_whole JOBS "of runs at a time"
-if [ ! -d "$DATA/cifar10-jpeg/train" ]; then
-  echo "no CIFAR-10 folder at $DATA/cifar10-jpeg (train/ and test/): give the folder above it" >&2; exit 2
-fi
+cifar_folder "$DATA"
 COMMON="--preset cifar-deep --image_size 16 --patch_size 4 --dataset folder --data_dir $DATA/cifar10-jpeg
         --train_samples 5000 --batch_size 128 --eval_interval 500 --eval_samples 0 --log_interval 50
         --objective cls --max_iters 1500"

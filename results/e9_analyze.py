@@ -12,13 +12,13 @@ Writes e9.json and e9.txt.
 
 Run: python results/e9_analyze.py
 """
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import AnalysisError, command_line, last_evaluation, paired_summary  # noqa: E402
+from analysis import (AnalysisError, command_line, keep_report, last_evaluation,  # noqa: E402
+                      paired_summary)
 
 SEEDS_A, SEEDS_B = (0, 1, 2), (3, 4, 5)
 ARMS = ("softmax", "neutreno-0.6", "neutreno-0.6-detached", "softmax-gentle")
@@ -116,12 +116,7 @@ def report(result):
 def main(argv=None):
     folder = (argv or sys.argv[1:] or [os.path.join(HERE, "e9")])[0]
     result = analyze(folder)
-    with open(os.path.join(folder, "e9.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    text = report(result)
-    with open(os.path.join(folder, "e9.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    keep_report(folder, "e9", result, report(result))
     return result
 
 
