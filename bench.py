@@ -13,8 +13,8 @@ torch.compile's compilation.
 depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
 Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (mae). They are
 not dependencies of bamboo: install them in a scratch venv to compare. --compile, --dtype and
---attention (fast.py's choice, the fused kernel or explicit matmul-softmax-matmul) take comma lists
-of what to compare in the same run.
+--attention (operations/fast.py's choice, the fused kernel or explicit matmul-softmax-matmul)
+take comma lists of what to compare in the same run.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
@@ -31,11 +31,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-import fast
+from operations import fast
 from bamboo import Bamboo, Config, training_flops
-from checkpoint import atomic_write, check_output_path
-from fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
-from housekeeping import config_from_spec, one_line_errors
+from operations.checkpoint import atomic_write, check_output_path
+from operations.fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
+from operations.housekeeping import config_from_spec, one_line_errors
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 
@@ -390,9 +390,9 @@ def build_parser():
     add("--device", default="auto", help="auto picks cuda, then mps, then cpu")
     add("--dtype", default="auto", help="autocast dtype, or a comma list to compare: auto, "
         "float32, bfloat16, float16 (default: auto)")
-    add("--compile", default="auto", help="auto, off, model, blocks or graphs (see fast.py), or a "
-        "comma list to compare")
-    add("--attention", default="auto", help="auto (fast.py's choice), sdpa or explicit "
+    add("--compile", default="auto", help="auto, off, model, blocks or graphs (see "
+        "operations/fast.py), or a comma list to compare")
+    add("--attention", default="auto", help="auto (operations/fast.py's choice), sdpa or explicit "
         "(matmul-softmax-matmul), or a comma list to compare")
     add("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     add("--no-memory", dest="memory", action="store_false",

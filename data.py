@@ -7,14 +7,14 @@ Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir)
                augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
                data, where loading is then never the bottleneck. A folder is decoded once and
                kept in --cache_dir; later runs load it.
-  ImageStream  (stream.py) a folder too large for that (ImageNet at 224: 190 GB decoded) read as
-               training goes by DataLoader workers, with MAE's augmentation (RandomResizedCrop).
+  ImageStream  (operations/datasets.py) a folder too large for that (ImageNet at 224: 190 GB
+               decoded) read as training goes by DataLoader workers, with MAE's augmentation.
 Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes
 on exactly; each rank then reads only its slice (`shard`).
 
-Text (mlm, next): `wikitext2`, `wikitext103` (downloads.py fetches them from the author's mirror,
-with a Hugging Face fallback) or `text` (any train/val pair of text files). Tokenized once with
-tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random windows.
+Text (mlm, next): `wikitext2`, `wikitext103` (operations/datasets.py fetches them from the author's
+mirror, with a Hugging Face fallback) or `text` (any train/val pair of text files). Tokenized once
+with tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random windows.
 `--tokenizer bytes` is a 256-id byte-level tiktoken Encoding built in memory (no download).
 
 Every failure a user can meet (no network, missing files) raises DataError with one line:
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import checkpoint
+from operations import checkpoint
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
@@ -142,9 +142,9 @@ def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=Non
     if name == "folder":
         labels = torch.tensor([label for _, label in files[split]])
         return decode_folder(files[split], image_size, cache_dir), labels, None
-    import downloads  # torchvision's CIFAR, downloaded to data_dir if absent
+    from operations import datasets  # torchvision's CIFAR, downloaded to data_dir if absent
 
-    images, labels, classes = downloads.cifar(name, data_dir, split == "train")
+    images, labels, classes = datasets.cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
         keep = fixed_subset(len(images), limit)
         images, labels = images[keep], labels[keep]
@@ -296,12 +296,12 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
             raise DataError(f"--stream on reads an image folder; --dataset {name} is decoded into "
                             "memory (use --stream auto or off, or --dataset folder)")
         return ImageData(name, data_dir, device, image_size, train, train_samples)
-    from stream import ImageStream  # the streaming path lives apart (stream.py)
+    from operations import datasets  # the streaming path lives apart
 
     listing = list_folder(data_dir, train, train_samples)
     decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
     if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
-        return ImageStream(listing, device, image_size, **streaming)
+        return datasets.ImageStream(listing, device, image_size, **streaming)
     return ImageData(name, data_dir, device, image_size, train, train_samples, listing, cache_dir)
 
 
@@ -380,9 +380,9 @@ def get_tokenizer(name):
     import tiktoken
 
     if name.startswith("hf:"):
-        import downloads
+        from operations import datasets
 
-        return downloads.HuggingFaceTokenizer(name[3:])
+        return datasets.HuggingFaceTokenizer(name[3:])
     if name == "bytes":
         return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
                                  mergeable_ranks={bytes([i]): i for i in range(256)},
@@ -433,9 +433,9 @@ class TextData:
         """train=False reads the validation file only (the probe needs nothing else)."""
         self.tokenizer = get_tokenizer(tokenizer)
         if name in ("wikitext2", "wikitext103"):
-            import downloads
+            from operations import datasets
 
-            data_dir = downloads.download_wikitext(name, data_dir)
+            data_dir = datasets.download_wikitext(name, data_dir)
             train_file, val_file = "train.txt", "valid.txt"
         wanted = ((train_file, "--train_file"),) if train else ()
         tokens = []

@@ -24,10 +24,10 @@ import textwrap
 import torch
 
 from bamboo import patchify, unpatchify
-from checkpoint import check_output_path, model_from_checkpoint, save_figure
+from operations.checkpoint import check_output_path, model_from_checkpoint, save_figure
 from data import (IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out,
                   read_text)
-from housekeeping import one_line_errors
+from operations.housekeeping import one_line_errors
 
 
 # ----------------------------------------------------------------------------- inputs

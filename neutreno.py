@@ -86,7 +86,7 @@ class Attention(nn.Module):
     W_Q, W_K, W_V are one learned Linear (qkv) and W_O another (proj). EigenAttention below
     builds W_V and W_O from eigenvalues instead; both hand forward() their weights through
     projections(), so there is one path through it. explicit: softmax attention as plain
-    matmul-softmax-matmul even without need_weights (fast.py chooses it where it pays).
+    matmul-softmax-matmul even without need_weights (operations/fast.py chooses it where it pays).
 
     forward(x, v0=None, need_weights=False) -> (y, v, probs)
       y:     (B, T, C) the block's attention output, after W_O

@@ -43,9 +43,7 @@ import sys
 
 import torch
 
-import checkpoint
-import fast
-import housekeeping
+from operations import checkpoint, fast, housekeeping
 from bamboo import Bamboo
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, held_out
 
@@ -192,9 +190,10 @@ def beta(model, reference):
 
 def load_model(spec, dataset):
     """A checkpoint path, init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
-    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (adapters.py)."""
+    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (operations/adapters.py).
+    """
     if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
-        import adapters
+        from operations import adapters
 
         model = adapters.load(spec)
         return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}

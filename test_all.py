@@ -2,7 +2,7 @@
 
   0. shared helpers: tiny configs and batches, the tiny data, the training CLI run as users run it
   1. the model              2. the W_V W_O parameterization   3. training
-  4. bad input and faults   5. the probe, and look.py         6. speedups (fast.py, bench.py)
+  4. bad input and faults   5. the probe, and look.py         6. speedups (operations/fast.py)
   7. the code itself        8. CUDA (defined only where a GPU is; results/gpu.sh runs them)
 
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
@@ -253,7 +253,7 @@ def test_sdpa_path_equals_explicit_softmax_path():
 
 
 def test_fast_turns_on_explicit_attention_only_for_cpu_half_precision_short_sequences():
-    import fast
+    from operations import fast
 
     def explicit(config, device, dtype):
         model = Bamboo(config,
@@ -269,7 +269,7 @@ def test_fast_turns_on_explicit_attention_only_for_cpu_half_precision_short_sequ
 
 
 def test_bench_can_ask_for_either_attention_whatever_auto_would_choose():
-    import fast
+    from operations import fast
 
     def explicit(asked, device, dtype):
         config = tiny("cls")
@@ -838,13 +838,13 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     """A GPU only queues the steps between two reads of the loss, and the read waits for them: the
     speed in the last line must count that wait (a 50 ms sleep in every read stands in for it here;
     run_train reads every step)."""
-    import housekeeping
+    from operations import housekeeping
 
     read_loss = housekeeping.read_loss
 
-    def waiting_read(run, total):
+    def waiting_read(*args):
         time.sleep(0.05)
-        return read_loss(run, total)
+        return read_loss(*args)
 
     monkeypatch.setattr(housekeeping, "read_loss", waiting_read)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
@@ -858,7 +858,7 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     """best.pt: the weights of the best evaluation so far (lowest held-out loss for next-token),
     without optimizer or random states, loadable wherever a checkpoint is; --overwrite replaces
     it with the rest of the old run."""
-    from checkpoint import model_from_checkpoint
+    from operations.checkpoint import model_from_checkpoint
 
     out = tmp_path / "run"
     trained_checkpoint(tiny_data, "next", out, 6, "--eval_interval", "2", "--lr", "3e-2")
@@ -1046,20 +1046,21 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
 def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path, monkeypatch):
     import train
 
-    runs, norms, setup, clip = [], [], train.setup, torch.nn.utils.clip_grad_norm_
+    models, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
 
-    def setup_and_keep(args):
-        runs.append(setup(args))
-        return runs[-1]
+    class Kept(train.Bamboo):  # the model the run builds
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            models.append(self)
 
     def clip_then_measure(params, max_norm, *args, **kwargs):
         before = clip(params, max_norm, *args, **kwargs)
         after = torch.linalg.vector_norm(torch.stack([p.grad.norm()
-                                                      for p in runs[0].model.parameters()]))
+                                                      for p in models[0].parameters()]))
         norms.append((before.item(), after.item()))
         return before
 
-    monkeypatch.setattr(train, "setup", setup_and_keep)
+    monkeypatch.setattr(train, "Bamboo", Kept)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip",
                                           "0.01",
@@ -1295,7 +1296,7 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
 
 
 def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
-    import housekeeping
+    from operations import housekeeping
     import train
 
     advice = housekeeping.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
@@ -1356,7 +1357,7 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
                                                                                    monkeypatch):
     import errno
 
-    import checkpoint
+    from operations import checkpoint
 
     # the old fixed temp name is never touched
     (tmp_path / "ckpt.pt.tmp").write_text("someone else's")
@@ -1722,12 +1723,12 @@ def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_dat
 
 def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
                                                                         monkeypatch):
-    import downloads
+    from operations import datasets
 
     def offline(url, timeout=30):
         raise OSError("no network")
 
-    monkeypatch.setattr(downloads, "_fetch", offline)
+    monkeypatch.setattr(datasets, "_fetch", offline)
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
@@ -1753,7 +1754,7 @@ def test_bench_spec_booleans_are_strict(capsys):
 
     assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
     assert "checkpointing takes true or false" in capsys.readouterr().err
-    from housekeeping import config_from_spec
+    from operations.housekeeping import config_from_spec
 
     assert config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
@@ -1804,7 +1805,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 
 
 
-# ------------------------------------------------------ streaming image folders (stream.py)
+# ----------------------------------------------- streaming image folders (operations/datasets.py)
 
 @pytest.fixture(scope="session")
 def mixed_jpegs(tmp_path_factory):
@@ -1830,7 +1831,7 @@ STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmu
 
 def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
     from data import ImageData, _decode, list_folder
-    from stream import ImageStream
+    from operations.datasets import ImageStream
 
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
@@ -1856,7 +1857,7 @@ def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
     from PIL import Image
     from torchvision import transforms
 
-    from stream import eval_view, train_view
+    from operations.datasets import eval_view, train_view
 
     strip = mixed_jpegs / "strip.jpg"
     Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
@@ -1882,7 +1883,7 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
     from data import list_folder, shard
-    from stream import ImageStream
+    from operations.datasets import ImageStream
 
     listing = list_folder(str(mixed_jpegs))
 
@@ -1913,7 +1914,7 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
     the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
     step starts new workers where the data order stands. An evaluation reads on here too."""
     from data import list_folder
-    from stream import ImageStream
+    from operations.datasets import ImageStream
 
     def workers_that_exited():
         raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
@@ -1991,7 +1992,7 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
     import probe
     from data import first_samples, held_out
-    from stream import ImageStream, eval_view, standardised
+    from operations.datasets import ImageStream, eval_view, standardised
 
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
@@ -2099,7 +2100,7 @@ def test_the_settings_printed_are_those_that_apply(tiny_data, tmp_path):
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
-    import housekeeping
+    from operations import housekeeping
 
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
     code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
@@ -2124,21 +2125,18 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     """--time_limit counts from the invocation's start and stops training while the evaluation and
     the checkpoint still fit: their last measured time, or before the first evaluation a third of a
     step per held-out batch; inf is refused."""
-    import housekeeping
+    from operations import housekeeping
     import train
 
-    data = types.SimpleNamespace(num_held_out=lambda: 32)
-    run = train.Run(train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0),
-                    torch.device("cpu"), data=data)
-    run.t_begin, run.step_times = time.time() - 8, [1.0, 1.0]  # 2 s left, 1 s per step
-    run.micro_batch, run.step = 16, 10
-    assert not housekeeping.time_to_stop(run)  # 1 s step + 2 batches x 1 s / 3 fit in 2 s
-    run.eval_s = 0.5
-    assert not housekeeping.time_to_stop(run)
-    run.eval_s, run.save_s = 0.5, 0.6  # the step, the evaluation and the save: 2.1 s
-    assert housekeeping.time_to_stop(run) and run.stop == "time limit reached"
-    run.stop, run.step = None, run.cfg.max_iters  # at the last step there is nothing to stop
-    assert not housekeeping.time_to_stop(run)
+    cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0)
+    clock = housekeeping.Clock(time.time() - 8, cfg, held_out_batches=2)  # 2 s left
+    clock.step_times = [1.0, 1.0]  # 1 s per step
+    assert not clock.out_of_time(10)  # 1 s step + 2 batches x 1 s / 3 fit in 2 s
+    clock.eval_s = 0.5
+    assert not clock.out_of_time(10)
+    clock.eval_s, clock.save_s = 0.5, 0.6  # the step, the evaluation and the save: 2.1 s
+    assert clock.out_of_time(10)
+    assert not clock.out_of_time(cfg.max_iters)  # at the last step there is nothing to stop
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
     err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
@@ -2147,33 +2145,34 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     from tqdm import tqdm
 
-    import housekeeping
+    from operations import housekeeping
     import train
 
-    data = types.SimpleNamespace(num_held_out=lambda: 32)  # an evaluation: 2 batches, 1/3 s each
-    run = train.Run(train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0),
-                    torch.device("cpu"), data=data, micro_batch=16)
-    run.step, run.step_times, run.t_begin = 10, [1.0] * 11, time.time() - 4.5  # 1 s/step; 5.5 s
+    cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
+    # an evaluation: 2 batches, 1/3 s each; 1 s per step, 5.5 s left
+    clock = housekeeping.Clock(time.time() - 4.5, cfg, held_out_batches=2)
+    clock.step_times = [1.0] * 11
     bar = tqdm(total=1000, disable=True)
-    housekeeping.show_progress(run, bar, 2.5, 1e-3)
+    clock.show_progress(bar, 10, 2.5, 1e-3)
     line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
             "--time_limit stops the run at about step 14 (all 1000 steps would take about "
             "16.5 min)")  # 5.5 s left, 0.7 s of them kept for the final evaluation
     assert bar.total == 14 and line in capsys.readouterr().out
-    run.cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
-    housekeeping.show_progress(run, bar, 2.5, 1e-3)
+    cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
+    clock.show_progress(bar, 10, 2.5, 1e-3)
     assert bar.total == 1000
-    run.cfg, run.said, bar = train.TrainConfig(max_iters=1000), 0.0, tqdm(total=1000, disable=True)
-    housekeeping.show_progress(run, bar, 2.5, 1e-3)  # no time limit: the bar ends at max_iters
+    clock.cfg, clock.said = train.TrainConfig(max_iters=1000), 0.0
+    bar = tqdm(total=1000, disable=True)
+    clock.show_progress(bar, 10, 2.5, 1e-3)  # no time limit: the bar ends at max_iters
     assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")
-    run.said, run.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
-    housekeeping.show_progress(run, bar, 2.5, 1e-3)
+    clock.said, clock.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
+    clock.show_progress(bar, 10, 2.5, 1e-3)
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
 
 
 def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
                                                                                   monkeypatch):
-    from housekeeping import one_line_errors
+    from operations.housekeeping import one_line_errors
 
     def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
@@ -2195,7 +2194,7 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
 
 def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys,
                                                                                monkeypatch):
-    import housekeeping
+    from operations import housekeeping
     import train
 
     before = torch.get_num_threads()
@@ -2212,12 +2211,9 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert housekeeping.launcher(2) == "torchrun --nproc_per_node=2 train.py"
     assert housekeeping.launcher(4) == "torchrun --nnodes=2 --nproc_per_node=2 train.py"
-    run = types.SimpleNamespace(master=True, stop="time limit reached", step=7, world=2,
-                                ckpt_path="o/ckpt.pt", cfg=types.SimpleNamespace(out_dir="o"))
-    lines = []
-    housekeeping.say_how_to_resume(run, types.SimpleNamespace(write=lines.append))
-    assert lines == ["time limit reached at step 7; checkpoint saved to o/ckpt.pt; continue with: "
-                     "torchrun --nproc_per_node=2 train.py --resume --out_dir o"]
+    line = housekeeping.how_to_resume("time limit reached", 7, 2, "o")
+    assert line == ("time limit reached at step 7; checkpoint saved to o/ckpt.pt; continue with: "
+                    "torchrun --nproc_per_node=2 train.py --resume --out_dir o")
 
 
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
@@ -2385,7 +2381,7 @@ def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
 
 def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tmp_path,
                                                                            monkeypatch):
-    import checkpoint
+    from operations import checkpoint
 
     def stream_writer_fails(obj, f):
         f.write(b"partial")
@@ -2800,7 +2796,7 @@ def test_silent_inputs_are_refused_or_recorded_as_run(capsys, tiny_data, tmp_pat
 
 
 def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_take():
-    import adapters
+    from operations import adapters
 
     cases = {"timm:vit_tiny_patch16_224,pretrained=0,foo=1": "unexpected keyword argument 'foo'",
              "timm:vit_tiny_patch16_224,pretrained=0,depth=abc": "refuses the settings",
@@ -2822,7 +2818,7 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
     import tempfile
 
     import bench
-    import checkpoint
+    from operations import checkpoint
 
     def out_of_memory(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
@@ -2846,7 +2842,7 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
     advises pretrained=0 only where it was not given."""
     import pickle
 
-    import adapters
+    from operations import adapters
 
     def refused(name, pretrained, settings):
         raise pickle.UnpicklingError("Weights only load failed")
@@ -2870,19 +2866,20 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
 
 def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
                                                                                monkeypatch):
-    import train
-    from housekeeping import claim_out_dir, release_out_dir
-
-    run = train.Run(train.TrainConfig(out_dir=str(tmp_path / "run")), torch.device("cpu"))
-    claim_out_dir(run)
-    (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
+    from operations.housekeeping import out_dir_claimed
 
     def read_only(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(os, "remove", read_only)
-    release_out_dir(run)  # the lock's removal fails quietly: the write's error is the one shown
-    assert run.lock is None
+    with pytest.raises(OSError, match="No space left"):
+        with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
+            (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
+            monkeypatch.setattr(os, "remove", read_only)
+            raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
+    # the lock's removal failed quietly: the write's error is the one shown, the lock is let go
+    assert (tmp_path / "run" / ".lock").exists() and (tmp_path / "run" / "ckpt.pt").exists()
+    with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
+        pass
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
@@ -2929,7 +2926,7 @@ HF_TINY = {  # random weights from a configuration: no network
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
-    import adapters
+    from operations import adapters
     import probe
 
     torch.manual_seed(0)
@@ -3027,7 +3024,7 @@ def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
 def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monkeypatch):
     import transformers
 
-    import adapters
+    from operations import adapters
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
@@ -3118,7 +3115,7 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
     import transformers
 
-    import adapters
+    from operations import adapters
 
     def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
         _, name, settings = adapters.parse(spec)
@@ -3175,7 +3172,7 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
                                                                    monkeypatch):
     import transformers
 
-    import adapters
+    from operations import adapters
     import data
 
     folder = byte_level_tokenizer(tmp_path / "tok")
@@ -3348,7 +3345,7 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
 
 
 # ==================================================================================================
-# 6. Speedups keep results: fast.py against the plain path, AdamW, checkpointing, bf16, bench.py
+# 6. Speedups keep results: operations/fast.py against the plain path, AdamW, bf16, bench.py
 # ==================================================================================================
 
 def test_mlm_head_on_chosen_positions_equals_the_full_head():
@@ -3381,7 +3378,7 @@ def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
-    from fast import ChunkedCrossEntropy
+    from operations.fast import ChunkedCrossEntropy
 
     # 5 rows a chunk: 4 chunks + a part
     monkeypatch.setattr(ChunkedCrossEntropy, "ELEMENTS_PER_CHUNK", 64 * 5)
@@ -3406,7 +3403,7 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
 
 
 def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
-    import fast
+    from operations import fast
 
     torch.manual_seed(0)
     model = Bamboo(tiny("next", depth=2))
@@ -3478,7 +3475,7 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
 
 def test_every_fast_name_the_code_and_readme_cite_exists():
     """A docstring or the README that names one of fast's functions names a real one."""
-    import fast
+    from operations import fast
 
     texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
     cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
@@ -3490,7 +3487,7 @@ def test_every_file_py_name_in_the_readme_and_guide_exists():
     import ast
 
     defined = {}
-    for path in os.listdir(REPO):
+    for path in [*os.listdir(REPO), *(f"operations/{n}" for n in os.listdir(f"{REPO}/operations"))]:
         if path.endswith(".py"):
             tree = ast.parse(open(os.path.join(REPO, path)).read())
             names = set()
@@ -3504,13 +3501,13 @@ def test_every_file_py_name_in_the_readme_and_guide_exists():
                     names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
             defined[path] = names
     text = "".join(open(os.path.join(REPO, p)).read() for p in ("README.md", "docs/guide.md"))
-    cited = re.findall(r"`(\w+\.py):([\w.]+)`", text)
+    cited = re.findall(r"`((?:operations/)?\w+\.py):([\w.]+)`", text)
     assert len(cited) > 20
     assert [(f, n) for f, n in cited if n not in defined.get(f, ())] == []
 
 
 def test_fast_wraps_next_token_training_on_cpu_only():
-    import fast
+    from operations import fast
 
     model = Bamboo(tiny("next"))
     assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32)[0],
@@ -3639,7 +3636,7 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     import zipfile
 
     import data
-    import downloads
+    from operations import datasets
 
     def fake_zip(members):
         buffer = _io.BytesIO()
@@ -3649,16 +3646,16 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
         return buffer.getvalue()
 
     seen = []
-    monkeypatch.setattr(downloads, "_fetch",
+    monkeypatch.setattr(datasets, "_fetch",
                         lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
-    target = downloads.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    target = datasets.download_wikitext("wikitext2", str(tmp_path / "ok"))
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
     assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
     # an archive without its test split is refused; the fallback failing too leaves nothing behind
-    monkeypatch.setattr(downloads, "_fetch", lambda url: fake_zip(["train", "valid"]))
+    monkeypatch.setattr(datasets, "_fetch", lambda url: fake_zip(["train", "valid"]))
     with pytest.raises(data.DataError, match="could not download wikitext2"):
-        downloads.download_wikitext("wikitext2", str(tmp_path / "bad"))
+        datasets.download_wikitext("wikitext2", str(tmp_path / "bad"))
     assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
 
 
@@ -3681,7 +3678,7 @@ def test_bf16_autocast_tracks_fp32_training():
     assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
-# ---------------------------------------------------------- compilation and CUDA graphs (fast.py)
+# ------------------------------------------------- compilation and CUDA graphs (operations/fast.py)
 
 @pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
     ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
@@ -3695,7 +3692,7 @@ def test_bf16_autocast_tracks_fp32_training():
 ])
 def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
                                                                 expected, why):
-    import fast
+    from operations import fast
 
     mode, reason = fast.compile_plan(asked, torch.device(device),
                                      tiny(options.pop("objective", "cls"), **options), ddp)
@@ -3710,7 +3707,7 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
     from torch._dynamo.utils import counters
 
-    import fast
+    from operations import fast
 
     graphs = {}
     for depth in (3, 8):
@@ -3739,7 +3736,7 @@ def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_model
     128), as a view that leaves the padding out: logits, loss and every gradient equal the plain
     model's. The logits come without gradient (a compiled region would take a zero gradient for them
     at every step)."""
-    import fast
+    from operations import fast
 
     torch.manual_seed(0)
     model = Bamboo(tiny("next", vocab_size=100))
@@ -3762,7 +3759,7 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     batch."""
     from torch._dynamo.utils import counters
 
-    import fast
+    from operations import fast
     from data import ImageData
     from train import TrainConfig, evaluate
 
@@ -3783,7 +3780,7 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
     as None. The graphed callable returns the loss alone; the logits are kept beside it without
     gradient (a graphed output that requires grad would get a (B, T, vocab) zero gradient at every
     step)."""
-    import fast
+    from operations import fast
 
     model = Bamboo(tiny("next"))
     x, _ = batch(model.config)
@@ -3801,8 +3798,9 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 # ==================================================================================================
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "fast.py", "bench.py", "checkpoint.py", "look.py", "adapters.py",
-                   "housekeeping.py", "downloads.py", "stream.py")
+                   "bench.py", "look.py", *sorted(f"operations/{name}" for name in
+                                                  os.listdir(os.path.join(REPO, "operations"))
+                                                  if name.endswith(".py")))
 
 
 def instance_attributes(model):
@@ -3819,7 +3817,7 @@ def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
     method or an attribute on the model or its modules (nn.Module.compile's own slot,
     _compiled_call_impl, aside), so the methods of Bamboo, Block and Attention that a reader studies
     are the ones that train."""
-    import fast
+    from operations import fast
 
     model = Bamboo(tiny(objective, neutreno=0.4))
     before = instance_attributes(model)
@@ -3854,28 +3852,32 @@ def test_measurement_tools_do_not_import_the_trainer():
 
 TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
 PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
-OPERATIONS = {"checkpoint", "fast", "housekeeping", "stream", "downloads", "adapters", "look"}
+OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "adapters"}  # operations/
 
 
-def test_the_tutorial_imports_itself_the_named_packages_and_operations_by_module_name():
-    """The five files import each other, the standard library, the packages the user named and the
-    operations modules, those by module name (so each call reads housekeeping.claim_out_dir(...)
-    where it happens); the one from-import is data.open_images's ImageStream, whose argument
-    `stream` would shadow the module. Anything else fails here."""
+def test_the_tutorial_imports_itself_the_named_packages_and_five_operations_modules():
+    """The five files import each other, the standard library, the packages the user named, and at
+    most five modules of operations/, those as modules (`from operations import housekeeping`), so
+    each call reads housekeeping.out_dir_claimed(...) where it happens; and look.py, the picture
+    tool, for probe.py's figure. Anything else fails here."""
     import ast
 
     tutorial, found = {p[:-3] for p in TUTORIAL}, []
     for path in TUTORIAL:
         for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
             if isinstance(node, ast.Import):
-                found += [(path, a.name.split(".")[0], None) for a in node.names]
+                found += [(path, a.name, None) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                found.append((path, node.module.split(".")[0], [a.name for a in node.names]))
-    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names)
-    others = [(path, module, names) for path, module, names in found if module not in allowed
-              and not (module in OPERATIONS and names is None)]
-    assert others == [("data.py", "stream", ["ImageStream"])]
-    assert {module for _, module, _ in found if module in OPERATIONS} == OPERATIONS
+                found.append((path, node.module, [a.name for a in node.names]))
+    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names) | {"look"}
+    others = [(path, module, names) for path, module, names in found
+              if module.split(".")[0] not in allowed and module != "operations"]
+    assert others == []
+    used = {name for _, module, names in found if module == "operations" for name in names}
+    assert used == OPERATIONS and len(used) <= 5
+    assert {f"{name}.py" for name in OPERATIONS} <= set(os.listdir(f"{REPO}/operations"))
+    # nothing of the operations lives beside the five files any more
+    assert not {f"{name}.py" for name in OPERATIONS} & set(os.listdir(REPO))
 
 
 def test_reference_code_passes_ruff_at_100_columns():
@@ -3889,8 +3891,9 @@ def test_reference_code_passes_ruff_at_100_columns():
 
 
 def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
-    """No function over 60 lines, except train.train, whose loop holds the whole step in about 80;
-    the loop shows each of the step's verbs itself, in order."""
+    """No function over 60 lines, except train.train, which holds a run's whole state as its local
+    variables (nanoGPT's script body: set-up, then the loop); the loop shows each of the step's
+    verbs itself, in order."""
     import ast
     import inspect
 
@@ -3902,8 +3905,9 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lengths[f"{path}:{node.name}"] = node.end_lineno - node.lineno + 1
     long = {name: n for name, n in lengths.items() if n > 60 and name != "train.py:train"}
-    assert not long and lengths["train.py:train"] <= 80, (long, lengths["train.py:train"])
-    loop = inspect.getsource(train.train)
+    assert not long and lengths["train.py:train"] <= 190, (long, lengths["train.py:train"])
+    source = inspect.getsource(train.train)
+    loop = source[source.index("while step < cfg.max_iters"):]
     verbs = ["get_lr(", ".backward()", "clip_grad_norm_(", "scaler.step(", "zero_grad(",
              "read_loss(", "evaluate(",
              "checkpoint.save("]
@@ -3917,7 +3921,7 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
 
 # Defined only where a GPU is, so CPU runs and CI never collect them; results/gpu.sh runs them.
 if torch.cuda.is_available():
-    import fast
+    from operations import fast
 
     CUDA = torch.device("cuda")
 

@@ -2,11 +2,11 @@
 
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
-it top to bottom: the settings, the learning rate, set-up, then the loop, which holds the whole
-step; below it, the pieces they call in order (resolve_settings, the one place that says which
-setting wins, first; evaluation among them). What surrounds a run (the out_dir's
-lock, signals, progress lines, one-line errors) is in housekeeping.py, the checkpoint format in
-checkpoint.py, the speedups in fast.py.
+it top to bottom: the settings, the learning rate, then train(), which holds a run's whole state
+as its local variables: set-up, then the loop with the whole step. Below it, what train() calls
+(resolve_settings first: the one place that says which setting wins). What surrounds a run (the
+out_dir's lock, signals, progress lines, one-line errors), the checkpoint files and the speedups
+are in operations/, called by module name where they happen.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
@@ -15,17 +15,13 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-import checkpoint
-import fast
-import housekeeping
-import stream
+from operations import checkpoint, datasets, fast, housekeeping
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
 from data import (IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard,
                   to_device)
@@ -70,7 +66,7 @@ class TrainConfig:
     device: str = "auto"             # auto: cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (auto: bf16 where native)
     threads: int = 0                 # CPU threads of this process; 0: torch's (1 on a shared CPU)
-    compile: str = "auto"            # auto | off | model | blocks | graphs (see fast.py)
+    compile: str = "auto"            # auto | off | model | blocks | graphs (see operations/fast.py)
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # end within this many seconds, evaluated and saved (0: none)
@@ -100,199 +96,191 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-# ----------------------------------------------------------------------------- set-up
-
-@dataclass
-class Run:
-    """What the loop uses, every field declared here: setup() fills it, train() advances it."""
-
-    cfg: TrainConfig  # the settings (a resumed run: the checkpoint's, with the flags given now)
-    device: torch.device  # where the model and the batches live
-    rank: int = 0  # this process's rank under torchrun; 0 alone
-    world: int = 1  # processes in the DDP group; 1 alone
-    data: object = None  # ImageData, ImageStream (a folder read as training goes), TextData
-    model: Bamboo = None  # the model itself: what is evaluated and saved
-    training_module: nn.Module = None  # what the step calls: model, in fast.py's wrappers, DDP
-    compile_mode: str = "off"  # the compilation fast.for_training chose
-    dtype: torch.dtype = torch.float32  # autocast dtype
-    autocast: object = None  # the context of the forward pass: autocast, or nullcontext in float32
-    optimizer: torch.optim.Optimizer = None  # AdamW, one group per (decay, layer-decay scale)
-    params: list = None  # every parameter, clipped as one vector each step (a list made once)
-    scaler: torch.amp.GradScaler = None  # loss scaling for float16; does nothing otherwise
-    generator: torch.Generator = None  # data order and augmentation: the same on every rank
-    micro_batch: int = 0  # samples per forward pass on this rank
-    step: int = 0  # optimizer steps taken
-    best: float = None  # the best value of the objective's selection metric so far
-    saved_step: int = None  # the step the checkpoint on disk holds, None before the first
-    metrics: dict = None  # the last evaluation
-    stop: str = None  # why the run stops early (a signal, the time limit), None while it goes on
-    step_times: list = field(default_factory=list)  # seconds per step, evaluations left out
-    t_start: float = 0.0  # wall clock at the loop's start
-    t_begin: float = field(default_factory=time.time)  # the invocation's start, for --time_limit
-    lock: object = None  # the open out_dir/.lock that keeps a second run out (rank 0)
-    created_out_dir: bool = False  # whether this run made out_dir (removed again if left empty)
-    said: float = 0.0  # wall clock of the last progress line in a log file
-    init_hash: dict = None  # sha256 of the initial weights: {"trunk", "model", "loaded_trunk"}
-    eval_s: float = None  # seconds the last evaluation took
-    save_s: float = None  # seconds the last checkpoint took to write
-    probe_x: torch.Tensor = None  # the held-out samples probed at every evaluation (rank 0)
-    made_by: dict = None  # the commit, command, torch and device of this invocation
-    ckpt_path: str = ""  # out_dir/ckpt.pt: the last evaluation's checkpoint, to resume from
-    best_path: str = ""  # out_dir/best.pt: the best evaluation's weights
-    log_path: str = ""  # out_dir/log.jsonl
-
-    @property
-    def ddp(self):
-        return self.world > 1
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    def __post_init__(self):  # where the run's files go
-        self.ckpt_path, self.best_path, self.log_path = (
-            os.path.join(self.cfg.out_dir, name) for name in ("ckpt.pt", "best.pt", "log.jsonl"))
-
-    def log(self, *args):
-        if self.master:
-            print(*args, flush=True)
-
-
-def setup(args):
-    """Everything before the first step, in order. What can be checked is checked before any data
-    is decoded, and a run that fails here leaves no empty out_dir behind."""
-    cfg, resumed, pretrained, settings, sources = resolve_settings(args)
-    device, rank, world = start_processes(cfg)
-    run = Run(cfg, device, rank, world, made_by=housekeeping.code_and_machine(device))
-    try:
-        if run.master:
-            housekeeping.claim_out_dir(run)
-        run.log(f"loading {cfg.dataset} from {cfg.data_dir} ...")
-        run.data, config = load_data(cfg, settings, device, rank, world)
-        # the model: the same initial weights on every rank and for every arm of a comparison
-        run.dtype = fast.pick_dtype(cfg.dtype, device)
-        torch.manual_seed(cfg.seed)
-        explicit = fast.use_explicit_attention("auto", device, run.dtype, config)
-        run.model = Bamboo(config, explicit_attention=explicit).to(device)
-        run.init_hash = checkpoint.weights_hash(run.model)  # before any training or loading
-        if pretrained is not None and cfg.eval_only:  # scoring: every weight, the head too
-            housekeeping.load_whole(run.model, pretrained["model"], cfg.init_from)
-        elif pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
-            housekeeping.check_trunk_loaded(run, *run.model.load_encoder(pretrained["model"]))
-            run.init_hash["loaded_trunk"] = checkpoint.weights_hash(run.model)["trunk"]
-        # the optimizer, the data order, then a resumed run's state over all of it
-        run.optimizer = run.model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
-                                                      cfg.layer_decay,
-                                                      fused=fast.fused_adamw(device))
-        run.params = list(run.model.parameters())
-        run.scaler = torch.amp.GradScaler(device.type, enabled=run.dtype == torch.float16)
-        run.generator = torch.Generator().manual_seed(cfg.seed)  # data order: same on every rank
-        torch.manual_seed(cfg.seed + 1 + run.rank)  # masks and dropout differ across ranks
-        if resumed is not None:
-            housekeeping.check_same_classes(run, resumed)
-            checkpoint.restore(run, resumed, run.ckpt_path)
-            housekeeping.forget_unsaved_steps(run)
-            run.log(f"resumed from {run.ckpt_path} at step {run.step}")
-        # what the step calls: the model in fast.py's wrapper for this machine, then DDP
-        module, run.compile_mode, note = fast.for_training(run.model, device, run.dtype,
-                                                           cfg.compile, run.ddp)
-        run.log(note)
-        run.training_module = module
-        if run.ddp:
-            ids = [device] if device.type == "cuda" else None
-            run.training_module = DistributedDataParallel(module, device_ids=ids)
-        run.autocast = nullcontext()
-        if run.dtype != torch.float32:  # no autocast cache under CUDA graphs: it outlives a replay
-            cache = run.compile_mode != "graphs"
-            run.autocast = torch.autocast(device.type, dtype=run.dtype, cache_enabled=cache)
-        run.micro_batch = cfg.batch_size // (run.world * cfg.grad_accum)
-        if run.master and cfg.probe_samples:  # the samples probe.py takes for this checkpoint
-            run.probe_x = first_samples(run.data.as_held_out(), cfg.probe_samples)
-        housekeeping.replace_old_run(run)  # --overwrite: only now that every check has passed
-    except BaseException:
-        housekeeping.release_out_dir(run)
-        raise
-    housekeeping.describe_run(run, config, sources)
-    return run
-
-
-# ----------------------------------------------------------------------------- the training loop
+# ----------------------------------------------------------------------------- the run
 
 def train(args):
-    run = setup(args)
-    cfg, model = run.cfg, run.training_module  # the Bamboo, or it in fast.py's wrappers and DDP
-    if cfg.eval_only:
-        return evaluate_only(run)
-    if run.step >= cfg.max_iters:
-        return housekeeping.nothing_to_train(run)
-    run.t_start = time.time()
-    with housekeeping.stop_signals(run), housekeeping.log_and_progress(run) as (log, bar):
-        while run.step < cfg.max_iters:
-            t0 = time.time()
-            # 1. the learning rate of this step; each group scales it by its layer-decay factor
-            lr = get_lr(run.step, cfg)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            # 2. forward and backward over grad_accum micro-batches of this rank's part of the batch
-            draws = run.data.sample(cfg.batch_size, run.generator)  # the global batch, every rank
-            loss_sum = torch.zeros((), device=run.device)  # mean over micro-batches and ranks
-            for k in range(cfg.grad_accum):
-                part = shard(draws, run.rank, run.world, cfg.grad_accum, k)  # this rank's slice
-                x, y = run.data.train_batch(part)
-                x = to_device(x, run.device)
-                # DDP averages the gradients over ranks on the last micro-batch only
-                with model.no_sync() if run.ddp and k < cfg.grad_accum - 1 else nullcontext():
-                    with run.autocast:
-                        _, loss = model(x, y)
-                    run.scaler.scale(loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach() / (cfg.grad_accum * run.world)
-            # 3. clip the whole model's gradient, take the optimizer step, clear the gradients
-            if cfg.grad_clip > 0:
-                run.scaler.unscale_(run.optimizer)
-                torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip)
-            if run.ddp:
-                dist.all_reduce(loss_sum)  # a sum of shares: gloo in torch 2.6 has no ReduceOp.AVG
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.step += 1
-            bar.update(1)
-            # 4. log the loss: reading it waits for the device, so only every log_interval steps
-            stopping = housekeeping.time_to_stop(run)
-            evaluating = run.step % cfg.eval_interval == 0 or run.step == cfg.max_iters or stopping
-            if run.step % cfg.log_interval == 0 or evaluating:
-                # refuses a non-finite loss before any save
-                train_loss = housekeeping.read_loss(run, loss_sum)
-                housekeeping.show_progress(run, bar, train_loss, lr)
-            run.step_times.append(time.time() - t0)  # up to the read: they add up to the wall clock
-            if run.master and run.step % cfg.log_interval == 0:
-                log.write(json.dumps({"step": run.step, "loss": train_loss, "lr": lr}) + "\n")
-            # 5. evaluate on held-out data and save a checkpoint
-            if evaluating:
-                state = checkpoint.training_state(run)  # every rank's RNG: a collective under DDP
-                metrics, correct = None, []
-                if run.master:  # a stop evaluates too: --time_limit kept time for it
-                    batch, t_eval = run.micro_batch * cfg.grad_accum, time.time()
-                    metrics = evaluate(run.model, run.data, cfg, batch, run.device, correct)
-                    if run.probe_x is not None and math.isfinite(metrics["val_loss"]):
+    """One run, top to bottom as nanoGPT's: settings, processes, data, model, optimizer, a resumed
+    run's state, then the loop. Its state is the local variables below."""
+    t_begin = time.time()  # --time_limit counts from the invocation's start
+    cfg, resumed, pretrained, settings, sources = resolve_settings(args)
+    device, rank, world = start_processes(cfg)
+    master, ddp = rank == 0, world > 1
+
+    def say(*lines):  # rank 0 speaks for the run
+        if master:
+            print(*lines, flush=True)
+
+    ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
+                                      for name in ("ckpt.pt", "best.pt", "log.jsonl"))
+    # out_dir: locked for the whole run, and removed again if this run made it and left it empty
+    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite, master), \
+            housekeeping.process_group_left(ddp):
+        say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
+        data, config = load_data(cfg, settings, device, rank, world)
+
+        # the model: the same initial weights on every rank and for every arm of a comparison
+        dtype = fast.pick_dtype(cfg.dtype, device)
+        torch.manual_seed(cfg.seed)
+        explicit = fast.use_explicit_attention("auto", device, dtype, config)
+        model = Bamboo(config, explicit_attention=explicit).to(device)
+        init_hash = checkpoint.weights_hash(model)  # before any training or loading
+        if pretrained is not None and cfg.eval_only:  # scoring: every weight, the head too
+            housekeeping.load_whole(model, pretrained["model"], cfg.init_from)
+        elif pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
+            loaded, skipped = model.load_encoder(pretrained["model"])
+            say(housekeeping.check_trunk_loaded(model, cfg.init_from, loaded, skipped))
+            init_hash["loaded_trunk"] = checkpoint.weights_hash(model)["trunk"]
+
+        # the optimizer and the data order, then a resumed run's state over all of it
+        optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay,
+                                              fused=fast.fused_adamw(device))
+        params = list(model.parameters())  # clipped as one vector each step
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        generator = torch.Generator().manual_seed(cfg.seed)  # data order: the same on every rank
+        torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
+        step, best, saved_step = 0, None, None  # saved_step: what ckpt.pt holds (None: nothing)
+        if resumed is not None:
+            housekeeping.check_same_classes(resumed.get("classes"), data, cfg.data_dir)
+            step, best = checkpoint.load_states(resumed, ckpt_path, model, optimizer, scaler)
+            checkpoint.restore_random_states(resumed, ckpt_path, generator, rank, world, device)
+            saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
+            if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
+                housekeeping.forget_unsaved_steps(log_path, step)
+            say(f"resumed from {ckpt_path} at step {step}")
+
+        # what the step calls: the model in operations/fast.py's wrapper for this machine, then DDP
+        module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp)
+        say(note)
+        if ddp:
+            module = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda"
+                                             else None)
+        autocast = nullcontext()
+        if dtype != torch.float32:  # no autocast cache under CUDA graphs: it outlives a replay
+            autocast = torch.autocast(device.type, dtype=dtype,
+                                      cache_enabled=compile_mode != "graphs")
+        micro_batch = cfg.batch_size // (world * cfg.grad_accum)  # samples per forward, this rank
+        eval_batch = micro_batch * cfg.grad_accum
+        probe_x = None  # the held-out samples probed at every evaluation (probe.py's)
+        if master and cfg.probe_samples:
+            probe_x = first_samples(data.as_held_out(), cfg.probe_samples)
+        if master and cfg.overwrite:  # only now that every check has passed
+            housekeeping.remove_old_run(cfg.out_dir)
+        say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+            f"{model.num_params() / 1e6:.2f}M params, "
+            f"{model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
+            f"{world} x {cfg.grad_accum} x {micro_batch}, peak lr {cfg.lr:.3g}, warmup "
+            f"{cfg.warmup} steps")
+        say("\n".join(housekeeping.settings_lines(cfg, config, data, sources)))
+
+        if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
+            metrics = evaluate(model, data, cfg, eval_batch, device)
+            scored = f"{cfg.init_from} as trained" if cfg.init_from and step == 0 else None
+            say(f"evaluated {scored or f'at step {step}'}: "
+                + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            return 0
+        if step >= cfg.max_iters:
+            say(f"nothing to train: the run in {cfg.out_dir} is at step {step} of --max_iters "
+                f"{cfg.max_iters}; raise --max_iters to train on")
+            return 0
+
+        # ------------------------------------------------------------------------- the loop
+        held_out_batches = math.ceil(min(cfg.eval_samples or math.inf, data.num_held_out())
+                                     / eval_batch)
+        clock = housekeeping.Clock(t_begin, cfg, held_out_batches)
+        made_by = housekeeping.code_and_machine(device)  # the commit, command, torch and device
+        metrics, t_start = None, time.time()
+        with housekeeping.stop_signals(ddp, master) as stop, \
+                housekeeping.log_file(log_path, cfg, master, made_by, step) as log, \
+                housekeeping.progress_bar(cfg.max_iters, step, master) as bar:
+            while step < cfg.max_iters:
+                t0 = time.time()
+                # 1. the learning rate of this step; each group scales it by its layer-decay factor
+                lr = get_lr(step, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_scale"]
+                # 2. forward and backward over grad_accum micro-batches of this rank's share
+                draws = data.sample(cfg.batch_size, generator)  # the global batch, every rank
+                loss_sum = torch.zeros((), device=device)  # mean over micro-batches and ranks
+                for k in range(cfg.grad_accum):
+                    part = shard(draws, rank, world, cfg.grad_accum, k)  # this rank's slice
+                    x, y = data.train_batch(part)
+                    x = to_device(x, device)
+                    # DDP averages the gradients over ranks on the last micro-batch only
+                    with module.no_sync() if ddp and k < cfg.grad_accum - 1 else nullcontext():
+                        with autocast:
+                            _, loss = module(x, y)
+                        scaler.scale(loss / cfg.grad_accum).backward()
+                    loss_sum += loss.detach() / (cfg.grad_accum * world)
+                # 3. clip the whole model's gradient, take the optimizer step, clear the gradients
+                if cfg.grad_clip > 0:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if ddp:
+                    dist.all_reduce(loss_sum)  # a sum of shares: gloo in torch 2.6 has no AVG
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                bar.update(1)
+                # 4. log the loss: reading it waits for the device, so only every log_interval
+                if clock.out_of_time(step):
+                    stop.reason = stop.reason or "time limit reached"
+                stopping = stop.reason is not None
+                if ddp:  # the ranks agree, at the steps that read the loss anyway
+                    stopping = step % cfg.log_interval == 0 and housekeeping.any_rank(stopping,
+                                                                                      device)
+                evaluating = step % cfg.eval_interval == 0 or step == cfg.max_iters or stopping
+                if step % cfg.log_interval == 0 or evaluating:
+                    train_loss = housekeeping.read_loss(loss_sum, step, cfg, saved_step)
+                    clock.show_progress(bar, step, train_loss, lr, master)
+                clock.step_times.append(time.time() - t0)  # up to the read: the wall clock's
+                if master and step % cfg.log_interval == 0:
+                    log.write(json.dumps({"step": step, "loss": train_loss, "lr": lr}) + "\n")
+                # 5. evaluate on held-out data and save a checkpoint (a stop too: time was kept)
+                if not evaluating:
+                    continue
+                rng = checkpoint.random_states(generator, device, world)  # a collective in DDP
+                correct = []
+                if master:
+                    t_eval = time.time()
+                    metrics = evaluate(model, data, cfg, eval_batch, device, correct)
+                    if probe_x is not None and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
-                        metrics["layers"] = logged_metrics(run.model, run.probe_x, batch)
-                    run.eval_s = time.time() - t_eval
-                housekeeping.stop_if_non_finite(run, metrics)
-                if run.master:
-                    improved = housekeeping.record_evaluation(run, metrics, train_loss, log, bar,
-                                                              correct)
-                    state["best"] = run.best
+                        metrics["layers"] = logged_metrics(model, probe_x, eval_batch)
+                    clock.eval_s = time.time() - t_eval
+                # nothing non-finite is saved: every rank stops where rank 0 found it
+                finite = not master or (math.isfinite(metrics["val_loss"])
+                                        and all(torch.isfinite(p).all() for p in params))
+                if not finite or (ddp and housekeeping.any_rank(not finite, device)):
+                    what = (f"the weights or the evaluation went non-finite at step {step}"
+                            if not finite else "rank 0 stopped the run")
+                    raise housekeeping.diverged(what, cfg, saved_step)
+                if master:
+                    name, larger_is_better = housekeeping.selection_metric(config.objective)
+                    improved = best is None or (metrics[name] > best if larger_is_better
+                                                else metrics[name] < best)
+                    best = metrics[name] if improved else best
+                    record = {"step": step, "train_loss": train_loss, **metrics,
+                              "elapsed_s": time.time() - t_start}
+                    housekeeping.record_evaluation(log, bar, record, model, init_hash, correct,
+                                                   cfg.out_dir)
+                    state = {"config": config.to_dict(), "train": asdict(cfg),
+                             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scaler": scaler.state_dict(), "step": step, "best": best,
+                             "rng": rng, "classes": getattr(data, "classes", None),
+                             "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
                     if improved:  # the best weights so far, without the optimizer
-                        checkpoint.save(run.best_path, checkpoint.weights_only(state))
-                    checkpoint.save(run.ckpt_path, state)
-                    run.saved_step, run.save_s = run.step, time.time() - t_save
-            if stopping:
-                housekeeping.say_how_to_resume(run, bar)
-                break
-    housekeeping.summary(run)
-    return 130 if run.stop == "interrupted" else 0
+                        checkpoint.save(best_path, checkpoint.weights_only(state))
+                    checkpoint.save(ckpt_path, state)
+                    saved_step, clock.save_s = step, time.time() - t_save
+                if stopping:
+                    if master:
+                        bar.write(housekeeping.how_to_resume(stop.reason, step, world, cfg.out_dir))
+                    break
+        say(clock.summary(model, metrics, best, stop.reason, device))
+    return 130 if stop.reason == "interrupted" else 0
 
 
 # ---------------------------------------------------------- what set-up and the loop call, in order
@@ -418,7 +406,7 @@ def load_data(cfg, settings, device, rank=0, world=1):
                            crop_scale=cfg.crop_scale,
                            workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
         # what the checkpoint keeps
-        cfg.stream = "on" if isinstance(data, stream.ImageStream) else "off"
+        cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
@@ -430,13 +418,6 @@ def load_data(cfg, settings, device, rank=0, world=1):
                                          f"{data.vocab_size} ids; drop --vocab_size (--tokenizer "
                                          "sets it)")
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
-
-
-def evaluate_only(run):
-    """--eval_only (nanoGPT's eval_only): the weights as set up, judged once, nothing saved."""
-    batch = run.micro_batch * run.cfg.grad_accum
-    metrics = evaluate(run.model, run.data, run.cfg, batch, run.device)
-    return housekeeping.report_evaluation_only(run, metrics)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ def command_line(main):
     checkpoint, an output it cannot write) is one line on stderr and exit code 2, as train.py and probe.py do."""
     sys.path.insert(0, ROOT)
     from data import DataError
-    from checkpoint import CheckpointError
+    from operations.checkpoint import CheckpointError
 
     try:
         main()
@@ -172,7 +172,7 @@ def finished_run(path):
     """(model, checkpoint) of a run that reached its planned step (--max_iters): an analysis never
     reads a run that stopped early."""
     sys.path.insert(0, ROOT)
-    from checkpoint import model_from_checkpoint
+    from operations.checkpoint import model_from_checkpoint
 
     model, ckpt = model_from_checkpoint(path)
     planned = ckpt.get("train", {}).get("max_iters")

@@ -88,7 +88,7 @@ import torch.nn.functional as F
 import bench
 import neutreno
 from bamboo import Bamboo, Config
-from fast import ChunkedCrossEntropy
+from operations.fast import ChunkedCrossEntropy
 
 
 def fastest(calls, rounds=7, reps=3):
@@ -182,7 +182,7 @@ import functools
 import torch
 
 import bench
-import fast
+from operations import fast
 from bamboo import Bamboo, Config
 
 

@@ -1,4 +1,4 @@
-"""The streaming loader (stream.ImageStream) against MAE's own (torchvision ImageFolder, MAE's
+"""The streaming loader (datasets.ImageStream) against MAE's own (torchvision ImageFolder, MAE's
 transforms, a DataLoader: facebookresearch/mae main_pretrain.py), reading the same folder in the
 same process, turn about: images per second of the loader alone, and of a training step it feeds.
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bamboo import Bamboo, Config  # noqa: E402
 from data import list_folder  # noqa: E402
-from stream import ImageStream  # noqa: E402
+from operations.datasets import ImageStream  # noqa: E402
 
 
 def make_folder(root, source, per_class, seed=0):

@@ -1,18 +1,18 @@
 """Checkpoints in one place: what a training run saves, how it is written, loaded and resumed.
 
-A checkpoint is one dict of plain data, as nanoGPT's: the model's Config as a dict, the weights,
-the optimizer and scaler state, the step, the best evaluation, the training settings and every
-rank's random state, so that a resumed run repeats the uninterrupted one exactly. It is written
-atomically (a temp file, then a rename: a crash or a full disk never leaves half a checkpoint)
-and loaded with torch.load(weights_only=True), which runs no code from the file. train.py saves
-and resumes with it; probe.py, bench.py and results/ rebuild models with model_from_checkpoint.
+A checkpoint is one dict of plain data, as nanoGPT's, built in train.train where it is saved: the
+model's Config as a dict, the weights, the optimizer and scaler state, the step, the best
+evaluation, the training settings and every rank's random state, so that a resumed run repeats the
+uninterrupted one exactly. It is written atomically (a temp file, then a rename: a crash or a full
+disk never leaves half a checkpoint) and loaded with torch.load(weights_only=True), which runs no
+code from the file. probe.py, bench.py and results/ rebuild models with model_from_checkpoint.
 
-Run: python -c "import checkpoint; print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
+Run: python -c "from operations import checkpoint;
+     print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
 """
 import hashlib
 import os
 import tempfile
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -92,22 +92,16 @@ def weights_hash(model, trunk_only=False):
                                                             "model": everything.hexdigest()}
 
 
-def training_state(run):
-    """Everything a resume needs, as plain data: config, weights, optimizer, step, every rank's RNG.
-    run is train.Run; under DDP this is a collective (every rank gives its random state)."""
-    cuda = (torch.cuda.get_rng_state(run.device) if run.device.type == "cuda"
+def random_states(generator, device, world=1):
+    """The data order's generator and every rank's torch (and CUDA) random state, so that a resume
+    repeats the uninterrupted run; under DDP a collective (masks and dropout differ per rank)."""
+    cuda = (torch.cuda.get_rng_state(device) if device.type == "cuda"
             else torch.empty(0, dtype=torch.uint8))
-    own = {"torch": torch.get_rng_state(), "cuda": cuda}
-    ranks = [own]
-    if run.ddp:  # masks and dropout differ per rank, so a resume needs each rank's own state
-        ranks = [None] * run.world
+    ranks = [{"torch": torch.get_rng_state(), "cuda": cuda}]
+    if world > 1:
+        own, ranks = ranks[0], [None] * world
         dist.all_gather_object(ranks, own)
-    return {"config": run.model.config.to_dict(), "train": asdict(run.cfg),
-            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "scaler": run.scaler.state_dict(), "step": run.step,
-            "best": run.best, "rng": {"data": run.generator.get_state(), "ranks": ranks},
-            "classes": getattr(run.data, "classes", None),  # image runs: each label's folder
-            "init_hash": run.init_hash, "made_by": run.made_by}
+    return {"data": generator.get_state(), "ranks": ranks}
 
 
 WEIGHTS = ("config", "train", "model", "step", "best", "classes", "init_hash", "made_by")
@@ -165,29 +159,35 @@ def model_from_checkpoint(path, **options):
     return model, ckpt
 
 
-def restore(run, ckpt, path):
-    """Put run's model, optimizer, scaler, step and this rank's RNG back as the checkpoint at path
-    has them."""
+def load_states(ckpt, path, model, optimizer, scaler):
+    """Put the checkpoint's weights, optimizer and scaler state back, or one line; (its step, its
+    best evaluation)."""
     try:
-        run.model.load_state_dict(ckpt["model"])
-        run.optimizer.load_state_dict(ckpt["optimizer"])
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not match its own config "
                               f"({' '.join(str(e).split())[:160]}); "
                               "it is damaged, train again") from None
     try:
-        run.scaler.load_state_dict(ckpt["scaler"])
-        run.step, run.best = int(ckpt["step"]), ckpt["best"]
-        run.generator.set_state(ckpt["rng"]["data"])
-        run.init_hash = ckpt.get("init_hash") or run.init_hash  # the run's start, not this resume's
+        scaler.load_state_dict(ckpt["scaler"])
+        return int(ckpt["step"]), ckpt["best"]
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} cannot be resumed ({' '.join(str(e).split())[:160]})") \
+            from None
+
+
+def restore_random_states(ckpt, path, generator, rank, world, device):
+    """The data order and this rank's random state as the checkpoint at path has them."""
+    try:
+        generator.set_state(ckpt["rng"]["data"])
         ranks = ckpt["rng"]["ranks"]
-        if len(ranks) != run.world:
+        if len(ranks) != world:
             raise ValueError(f"it was written by {len(ranks)} processes, this run has "
-                             f"{run.world}; use as many")
-        torch.set_rng_state(ranks[run.rank]["torch"])
-        if run.device.type == "cuda" and ranks[run.rank]["cuda"].numel():
-            torch.cuda.set_rng_state(ranks[run.rank]["cuda"], run.device)
+                             f"{world}; use as many")
+        torch.set_rng_state(ranks[rank]["torch"])
+        if device.type == "cuda" and ranks[rank]["cuda"].numel():
+            torch.cuda.set_rng_state(ranks[rank]["cuda"], device)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
         why = " ".join(str(e).split())[:160]
         raise CheckpointError(f"{path} cannot be resumed ({why})") from None
-    run.saved_step = run.step

@@ -16,18 +16,18 @@ import subprocess
 import sys
 import time
 import types
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import fast
+from operations import checkpoint
+from operations import fast
 from bamboo import TRUNK, Config
 from data import IMAGE_DATASETS, TEXT_DATASETS, DataError
-from stream import ImageStream
+from operations.datasets import ImageStream
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir
@@ -240,14 +240,13 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
             from None
 
 
-def check_same_classes(run, resumed):
+def check_same_classes(saved, data, data_dir):
     """A resumed image run must see the class folders it was trained on, in the same order: labels
     are class indices, so renamed or reordered folders would train on permuted labels."""
-    saved = resumed.get("classes")
-    now = getattr(run.data, "classes", None)
+    now = getattr(data, "classes", None)
     if saved is not None and now is not None and list(saved) != list(now):
         raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
-                            f"{run.cfg.data_dir} holds {now[:6]}; point --data_dir at the same "
+                            f"{data_dir} holds {now[:6]}; point --data_dir at the same "
                             "class folders (same names, so the same order)")
 
 
@@ -274,11 +273,11 @@ def load_whole(model, state, path):
             from None
 
 
-def check_trunk_loaded(run, loaded, skipped):
+def check_trunk_loaded(model, path, loaded, skipped):
     """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
     from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
-    would silently train from scratch. Fewer blocks than the checkpoint is allowed."""
-    model, path = run.model, run.cfg.init_from
+    would silently train from scratch. Fewer blocks than the checkpoint is allowed. Returns the
+    line that says what was loaded."""
     missing = [name for name in model.state_dict() if name.startswith(TRUNK) and name not in loaded]
     if missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
@@ -286,20 +285,25 @@ def check_trunk_loaded(run, loaded, skipped):
                             f"tensors are absent or shaped differently ({names}); fine-tune from "
                             "a checkpoint of the same modality and tokenizer, without flags that "
                             "reshape its trunk (--width, --mlp_ratio, --patch_size, --vo_param)")
-    run.log(f"init_from {path}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+    return (f"init_from {path}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
             f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
 # ----------------------------------------------------------------------------- the out_dir
 
-def claim_out_dir(run):
-    """Check out_dir before any data is decoded: a writable folder that no other train.py is using
-    (a lock held for the whole run), with no other run's files unless --resume or --overwrite.
-    Temporary files of a write that a kill cut short are removed (the lock says none is ours)."""
-    out = run.cfg.out_dir
+@contextmanager
+def out_dir_claimed(out, resume, overwrite, master=True):
+    """with out_dir_claimed(...): the run. Before any data is decoded, out_dir must be a writable
+    folder that no other train.py is using (a lock held for the whole run), with no other run's
+    files unless --resume or --overwrite. Temporary files of a write that a kill cut short are
+    removed (the lock says none is ours). On the way out the lock goes, and the folder too if this
+    run made it and left it empty. Other DDP ranks touch nothing."""
+    if not master:
+        yield
+        return
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out_dir {out} is a file, not a folder; choose another --out_dir")
-    run.created_out_dir = not os.path.exists(out)
+    created = not os.path.exists(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -308,24 +312,27 @@ def claim_out_dir(run):
     if not os.access(out, os.W_OK | os.X_OK):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
-    run.lock = lock_out_dir(out)
-    for name in os.listdir(out):
-        if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
-            os.remove(os.path.join(out, name))
-    taken = [name for name in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, name))]
-    if taken and not run.cfg.resume and not run.cfg.overwrite:
-        raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
-                            f"continue it with --resume, "
-                            "choose another --out_dir, or pass --overwrite to replace it")
+    lock = lock_out_dir(out)
+    try:
+        for name in os.listdir(out):
+            if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
+                os.remove(os.path.join(out, name))
+        taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
+        if taken and not resume and not overwrite:
+            raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
+                                f"continue it with --resume, "
+                                "choose another --out_dir, or pass --overwrite to replace it")
+        yield
+    finally:
+        release_out_dir(out, lock, created)
 
 
-def replace_old_run(run):
+def remove_old_run(out):
     """--overwrite, once the new run has passed every check: remove what the old run wrote, so
     that a new run stopped before its first checkpoint leaves nothing of the old one beside it."""
-    if run.master and run.cfg.overwrite:
-        for name in RUN_FILES:
-            with suppress(FileNotFoundError):
-                os.remove(os.path.join(run.cfg.out_dir, name))
+    for name in RUN_FILES:
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
 
 
 def lock_out_dir(out):
@@ -345,17 +352,25 @@ def lock_out_dir(out):
     return f
 
 
-def release_out_dir(run):
+def release_out_dir(out, lock, created):
     """Drop the lock, and remove out_dir again if this run created it and left nothing in it."""
-    if run.lock is None:
+    if lock is None:
         return
-    run.lock.close()
-    run.lock = None
-    out = run.cfg.out_dir
+    lock.close()
     with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
         os.remove(os.path.join(out, ".lock"))  # stopped the run is the one to report
-        if run.created_out_dir and not os.listdir(out):
+        if created and not os.listdir(out):
             os.rmdir(out)
+
+
+@contextmanager
+def process_group_left(ddp):
+    """A DDP rank leaves its group on the way out, however the run ended."""
+    try:
+        yield
+    finally:
+        if ddp:
+            dist.destroy_process_group()
 
 
 def logged_step(line):
@@ -366,16 +381,16 @@ def logged_step(line):
         return math.inf
 
 
-def forget_unsaved_steps(run):
+def forget_unsaved_steps(log_path, step):
     """log.jsonl without the records after the checkpoint's step: the run repeats those steps, and a
     killed run's log would otherwise hold them twice."""
-    if not run.master or run.cfg.eval_only or not os.path.exists(run.log_path):
+    if not os.path.exists(log_path):
         return
-    with open(run.log_path, encoding="utf-8") as f:
+    with open(log_path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = [line for line in lines if logged_step(line) <= run.step]
+    kept = [line for line in lines if logged_step(line) <= step]
     if len(kept) < len(lines):
-        checkpoint.atomic_write(run.log_path, lambda f: f.write("".join(kept).encode()))
+        checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
 
 
 def code_and_machine(device):
@@ -401,80 +416,130 @@ def code_and_machine(device):
 
 # ----------------------------------------------------------------------------- stopping
 
-def any_rank(run, flag):
-    """In DDP, True on every rank if it is True on any (so all ranks stop together); else flag."""
-    if not run.ddp:
-        return flag
-    value = torch.tensor([float(flag)], device=run.device if run.device.type == "cuda" else "cpu")
+def any_rank(flag, device):
+    """Under DDP, True on every rank if it is True on any (so all ranks stop together)."""
+    value = torch.tensor([float(flag)], device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
 
-def time_to_stop(run):
-    """Whether the run stops after this step: a signal came (stop_signals) or --time_limit passed.
-    DDP ranks agree (a host sync) only at the steps that read the loss anyway."""
-    cfg = run.cfg
-    if cfg.time_limit and limit_left(run) < timed_step_s(run) and run.step < cfg.max_iters:
-        run.stop = run.stop or "time limit reached"
-    if run.ddp:
-        return run.step % cfg.log_interval == 0 and any_rank(run, run.stop is not None)
-    return run.stop is not None
-
-
 @contextmanager
-def stop_signals(run):
-    """Ctrl-C and SIGTERM (what schedulers send) set run.stop: the loop finishes the step (under
-    DDP, the steps up to the next one that logs the loss), saves and exits; a second Ctrl-C stops at
-    once. The handlers before are put back on the way out."""
+def stop_signals(ddp=False, master=True):
+    """with stop_signals() as stop: Ctrl-C and SIGTERM (what schedulers send) set stop.reason; the
+    loop finishes the step (under DDP, the steps up to the next one that logs the loss), saves and
+    exits; a second Ctrl-C stops at once. The handlers before are put back on the way out."""
+    stop = types.SimpleNamespace(reason=None)
+
     def handler(signum, frame):
-        if run.stop == "interrupted" and signum == signal.SIGINT:
+        if stop.reason == "interrupted" and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        run.stop = "interrupted"
-        when = "the next step that logs the loss" if run.ddp else "this step"
-        if run.master:
+        stop.reason = "interrupted"
+        when = "the next step that logs the loss" if ddp else "this step"
+        if master:
             print(f"\nstop requested: finishing {when}, then saving a checkpoint (Ctrl-C again "
                   "stops at once, without saving)", file=sys.stderr, flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield stop
     finally:
         for sig, handler_before in previous.items():
             signal.signal(sig, handler_before)
 
 
-def seconds_per_step(run, last=None):
-    """The mean time of the steps so far (of the last ones, if given), the first step left out as
-    warm-up unless it is the only one; None before any step."""
-    timed = (run.step_times[1:] or run.step_times)[-last if last else 0:]
-    return sum(timed) / len(timed) if timed else None
+class Clock:
+    """The run's timing: the steps so far, the last evaluation and save; from them, where
+    --time_limit stops the run, the progress lines and the summary's speed."""
+
+    def __init__(self, t_begin, cfg, held_out_batches):
+        self.t_begin, self.cfg, self.held_out_batches = t_begin, cfg, held_out_batches
+        self.step_times = []  # seconds per step, evaluations left out
+        self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
+        self.said = 0.0  # wall clock of the last progress line in a log file
+
+    def step_s(self, last=None):
+        """The mean time of the steps so far (of the last ones, if given), the first step left out
+        as warm-up unless it is the only one; None before any step."""
+        timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
+        return sum(timed) / len(timed) if timed else None
+
+    def timed_step_s(self):
+        """Seconds per step once a step after the first (compilation, capture) is timed; or 0."""
+        return self.step_s() if len(self.step_times) > 1 else 0.0
+
+    def limit_left(self):
+        """Seconds of --time_limit left for training steps: the limit counts from the invocation's
+        start and keeps back what the final evaluation and checkpoint take (as last measured;
+        before the first evaluation, a third of a step per held-out batch), so a stop ends with
+        both."""
+        evaluation = self.eval_s
+        if evaluation is None:
+            evaluation = self.held_out_batches * self.timed_step_s() / 3
+        return (self.cfg.time_limit - (time.time() - self.t_begin) - evaluation
+                - (self.save_s or 0.0))
+
+    def out_of_time(self, step):
+        """Whether --time_limit leaves no room for another step before the final evaluation."""
+        cfg = self.cfg
+        return bool(cfg.time_limit) and step < cfg.max_iters and (
+            self.limit_left() < self.timed_step_s())
+
+    def show_progress(self, bar, step, train_loss, lr, master=True):
+        """The loss on the progress bar, whose end is where --time_limit will stop the run if it
+        comes first; in a log file (no bar), a progress line at most every 30 s with the time left,
+        which counts the evaluations once one is timed, and says where a time limit will stop."""
+        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+        step_s = self.step_s(last=50)
+        if step_s is None:
+            return
+        cfg = self.cfg
+        steps = cfg.max_iters - step
+        evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
+        whole = steps * step_s + evals * (self.eval_s or 0.0)
+        left, where = whole, ""
+        if cfg.time_limit:
+            fit = max(0.0, self.limit_left()) / step_s  # may be huge: --time_limit 1e308
+            steps = max(0, int(min(steps, fit)))
+            bar.total = step + steps
+            bar.refresh()
+            if step + steps < cfg.max_iters:
+                left = max(0.0, cfg.time_limit - (time.time() - self.t_begin))
+                where = (f": --time_limit stops the run at about step {step + steps} "
+                         f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
+        if bar.disable and master and time.time() - self.said >= PROGRESS_EVERY_S:
+            self.said = time.time()
+            print(f"step {step}/{cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+                  f"{step_s * 1000:.0f} ms/step, about {left / 60:.1f} min left{where}",
+                  flush=True)
+
+    def summary(self, model, metrics, best, stopped, device):
+        """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
+        c, cfg = model.config, self.cfg
+        name, _ = selection_metric(c.objective)
+        unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
+        step_s = self.step_s()
+        result = "not evaluated"
+        if metrics is not None:
+            result = f"{name} {metrics[name]:.4g} (best {best:.4g})"
+        line = (f"{'stopped' if stopped else 'done'}: {result}, {step_s * 1000:.1f} ms/step, "
+                f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
+        peak = fast.gpu_peak_tflops(device) if device.type == "cuda" else None
+        if peak:
+            flops = model.flops_per_sample() * cfg.batch_size / step_s
+            line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
+        line += f"; first step {self.step_times[0]:.1f} s (compilation, capture)"
+        if self.eval_s is not None:
+            line += f", last evaluation {self.eval_s:.1f} s"
+        return line
 
 
-def timed_step_s(run):
-    """Seconds per step once a step after the first (compilation, graph capture) is timed; or 0."""
-    return seconds_per_step(run) if len(run.step_times) > 1 else 0.0
-
-
-def limit_left(run):
-    """Seconds of --time_limit left for training steps: the limit counts from the invocation's
-    start and keeps back what the final evaluation and checkpoint take (as last measured; before
-    the first evaluation, a third of a step per held-out batch), so a stop ends with both."""
-    cfg = run.cfg
-    evaluation = run.eval_s
-    if evaluation is None:
-        samples = min(cfg.eval_samples or math.inf, run.data.num_held_out())
-        batch = max(1, run.micro_batch * cfg.grad_accum)
-        evaluation = math.ceil(samples / batch) * timed_step_s(run) / 3
-    return cfg.time_limit - (time.time() - run.t_begin) - evaluation - (run.save_s or 0.0)
-
-
-def last_good_state(run):
+def last_good_state(saved_step, out_dir, eval_interval):
     """Where the last good state is, said truthfully."""
-    if run.saved_step is None:
-        return (f"no checkpoint was written yet (the first comes at step {run.cfg.eval_interval}), "
+    if saved_step is None:
+        return (f"no checkpoint was written yet (the first comes at step {eval_interval}), "
                 "so this run is lost")
-    return (f"{run.ckpt_path} still holds step {run.saved_step}, the last good state; resume from "
-            "it with --resume")
+    return (f"{os.path.join(out_dir, 'ckpt.pt')} still holds step {saved_step}, the last good "
+            "state; resume from it with --resume")
 
 
 def divergence_advice(cfg):
@@ -483,29 +548,21 @@ def divergence_advice(cfg):
     return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
 
 
-def read_loss(run, total):
+def diverged(what, cfg, saved_step):
+    """The error for a run gone non-finite: what, that nothing was saved, where the last good
+    state is, and what to change."""
+    return TrainingError(f"{what}; nothing was saved; "
+                         f"{last_good_state(saved_step, cfg.out_dir, cfg.eval_interval)}; "
+                         f"{divergence_advice(cfg)}")
+
+
+def read_loss(total, step, cfg, saved_step):
     """The training loss as a number (a host sync), refusing a non-finite one before any save."""
     train_loss = total.item()
     if not math.isfinite(train_loss):
-        raise TrainingError(f"loss is {train_loss} at step {run.step} (read every "
-                            f"--log_interval steps); nothing "
-                            f"was saved; {last_good_state(run)}; {divergence_advice(run.cfg)}")
+        raise diverged(f"loss is {train_loss} at step {step} (read every --log_interval steps)",
+                       cfg, saved_step)
     return train_loss
-
-
-def stop_if_non_finite(run, metrics):
-    """Stop every rank, before anything is saved, where rank 0 found the weights or its evaluation
-    non-finite (other ranks pass metrics None)."""
-    problem = None
-    if run.master:
-        weights_finite = all(torch.isfinite(p).all() for p in run.params)
-        finite = weights_finite and (metrics is None or math.isfinite(metrics["val_loss"]))
-        if not finite:
-            problem = (f"the weights or the evaluation went non-finite at step {run.step}; "
-                       f"nothing was saved; "
-                       f"{last_good_state(run)}; {divergence_advice(run.cfg)}")
-    if any_rank(run, problem is not None):
-        raise TrainingError(problem or "rank 0 stopped the run")
 
 
 # ----------------------------------------------------------------------------- logging
@@ -517,41 +574,46 @@ def selection_metric(objective):
 
 
 @contextmanager
-def log_and_progress(run):
-    """(log.jsonl, progress bar) for the loop; each invocation's first record says what made it.
-    On the way out the bar is closed before any error line and a DDP rank leaves its group."""
+def log_file(path, cfg, master, made_by, from_step):
+    """log.jsonl, line-buffered (`tail -f` follows the run; a killed run keeps what it logged); a
+    fresh run (--overwrite included) starts its own. Each invocation's first record says what
+    made it. With --wandb_project the records also go to Weights & Biases. None on other ranks."""
+    if not master:
+        yield None
+        return
+    with open(path, "a" if cfg.resume else "w", buffering=1) as log:
+        log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
+        if cfg.wandb_project:
+            log = LogAlsoToWandb(log, cfg)
+        yield log
+        if isinstance(log, LogAlsoToWandb):
+            log.wandb.finish()
+
+
+@contextmanager
+def progress_bar(total, initial, master=True):
+    """A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation
+    lines. Closed on the way out, before any error line."""
     from tqdm import tqdm
 
-    # A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation lines.
-    bar = tqdm(total=run.cfg.max_iters, initial=run.step,
-               disable=not (run.master and sys.stderr.isatty()),
+    bar = tqdm(total=total, initial=initial, disable=not (master and sys.stderr.isatty()),
                dynamic_ncols=True, mininterval=1.0)
-    mode = "a" if run.cfg.resume else "w"  # a fresh run (--overwrite included) starts its own log
     try:
-        # Line-buffered: `tail -f log.jsonl` follows the run; a killed run keeps what it logged.
-        with open(run.log_path, mode, buffering=1) if run.master else nullcontext() as log:
-            if run.master:
-                log.write(json.dumps({"run": run.made_by, "from_step": run.step}) + "\n")
-            if run.master and run.cfg.wandb_project:
-                log = LogAlsoToWandb(log, run)
-            yield log, bar
-            if isinstance(log, LogAlsoToWandb):
-                log.wandb.finish()
+        yield bar
     finally:
         bar.close()
-        leave(run)
 
 
 class LogAlsoToWandb:
     """log.jsonl whose step and evaluation records also go to Weights & Biases, as nanoGPT's
     wandb_log does: the numbers only (per-layer metrics stay in the file)."""
 
-    def __init__(self, log, run):
+    def __init__(self, log, cfg):
         import wandb
 
         self.log = log
-        self.wandb = wandb.init(project=run.cfg.wandb_project, config=vars(run.cfg),
-                                name=os.path.basename(os.path.abspath(run.cfg.out_dir)))
+        self.wandb = wandb.init(project=cfg.wandb_project, config=vars(cfg),
+                                name=os.path.basename(os.path.abspath(cfg.out_dir)))
 
     def write(self, line):
         self.log.write(line)
@@ -562,123 +624,51 @@ class LogAlsoToWandb:
             self.wandb.log(numbers, step=record["step"])
 
 
-def show_progress(run, bar, train_loss, lr):
-    """The loss on the progress bar, whose end is where --time_limit will stop the run if it comes
-    first; in a log file (no bar), a progress line at most every 30 s with the time left, which
-    counts the evaluations once one is timed, and says where a time limit will stop the run."""
-    bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-    step_s = seconds_per_step(run, last=50)
-    if step_s is None:
-        return
-    cfg = run.cfg
-    steps = cfg.max_iters - run.step
-    evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
-    whole = steps * step_s + evals * (run.eval_s or 0.0)
-    left, where = whole, ""
-    if cfg.time_limit:
-        fit = max(0.0, limit_left(run)) / step_s  # may be huge: --time_limit 1e308
-        steps = max(0, int(min(steps, fit)))
-        bar.total = run.step + steps
-        bar.refresh()
-        if run.step + steps < cfg.max_iters:
-            left = max(0.0, cfg.time_limit - (time.time() - run.t_begin))
-            where = (f": --time_limit stops the run at about step {run.step + steps} "
-                     f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
-    if bar.disable and run.master and time.time() - run.said >= PROGRESS_EVERY_S:
-        run.said = time.time()
-        print(f"step {run.step}/{cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
-              f"{step_s * 1000:.0f} ms/step, about {left / 60:.1f} min left{where}", flush=True)
-
-
-def record_evaluation(run, metrics, train_loss, log, bar, correct):
-    """Log and print the evaluation (with the trunk's hashes), a classifier's per-image
-    correctness to eval_correct.npy; whether it is the best so far."""
-    name, larger_is_better = selection_metric(run.model.config.objective)
-    value = metrics[name]
-    improved = run.best is None or (value > run.best if larger_is_better else value < run.best)
-    if improved:
-        run.best = value
-    run.metrics = metrics
-    elapsed = time.time() - run.t_start
-    record = {"step": run.step, "train_loss": train_loss, **metrics, "elapsed_s": elapsed}
-    hashes = {"init_trunk_sha256": run.init_hash["trunk"],  # the seed's initial trunk
-              "trunk_sha256": checkpoint.weights_hash(run.model, trunk_only=True)["trunk"]}
-    if "loaded_trunk" in run.init_hash:  # --init_from: the pretrained trunk training started from
-        hashes["loaded_trunk_sha256"] = run.init_hash["loaded_trunk"]
+def record_evaluation(log, bar, record, model, init_hash, correct, out_dir):
+    """Log and print the evaluation record with the trunk's hashes; a classifier's per-image
+    correctness to eval_correct.npy."""
+    hashes = {"init_trunk_sha256": init_hash["trunk"],  # the seed's initial trunk
+              "trunk_sha256": checkpoint.weights_hash(model, trunk_only=True)["trunk"]}
+    if "loaded_trunk" in init_hash:  # --init_from: the pretrained trunk training started from
+        hashes["loaded_trunk_sha256"] = init_hash["loaded_trunk"]
     log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")
     if correct:
         flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
-        path = os.path.join(run.cfg.out_dir, "eval_correct.npy")
+        path = os.path.join(out_dir, "eval_correct.npy")
         checkpoint.atomic_write(path, lambda f: np.save(f, flags))
     bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                        for k, v in record.items() if not isinstance(v, dict)))
-    return improved
 
 
-def describe_run(run, config, sources):
-    """The model, the batch and the schedule in a line, then every setting by where it came from."""
-    cfg = run.cfg
-    run.log(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{run.model.num_params() / 1e6:.2f}M params, "
-            f"{run.model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
-            f"{run.device} {str(run.dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
-            f"{run.world} x {cfg.grad_accum} x {run.micro_batch}, peak lr {cfg.lr:.3g}, warmup "
-            f"{cfg.warmup} steps")
-    if isinstance(run.data, ImageStream):
-        workers = run.data.workers
-        run.log(f"streaming {run.data.num_train():,} training images from disk, {workers} "
-                f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
-                f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
+def settings_lines(cfg, config, data, sources):
+    """What streaming does, then every setting by where it came from."""
+    lines = []
+    if isinstance(data, ImageStream):
+        workers = data.workers
+        lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
+                     f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
+                     f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
     elif config.is_image:  # crops and decoding processes are the stream's: say what applies
         if sources.get("crop_scale") != "flags":
             sources.pop("crop_scale", None)
         unused = [f"--{k}" for k in ("crop_scale", "workers") if sources.get(k) == "flags"]
         if unused:
-            run.log(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
-                    "decodes its images into memory (--stream on to stream them)")
+            lines.append(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
+                         "decodes its images into memory (--stream on to stream them)")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
     sources.update(dict.fromkeys(dictated, "the data"))
-    run.log("\n".join(settings_block({**vars(cfg), **config.to_dict()}, sources)))
+    lines += settings_block({**vars(cfg), **config.to_dict()}, sources)
     if cfg.warmup >= cfg.max_iters:
-        run.log(f"note: --warmup {cfg.warmup} is not shorter than --max_iters {cfg.max_iters}: the "
-                "rate never reaches its peak and never decays")
+        lines.append(f"note: --warmup {cfg.warmup} is not shorter than --max_iters "
+                     f"{cfg.max_iters}: the rate never reaches its peak and never decays")
+    return lines
 
 
-def nothing_to_train(run):
-    """A run already at --max_iters: say so, exit 0."""
-    return end_without_training(run, f"nothing to train: the run in {run.cfg.out_dir} is at step "
-                                     f"{run.step} of --max_iters {run.cfg.max_iters}; raise "
-                                     "--max_iters to train on")
-
-
-def end_without_training(run, line):
-    """Print the line, leave the out_dir as it was, exit 0."""
-    run.log(line)
-    leave(run)
-    return 0
-
-
-def leave(run):
-    """The end of every invocation that got past set-up: the out_dir's lock, then the DDP group."""
-    release_out_dir(run)
-    if run.ddp:
-        dist.destroy_process_group()
-
-
-def report_evaluation_only(run, metrics):
-    """--eval_only: the metrics of the weights as set up, one line; nothing saved."""
-    scored = run.cfg.init_from and run.step == 0  # --init_from: a checkpoint, as it was trained
-    what = f"{run.cfg.init_from} as trained" if scored else f"at step {run.step}"
-    return end_without_training(run, f"evaluated {what}: " + " ".join(
-        f"{k} {v:.4g}" for k, v in metrics.items()))
-
-
-def say_how_to_resume(run, bar):
+def how_to_resume(reason, step, world, out_dir):
     """After an early stop: why, where the checkpoint is, and the command that continues."""
-    if run.master:  # on a line of its own, not after the progress bar
-        bar.write(f"{run.stop or 'stopped by another rank'} at step {run.step}; checkpoint saved "
-                  f"to {run.ckpt_path}; continue with: {launcher(run.world)} --resume --out_dir "
-                  f"{run.cfg.out_dir}")
+    return (f"{reason or 'stopped by another rank'} at step {step}; checkpoint saved to "
+            f"{os.path.join(out_dir, 'ckpt.pt')}; continue with: {launcher(world)} --resume "
+            f"--out_dir {out_dir}")
 
 
 def launcher(world):
@@ -689,30 +679,6 @@ def launcher(world):
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = f" --nnodes={world // per_node}" if per_node != world else ""
     return f"torchrun{nodes} --nproc_per_node={per_node} train.py"
-
-
-def summary(run):
-    """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
-    if not run.step_times or not run.master:
-        return
-    c, cfg = run.model.config, run.cfg
-    name, _ = selection_metric(c.objective)
-    unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
-    step_s = seconds_per_step(run)
-    result = "not evaluated"
-    if run.metrics is not None:
-        result = f"{name} {run.metrics[name]:.4g} (best {run.best:.4g})"
-    line = (f"{'done' if run.stop is None else 'stopped'}: {result}, "
-            f"{step_s * 1000:.1f} ms/step, "
-            f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
-    peak = fast.gpu_peak_tflops(run.device) if run.device.type == "cuda" else None
-    if peak:
-        flops = run.model.flops_per_sample() * cfg.batch_size / step_s
-        line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
-    line += f"; first step {run.step_times[0]:.1f} s (compilation, capture)"
-    if run.eval_s is not None:
-        line += f", last evaluation {run.eval_s:.1f} s"
-    run.log(line)
 
 
 # ----------------------------------------------------------------------------- one-line errors

@@ -29,8 +29,8 @@ logits carry no gradient (the loss does).
 The measurements, their machine and their commands are in results/bench/README.md (CPU) and
 results/gpu/README.md (GPU).
 
-Run: python -c "import fast, torch, bamboo; print(fast.for_training(bamboo.Bamboo(bamboo.Config(
-     objective='next')), torch.device('cpu'), torch.bfloat16))"
+Run: python -c "import torch, bamboo; from operations import fast; print(fast.for_training(
+     bamboo.Bamboo(bamboo.Config(objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
 import torch
 import torch.nn as nn
