@@ -26,8 +26,6 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
 import copy
 import hashlib
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -36,8 +34,6 @@ from operations import checkpoint
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
-# ImageFolder's
-IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class DataError(Exception):
@@ -59,39 +55,6 @@ def read_rgb(path):
                         f"or replace that file") from None
 
 
-def _decode(path, size):
-    from PIL import Image
-
-    im = read_rgb(path)
-    return np.asarray(im if im.size == (size, size) else im.resize((size, size), Image.BICUBIC))
-
-
-def _image_files(root):
-    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
-    torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
-    classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
-    folders (.ipynb_checkpoints) are not classes."""
-    try:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir()
-                         and not e.name.startswith("."))
-    except OSError as e:
-        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point "
-                        f"--data_dir elsewhere")
-    if not classes:
-        raise DataError(f"{root} has no class folders; an image folder dataset needs "
-                        f"{root}/<class>/<image>")
-    samples = []
-    for label, name in enumerate(classes):
-        before = len(samples)
-        for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            samples += [(os.path.join(folder, f), label) for f in sorted(files)
-                        if f.lower().endswith(IMAGE_FILES)]
-        if len(samples) == before:
-            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
-                            "add images to it or remove it")
-    return samples, classes
-
-
 def fixed_order(n):
     """A fixed random order of n items: the same for every run."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(0))
@@ -102,47 +65,12 @@ def fixed_subset(n, limit):
     return fixed_order(n)[:limit].sort().values
 
 
-def list_folder(data_dir, train=True, train_samples=0):
-    """An ImageFolder tree's files, which both image paths read: ({"train": [(path, label)], "test":
-    [...]}, class names). train_samples > 0 keeps a fixed subset of train; the test split comes in
-    one fixed shuffle, since ImageFolder lists class by class and "the first N" must be fair."""
-    if not os.path.isdir(data_dir):
-        raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image "
-                        "folder tree with train/ and test/ inside")
-    files, classes = {}, {}
-    wanted = {"test": ("test", "val"), "train": ("train",)} if train else {"test": ("test", "val")}
-    for split, names in wanted.items():
-        roots = [os.path.join(data_dir, n) for n in names
-                 if os.path.isdir(os.path.join(data_dir, n))]
-        if not roots:
-            raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
-                            f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
-                            f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
-        files[split], classes[split] = _image_files(roots[0])
-    if train:
-        check_split_classes(data_dir, classes["train"], classes["test"])
-        if train_samples:
-            files["train"] = [files["train"][i] for i in
-                              fixed_subset(len(files["train"]), train_samples).tolist()]
-    files["test"] = [files["test"][i] for i in fixed_order(len(files["test"])).tolist()]
-    return files, classes["test"]
-
-
-def check_split_classes(data_dir, train_classes, test_classes):
-    """Labels are class indices: splits with different class folders would mislabel the test."""
-    if train_classes != test_classes:
-        only_train = sorted(set(train_classes) - set(test_classes))
-        only_test = sorted(set(test_classes) - set(train_classes))
-        raise DataError(f"{data_dir}: the splits have different classes (only in "
-                        f"training: {only_train[:5]}, "
-                        f"only in test: {only_test[:5]}); give both the same class folders")
-
-
 def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=None):
+    from operations import datasets  # a folder decoded (and cached), or CIFAR downloaded
+
     if name == "folder":
         labels = torch.tensor([label for _, label in files[split]])
-        return decode_folder(files[split], image_size, cache_dir), labels, None
-    from operations import datasets  # torchvision's CIFAR, downloaded to data_dir if absent
+        return datasets.decode_folder(files[split], image_size, cache_dir), labels, None
 
     images, labels, classes = datasets.cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
@@ -151,46 +79,6 @@ def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=Non
     if images.shape[-1] != image_size:  # a few hundred at a time: float copies of all would be GBs
         images = torch.cat([resize(chunk, image_size) for chunk in images.split(500)])
     return images, labels, classes
-
-
-def decode_folder(files, size, cache_dir=None):
-    """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
-    cache_dir, later runs load the saved array, keyed by every file's path, size and time, the
-    image size and DECODING, so that a changed folder (or decoder) is decoded again."""
-    cache = cache_dir and os.path.join(cache_dir, folder_key(files, size))
-    if cache and os.path.exists(cache):
-        try:
-            return torch.from_numpy(np.load(cache))
-        except (OSError, ValueError, EOFError):  # damaged: decoded again and replaced below
-            pass
-    started = time.time()
-    with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
-        images = as_batch(list(pool.map(lambda s: _decode(s[0], size), files)))
-    seconds, kept = time.time() - started, False
-    if cache and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one copy per machine under DDP
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            checkpoint.atomic_write(cache, lambda f: np.save(f, images.numpy()))
-            kept = True
-        except OSError as e:  # the run goes on; the next one decodes again
-            print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
-                  "to a writable folder to load them at once next time", flush=True)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"decoded {len(files):,} images in {seconds:.1f} s"
-              + (f", kept in {cache_dir} for the next run" if kept else ""), flush=True)
-    return images
-
-
-DECODING = "RGB, bicubic resize, uint8 (N, 3, H, W)"  # change it when _decode changes
-
-
-def folder_key(files, size):
-    """The cache file's name for these files decoded at this size."""
-    key = hashlib.sha1(f"{DECODING}|{size}".encode())
-    for path, _ in files:
-        stat = os.stat(path)
-        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
 
 
 def as_batch(pixels):
@@ -224,7 +112,9 @@ class ImageData:
         cache_dir, if given."""
         files = classes = None
         if name == "folder":
-            files, classes = listing or list_folder(data_dir, train, train_samples)
+            from operations import datasets
+
+            files, classes = listing or datasets.list_folder(data_dir, train, train_samples)
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
@@ -298,7 +188,7 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
         return ImageData(name, data_dir, device, image_size, train, train_samples)
     from operations import datasets  # the streaming path lives apart
 
-    listing = list_folder(data_dir, train, train_samples)
+    listing = datasets.list_folder(data_dir, train, train_samples)
     decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
     if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
         return datasets.ImageStream(listing, device, image_size, **streaming)

@@ -1197,6 +1197,8 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     import data
     from PIL import Image
 
+    from operations import datasets
+
     folder, cache = tmp_path / "images", tmp_path / "cache"
     shutil.copytree(tiny_data / "images", folder)
     decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
@@ -1205,8 +1207,8 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
     assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
     decodes = []
-    real_decode = data._decode
-    monkeypatch.setattr(data, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
+    real_decode = datasets._decode
+    monkeypatch.setattr(datasets, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
     cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert decodes == []  # loaded, not decoded
     for got in (first, cached):
@@ -1216,16 +1218,16 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
     again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
-    where = [str(p) for p, _ in data.list_folder(str(folder))[0]["test"]].index(str(changed))
+    where = [str(p) for p, _ in datasets.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
     for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
         damaged.write_bytes(b"not an array")
     assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
                                       cache_dir=str(cache)).train_x, decoded.train_x)
     assert len(decodes) == 32 + 32 + 96
-    listing = data.list_folder(str(folder))[0]  # the two files in use now hold arrays again
-    assert [np.load(cache / data.folder_key(listing[s], 16)).shape[0] for s in ("train", "test")] \
-        == [96, 32]
+    listing = datasets.list_folder(str(folder))[0]  # the two files in use now hold arrays again
+    keys = [datasets.folder_key(listing[s], 16) for s in ("train", "test")]
+    assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
     capsys.readouterr()
     (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
     unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
@@ -1830,7 +1832,8 @@ STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmu
 
 
 def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
-    from data import ImageData, _decode, list_folder
+    from data import ImageData
+    from operations.datasets import _decode, list_folder
     from operations.datasets import ImageStream
 
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
@@ -1882,7 +1885,8 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
         mixed_jpegs):
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
-    from data import list_folder, shard
+    from data import shard
+    from operations.datasets import list_folder
     from operations.datasets import ImageStream
 
     listing = list_folder(str(mixed_jpegs))
@@ -1913,7 +1917,7 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
     """A signal to every process ends the workers, maybe before they hand over the micro-batch
     the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
     step starts new workers where the data order stands. An evaluation reads on here too."""
-    from data import list_folder
+    from operations.datasets import list_folder
     from operations.datasets import ImageStream
 
     def workers_that_exited():

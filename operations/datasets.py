@@ -1,5 +1,6 @@
-"""How data reaches the machine: image folders streamed from disk as training goes, and what a
-user with internet downloads.
+"""How data reaches the machine: image folders listed as ImageFolder does, decoded once and cached
+(list_folder, decode_folder), or streamed from disk as training goes; and what a user with internet
+downloads.
 
 Image folders too large to decode whole (ImageNet-1k at 224: 190 GB of uint8), with MAE's
 augmentation: data.open_images picks ImageStream over data.ImageData where a folder's decoded
@@ -15,21 +16,24 @@ Downloads (CIFAR, WikiText's text, Hugging Face tokenizers): data.py calls them 
 or tokenizer is asked for and absent; without the network each fails with one line (DataError)
 that says what to put where instead.
 
-Run: python -c "import data; from operations import datasets;
-     print(datasets.ImageStream(data.list_folder('DIR'), 'cpu', 224).num_train())"
+Run: python -c "from operations import datasets;
+     print(datasets.ImageStream(datasets.list_folder('DIR'), 'cpu', 224).num_train())"
 """
 import copy
+import hashlib
 import io
 import itertools
 import math
 import os
+import time
 import urllib.request
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from data import DataError, as_batch, read_rgb, shard, to_device
+from data import DataError, as_batch, fixed_order, fixed_subset, read_rgb, shard, to_device
 from operations.checkpoint import atomic_write
 
 
@@ -39,6 +43,123 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # to a dead worker that had yet to hand over a batch's shared memory
 WORKERS_GONE = (RuntimeError, OSError, EOFError)
 
+
+# ----------------------------------------------------------------------------- image folders
+
+# ImageFolder's
+IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def list_folder(data_dir, train=True, train_samples=0):
+    """An ImageFolder tree's files, which both image paths read: ({"train": [(path, label)], "test":
+    [...]}, class names). train_samples > 0 keeps a fixed subset of train; the test split comes in
+    one fixed shuffle, since ImageFolder lists class by class and "the first N" must be fair."""
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image "
+                        "folder tree with train/ and test/ inside")
+    files, classes = {}, {}
+    wanted = {"test": ("test", "val"), "train": ("train",)} if train else {"test": ("test", "val")}
+    for split, names in wanted.items():
+        roots = [os.path.join(data_dir, n) for n in names
+                 if os.path.isdir(os.path.join(data_dir, n))]
+        if not roots:
+            raise DataError(f"no {' or '.join(n + '/' for n in names)} folder in {data_dir}; an "
+                            f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
+                            f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
+        files[split], classes[split] = _image_files(roots[0])
+    if train:
+        check_split_classes(data_dir, classes["train"], classes["test"])
+        if train_samples:
+            files["train"] = [files["train"][i] for i in
+                              fixed_subset(len(files["train"]), train_samples).tolist()]
+    files["test"] = [files["test"][i] for i in fixed_order(len(files["test"])).tolist()]
+    return files, classes["test"]
+
+
+def check_split_classes(data_dir, train_classes, test_classes):
+    """Labels are class indices: splits with different class folders would mislabel the test."""
+    if train_classes != test_classes:
+        only_train = sorted(set(train_classes) - set(test_classes))
+        only_test = sorted(set(test_classes) - set(train_classes))
+        raise DataError(f"{data_dir}: the splits have different classes (only in "
+                        f"training: {only_train[:5]}, "
+                        f"only in test: {only_test[:5]}); give both the same class folders")
+
+
+def _decode(path, size):
+    from PIL import Image
+
+    im = read_rgb(path)
+    return np.asarray(im if im.size == (size, size) else im.resize((size, size), Image.BICUBIC))
+
+
+def _image_files(root):
+    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
+    torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
+    classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
+    folders (.ipynb_checkpoints) are not classes."""
+    try:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir()
+                         and not e.name.startswith("."))
+    except OSError as e:
+        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point "
+                        f"--data_dir elsewhere")
+    if not classes:
+        raise DataError(f"{root} has no class folders; an image folder dataset needs "
+                        f"{root}/<class>/<image>")
+    samples = []
+    for label, name in enumerate(classes):
+        before = len(samples)
+        for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            samples += [(os.path.join(folder, f), label) for f in sorted(files)
+                        if f.lower().endswith(IMAGE_FILES)]
+        if len(samples) == before:
+            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
+                            "add images to it or remove it")
+    return samples, classes
+
+
+def decode_folder(files, size, cache_dir=None):
+    """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
+    cache_dir, later runs load the saved array, keyed by every file's path, size and time, the
+    image size and DECODING, so that a changed folder (or decoder) is decoded again."""
+    cache = cache_dir and os.path.join(cache_dir, folder_key(files, size))
+    if cache and os.path.exists(cache):
+        try:
+            return torch.from_numpy(np.load(cache))
+        except (OSError, ValueError, EOFError):  # damaged: decoded again and replaced below
+            pass
+    started = time.time()
+    with ThreadPoolExecutor() as pool:  # PIL releases the GIL while decoding
+        images = as_batch(list(pool.map(lambda s: _decode(s[0], size), files)))
+    seconds, kept = time.time() - started, False
+    if cache and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one copy per machine under DDP
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            atomic_write(cache, lambda f: np.save(f, images.numpy()))
+            kept = True
+        except OSError as e:  # the run goes on; the next one decodes again
+            print(f"note: decoded images not cached ({e.strerror}: {e.filename}); set --cache_dir "
+                  "to a writable folder to load them at once next time", flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"decoded {len(files):,} images in {seconds:.1f} s"
+              + (f", kept in {cache_dir} for the next run" if kept else ""), flush=True)
+    return images
+
+
+DECODING = "RGB, bicubic resize, uint8 (N, 3, H, W)"  # change it when _decode changes
+
+
+def folder_key(files, size):
+    """The cache file's name for these files decoded at this size."""
+    key = hashlib.sha1(f"{DECODING}|{size}".encode())
+    for path, _ in files:
+        stat = os.stat(path)
+        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
+
+
+# ----------------------------------------------------------------------------- streaming
 
 class ImageStream:
     """An image folder read from disk as training goes, for folders too large to decode whole

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bamboo import Bamboo, Config  # noqa: E402
-from data import list_folder  # noqa: E402
+from operations.datasets import list_folder  # noqa: E402
 from operations.datasets import ImageStream  # noqa: E402
 
 
