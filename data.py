@@ -5,8 +5,8 @@ Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir)
 (any ImageFolder tree with train/ and test/ or val/). Two ways to read them:
   ImageData    the whole split on the training device as one uint8 tensor; whole batches are
                augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
-               data, where loading is then never the bottleneck. A folder is decoded once and
-               kept in --cache_dir; later runs load it.
+               data, where loading is then never the bottleneck. A folder is listed, decoded
+               once and kept in --cache_dir by operations/datasets.py; later runs load it.
   ImageStream  (operations/datasets.py) a folder too large for that (ImageNet at 224: 190 GB
                decoded) read as training goes by DataLoader workers, with MAE's augmentation.
 Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes

@@ -10,7 +10,8 @@ every layer back towards the first layer's values. For layer l >= 1 and head h:
 exactly as the authors' code does it (NeuTRENO section 3):
   * the term is added per head, before the heads are merged and before W_O;
   * V0 is layer 0's value tensor (its qkv projection, bias included, applied to layer 0's
-    normalised input) and it is NOT detached: every later layer sends gradient into it;
+    normalised input) and it is not detached: every later layer sends gradient into it
+    (Config.neutreno_detach cuts that path, for an ablation; the forward stays the same);
   * layer 0 itself is plain attention; it only hands its V on;
   * lam is one fixed float for every layer and head: 0.6 for vision, 0.4 for language
     modelling (the papers' values); lam = 0 is plain softmax attention, bit for bit;

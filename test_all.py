@@ -2335,25 +2335,44 @@ def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(ti
     assert (tmp_path / ".notes.x.tmp").exists() and (tmp_path / "ckpt.pt.tmp").exists()
 
 
-def test_an_overwrite_run_stopped_early_cannot_resume_the_run_it_replaced(capsys, tiny_data,
-                                                                          tmp_path, monkeypatch):
-    import train
+@pytest.mark.parametrize("how", ["diverged", "killed"])
+def test_an_overwrite_run_that_ends_before_saving_puts_the_replaced_run_back(capsys, tiny_data,
+                                                                            tmp_path, how):
+    """--overwrite keeps the old run aside until the new one's first checkpoint: a new run that
+    diverges (or meets bad data) puts it back as it ends; one killed outright (no clean-up) finds
+    it back at the next start. Either way the old run resumes."""
+    from operations import housekeeping
 
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
     assert run_train(*flags, out_dir=tmp_path)[0] == 0
-    get_lr = train.get_lr
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    if how == "diverged":
+        import train
 
-    def killed_at_step_1(it, cfg):
-        if it == 1:
-            raise SystemExit(137)  # a kill before the new run's first checkpoint
-        return get_lr(it, cfg)
+        assert train.main([*flags, "--overwrite", "--max_iters", "50", "--eval_interval", "100",
+                           "--lr", "1e30", "--warmup", "0", "--grad_clip", "0", "--out_dir",
+                           str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "the run it replaced (--overwrite) is back in" in err
+        assert err.rstrip().splitlines()[-1].startswith("error: loss is")  # the error comes last
+    else:  # what a SIGKILL leaves: the old run aside, the new run's log, no new checkpoint
+        housekeeping.set_aside_old_run(str(tmp_path))
+        (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+        with housekeeping.out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
+            pass
+        assert "is back in place" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert not (tmp_path / ".replaced").exists()
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    assert code == 0 and "resumed from" in out and "at step 2" in out, out
 
-    monkeypatch.setattr(train, "get_lr", killed_at_step_1)
-    with pytest.raises(SystemExit):
-        run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
-    monkeypatch.undo()
-    assert not (tmp_path / "ckpt.pt").exists()  # the replaced run's went with --overwrite
-    assert "no checkpoint at" in cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+
+def test_an_overwrite_run_drops_the_replaced_run_once_it_has_saved(tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    code, out, records = run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
+    assert code == 0 and not (tmp_path / ".replaced").exists(), out
+    assert records[0]["from_step"] == 0 and [r["step"] for r in records if r.get("eval")] == [1, 2]
 
 
 def test_a_second_run_into_a_busy_out_dir_stops_at_once(capsys, tiny_data, tmp_path):
@@ -3223,8 +3242,8 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
     prompt = torch.randint(0, 64, (2, 5))
     out = model.generate(prompt, 20, temperature=0.7, top_k=1)  # longer than seq_len 16: cropped
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
-    for t in range(5, 25):
-        logits, _ = model(out[:, max(0, t - 16):t + 1])
+    for t in range(5, 25):  # a context of at most 15 tokens: the positions training windows train
+        logits, _ = model(out[:, max(0, t - 15):t + 1])
         assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
     draws = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(seed))
              for seed in (1, 1, 2)]

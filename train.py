@@ -163,8 +163,8 @@ def train(args):
         probe_x = None  # the held-out samples probed at every evaluation (probe.py's)
         if master and cfg.probe_samples:
             probe_x = first_samples(data.as_held_out(), cfg.probe_samples)
-        if master and cfg.overwrite:  # only now that every check has passed
-            housekeeping.remove_old_run(cfg.out_dir)
+        if master and cfg.overwrite:  # only now that every check has passed; back if no save
+            housekeeping.set_aside_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{model.num_params() / 1e6:.2f}M params, "
             f"{model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
@@ -274,6 +274,8 @@ def train(args):
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
                     checkpoint.save(ckpt_path, state)
+                    if saved_step is None:  # the run --overwrite replaced can go now
+                        housekeeping.forget_replaced_run(cfg.out_dir)
                     saved_step, clock.save_s = step, time.time() - t_save
                 if stopping:
                     if master:

@@ -32,6 +32,7 @@ from operations.datasets import ImageStream
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir
 RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")
+REPLACED = ".replaced"  # inside out_dir: the run --overwrite replaces, until the new one has saved
 
 
 class TrainingError(Exception):
@@ -314,6 +315,9 @@ def out_dir_claimed(out, resume, overwrite, master=True):
                             f"fix its permissions")
     lock = lock_out_dir(out)
     try:
+        if put_back_replaced_run(out):  # a run killed before its first checkpoint
+            print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
+                  "it is back in place", file=sys.stderr, flush=True)
         for name in os.listdir(out):
             if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
                 os.remove(os.path.join(out, name))
@@ -324,15 +328,51 @@ def out_dir_claimed(out, resume, overwrite, master=True):
                                 "choose another --out_dir, or pass --overwrite to replace it")
         yield
     finally:
+        if put_back_replaced_run(out):
+            print(f"note: this run ended before its first checkpoint, so the run it replaced "
+                  f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
         release_out_dir(out, lock, created)
 
 
-def remove_old_run(out):
-    """--overwrite, once the new run has passed every check: remove what the old run wrote, so
-    that a new run stopped before its first checkpoint leaves nothing of the old one beside it."""
+def set_aside_old_run(out):
+    """--overwrite, once the new run has passed every check: the old run's files move into
+    out/.replaced, kept until the new run's first checkpoint (forget_replaced_run); a run that ends
+    before that, however it ends, gets them back (put_back_replaced_run)."""
+    aside = os.path.join(out, REPLACED)
+    os.makedirs(aside, exist_ok=True)
+    for name in RUN_FILES:
+        if os.path.exists(os.path.join(out, name)):
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+
+
+def forget_replaced_run(out):
+    """The new run has saved: the run it replaced goes (only the files a run writes)."""
+    aside = os.path.join(out, REPLACED)
+    for name in RUN_FILES:
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(aside, name))
+    with suppress(OSError):  # absent, or holding something that is not ours
+        os.rmdir(aside)
+
+
+def put_back_replaced_run(out):
+    """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
+    the successor wrote and move the replaced run back; True if so. Where the successor saved, the
+    replaced run goes."""
+    aside = os.path.join(out, REPLACED)
+    if not os.path.isdir(aside):
+        return False
+    if os.path.exists(os.path.join(out, "ckpt.pt")):
+        forget_replaced_run(out)
+        return False
     for name in RUN_FILES:
         with suppress(FileNotFoundError):
             os.remove(os.path.join(out, name))
+        if os.path.exists(os.path.join(aside, name)):
+            os.replace(os.path.join(aside, name), os.path.join(out, name))
+    with suppress(OSError):
+        os.rmdir(aside)
+    return True
 
 
 def lock_out_dir(out):
