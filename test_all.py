@@ -2378,13 +2378,56 @@ def test_an_overwrite_run_drops_the_replaced_run_once_it_has_saved(tiny_data, tm
 def test_a_second_run_into_a_busy_out_dir_stops_at_once(capsys, tiny_data, tmp_path):
     import fcntl
 
-    tmp_path.joinpath(".lock").touch()
-    with open(tmp_path / ".lock") as held:  # a run still decoding its data holds the lock
+    held = os.open(tmp_path, os.O_RDONLY)  # a run still decoding its data holds the folder
+    try:
         fcntl.flock(held, fcntl.LOCK_EX)
         err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
                         str(tmp_path))
+    finally:
+        os.close(held)
     assert "another train.py is running in --out_dir" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]  # nothing written or lost
+    assert list(tmp_path.iterdir()) == []  # nothing written or lost
+
+
+def test_the_lock_is_the_folder_and_ends_with_the_main_process(tmp_path):
+    """The lock is on out_dir itself (no file in it to delete or link), and a forked child (a
+    DataLoader worker) that outlives a killed main process does not keep it; a child that did not
+    let go of its copy would (the contrast shows the test can fail)."""
+    from operations.housekeeping import TrainingError, out_dir_claimed
+
+    script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
+              "from operations import housekeeping\n"
+              "claimed = housekeeping.out_dir_claimed(sys.argv[1], False, False)\n"
+              "claimed.__enter__()\n"
+              "if os.fork() == 0:\n"
+              "    if sys.argv[2] == 'drop':\n"
+              "        housekeeping.drop_inherited_locks()\n"
+              "    time.sleep(3)\n"
+              "    os._exit(0)\n"
+              "os._exit(0)  # the main process killed: no clean-up\n")
+    for child, free in (("drop", True), ("keep", False)):
+        out = tmp_path / child
+        subprocess.run([sys.executable, "-c", script, str(out), child], check=True, timeout=60)
+        assert os.listdir(out) == []  # no lock file
+        if free:
+            with out_dir_claimed(str(out), resume=False, overwrite=False):
+                pass
+        else:
+            with pytest.raises(TrainingError, match="another train.py is running"):
+                with out_dir_claimed(str(out), resume=False, overwrite=False):
+                    pass
+
+
+def test_a_log_linked_out_of_out_dir_is_refused_not_appended_to(capsys, tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own\n")
+    (tmp_path / "run" / "log.jsonl").unlink()
+    (tmp_path / "run" / "log.jsonl").symlink_to(outside)
+    err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path / "run"))
+    assert "log.jsonl is a link; a run writes only its own files in --out_dir" in err
+    assert outside.read_text() == "the user's own\n"
 
 
 def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
@@ -2899,8 +2942,8 @@ def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(t
             (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
             monkeypatch.setattr(os, "remove", read_only)
             raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
-    # the lock's removal failed quietly: the write's error is the one shown, the lock is let go
-    assert (tmp_path / "run" / ".lock").exists() and (tmp_path / "run" / "ckpt.pt").exists()
+    # the write's error is the one shown, and the lock is let go
+    assert os.listdir(tmp_path / "run") == ["ckpt.pt"]
     with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
         pass
 

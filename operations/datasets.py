@@ -269,8 +269,11 @@ def leave_stopping_to_the_main_process(worker_id):
     SIGTERM (the DataLoader's own, a scheduler's) ends a worker quietly; see train_batch."""
     import signal
 
+    from operations import housekeeping
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    housekeeping.drop_inherited_locks()  # the out_dir's lock ends with the main process
 
 
 class StreamReplay(torch.utils.data.IterableDataset):

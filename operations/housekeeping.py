@@ -321,6 +321,10 @@ def out_dir_claimed(out, resume, overwrite, master=True):
         for name in os.listdir(out):
             if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
                 os.remove(os.path.join(out, name))
+        linked = [n for n in RUN_FILES if os.path.islink(os.path.join(out, n))]
+        if linked:  # never read, appended to or replaced through a link out of out_dir
+            raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
+                                "own files in --out_dir; remove the link")
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
@@ -375,31 +379,44 @@ def put_back_replaced_run(out):
     return True
 
 
+LOCKS = []  # the out_dir locks this process holds: file descriptors of the folders themselves
+
+
 def lock_out_dir(out):
-    """An exclusive lock on out_dir/.lock for this process's lifetime (None where the platform has
-    no flock): a second run into the same folder stops at once instead of interleaving its log."""
+    """An exclusive lock on the out_dir folder itself for this process's lifetime (None where the
+    platform has no flock): a second run into the same folder stops at once instead of
+    interleaving its files. No path inside the folder can be deleted or linked to dodge it."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock
         return None
-    f = open(os.path.join(out, ".lock"), "a")
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.close()
+        os.close(fd)
         raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
                             "finish or choose another --out_dir") from None
-    return f
+    LOCKS.append(fd)
+    return fd
+
+
+def drop_inherited_locks():
+    """In a forked child (a DataLoader worker): close its copies of the parent's out_dir locks, so
+    that the lock ends with the main process even where a child outlives it for a few seconds."""
+    while LOCKS:
+        with suppress(OSError):
+            os.close(LOCKS.pop())
 
 
 def release_out_dir(out, lock, created):
     """Drop the lock, and remove out_dir again if this run created it and left nothing in it."""
     if lock is None:
         return
-    lock.close()
+    LOCKS.remove(lock)
+    os.close(lock)
     with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
-        os.remove(os.path.join(out, ".lock"))  # stopped the run is the one to report
-        if created and not os.listdir(out):
+        if created and not os.listdir(out):  # stopped the run is the one to report
             os.rmdir(out)
 
 
@@ -617,11 +634,14 @@ def selection_metric(objective):
 def log_file(path, cfg, master, made_by, from_step):
     """log.jsonl, line-buffered (`tail -f` follows the run; a killed run keeps what it logged); a
     fresh run (--overwrite included) starts its own. Each invocation's first record says what
-    made it. With --wandb_project the records also go to Weights & Biases. None on other ranks."""
+    made it (never through a link: out_dir_claimed refused those). With --wandb_project the records
+    also go to Weights & Biases. None on other ranks."""
     if not master:
         yield None
         return
-    with open(path, "a" if cfg.resume else "w", buffering=1) as log:
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_APPEND if cfg.resume else os.O_TRUNC
+    with os.fdopen(os.open(path, flags, 0o644), "a" if cfg.resume else "w", buffering=1) as log:
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
         if cfg.wandb_project:
             log = LogAlsoToWandb(log, cfg)
