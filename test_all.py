@@ -878,6 +878,25 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     assert code == 0 and torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
 
 
+def test_best_pt_is_never_ahead_of_the_checkpoint_and_catches_up_on_resume(tiny_data, tmp_path):
+    """The checkpoint is saved before best.pt: a kill between the two leaves best.pt behind, and
+    the resume writes it from the checkpoint (whose step was the best), and says so; a resume on
+    another held-out set says that 'best' compares across sets."""
+    out = tmp_path / "run"
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=out)[0] == 0
+    (out / "best.pt").unlink()  # what a kill right after the checkpoint's save leaves
+    code, printed, _ = run_train("--resume", "--max_iters", "2", "--eval_samples", "16",
+                                 out_dir=out)
+    assert code == 0 and "best.pt caught up with the checkpoint's step 2" in printed, printed
+    assert "'best' now compares evaluations on different held-out sets" in printed
+    best, ckpt = (torch.load(out / name, weights_only=True) for name in ("best.pt", "ckpt.pt"))
+    assert best["step"] == 2 and all(torch.equal(v, ckpt["model"][k])
+                                     for k, v in best["model"].items())
+    code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=out)
+    assert code == 0 and "caught up" not in printed  # in step: nothing to say
+
+
 def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp_path, capsys):
     """--resume --eval_only: the checkpoint's own held-out metric, nothing written; a fresh model
     leaves no out_dir behind; with --overwrite it is refused (it would replace a run)."""

@@ -146,6 +146,8 @@ def train(args):
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
                 housekeeping.forget_unsaved_steps(log_path, step)
+                for line in housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples):
+                    say(line)
             say(f"resumed from {ckpt_path} at step {step}")
 
         # what the step calls: the model in operations/fast.py's wrapper for this machine, then DDP
@@ -271,9 +273,9 @@ def train(args):
                              "rng": rng, "classes": getattr(data, "classes", None),
                              "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
+                    checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
-                    checkpoint.save(ckpt_path, state)
                     if saved_step is None:  # the run --overwrite replaced can go now
                         housekeeping.forget_replaced_run(cfg.out_dir)
                     saved_step, clock.save_s = step, time.time() - t_save

@@ -450,6 +450,26 @@ def forget_unsaved_steps(log_path, step):
         checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
 
 
+def catch_up_best(best_path, resumed, eval_samples):
+    """On resume, best.pt against the checkpoint (saved first): a kill between the two saves leaves
+    best.pt one improvement behind, which the checkpoint's weights then are; written and said. And
+    a resume that evaluates on another held-out set says that "best" now compares across sets."""
+    lines, step = [], int(resumed["step"])
+    best = checkpoint.load(best_path) if os.path.exists(best_path) else None
+    if best is not None and best.get("step", 0) > step:  # an older version saved it first
+        lines.append(f"note: {best_path} holds step {best['step']}, past the checkpoint's {step} "
+                     "(a kill between the two saves); it is kept as it is")
+    elif resumed.get("best") is not None and (best is None or best.get("best") != resumed["best"]):
+        checkpoint.save(best_path, checkpoint.weights_only(resumed))
+        lines.append(f"{best_path} caught up with the checkpoint's step {step}, its best "
+                     "evaluation (a kill came between the two saves)")
+    before = resumed.get("train", {}).get("eval_samples", eval_samples)
+    if before != eval_samples:
+        lines.append(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): "
+                     "'best' now compares evaluations on different held-out sets")
+    return lines
+
+
 def code_and_machine(device):
     """What made a run: the commit (and whether the tree had uncommitted changes), the command
     line, torch and the device. Outside a git checkout the commit is None."""
