@@ -49,9 +49,9 @@ def read_rgb(path):
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
-    # PIL's errors for unreadable, truncated or non-image files
-    except (OSError, ValueError, SyntaxError) as e:
-        raise DataError(f"cannot read image {path} ({type(e).__name__}: {e}); remove "
+    # PIL's errors for unreadable, truncated or non-image files, and for images over its size limit
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:160]}); remove "
                         f"or replace that file") from None
 
 

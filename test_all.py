@@ -1642,6 +1642,37 @@ def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
     assert "broken.png" in err and "remove or replace" in err
 
 
+def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypatch):
+    """PIL refuses an image over twice its pixel limit (a decompression bomb) with an error of its
+    own; here the limit is lowered so that a 16x16 image is one."""
+    from PIL import Image
+
+    import data
+
+    path = next((tiny_data / "images" / "test").glob("*/*.png"))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(data.DataError, match="DecompressionBombError") as e:
+        data.read_rgb(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
+    import shutil
+
+    from operations.datasets import list_folder
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    plain = list_folder(str(images))[0]
+    red = images / "train" / "red"
+    (red / "again").symlink_to(red)  # a class folder that holds a link to itself
+    (red / "loop").symlink_to(images / "train")  # and one to the split above it
+    first = sorted(red.glob("*.png"))[0]
+    (red / "zz-same.png").symlink_to(first)  # one image under a second name
+    linked = list_folder(str(images))[0]
+    assert len(linked["train"]) == len(plain["train"]) and linked["test"] == plain["test"]
+
+
 def write_folder(root, classes_per_split, n=4, blue=True):
     """An ImageFolder tree of 16x16 noise images, {split: [class names]}; blue=False leaves that
     channel at 0."""

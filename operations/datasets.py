@@ -97,7 +97,8 @@ def _image_files(root):
     """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
     torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
     classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
-    folders (.ipynb_checkpoints) are not classes."""
+    folders (.ipynb_checkpoints) are not classes. Links are followed, but each real folder and file
+    is listed once: a link back into the tree neither repeats images nor loops for ever."""
     try:
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir()
                          and not e.name.startswith("."))
@@ -107,12 +108,23 @@ def _image_files(root):
     if not classes:
         raise DataError(f"{root} has no class folders; an image folder dataset needs "
                         f"{root}/<class>/<image>")
-    samples = []
-    for label, name in enumerate(classes):
-        before = len(samples)
-        for folder, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            samples += [(os.path.join(folder, f), label) for f in sorted(files)
-                        if f.lower().endswith(IMAGE_FILES)]
+    samples, roots = [], {os.path.realpath(os.path.join(root, name)) for name in classes}
+    for label, name in enumerate(classes):  # another class's folder, reached by a link: not ours
+        before, found = len(samples), []
+        seen = roots - {os.path.realpath(os.path.join(root, name))}
+        for folder, subfolders, files in os.walk(os.path.join(root, name), followlinks=True):
+            if os.path.realpath(folder) in seen:  # a link back into the tree: visited already
+                subfolders[:] = []
+                continue
+            seen.add(os.path.realpath(folder))
+            found.append((folder, sorted(f for f in files if f.lower().endswith(IMAGE_FILES))))
+        real = set()  # each real file once, whatever the links to it
+        for folder, files in sorted(found):
+            for f in files:
+                path = os.path.join(folder, f)
+                if os.path.realpath(path) not in real:
+                    real.add(os.path.realpath(path))
+                    samples.append((path, label))
         if len(samples) == before:
             raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
                             "add images to it or remove it")
