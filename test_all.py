@@ -957,6 +957,13 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
                     str(tmp_path / "other"))
     assert "--wandb_project needs the wandb package: pip install wandb" in err
     assert not (tmp_path / "other").exists()
+    (tmp_path / "lib" / "wandb").mkdir(parents=True)  # installed, but broken on import
+    (tmp_path / "lib" / "wandb" / "__init__.py").write_text("raise AttributeError('no attr x')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    monkeypatch.delitem(sys.modules, "wandb")
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--wandb_project", "p"), "--out_dir",
+                    str(tmp_path / "other"))
+    assert "the wandb package fails to import (AttributeError: no attr x)" in err
 
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
@@ -2487,6 +2494,12 @@ def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--warmup", "5"),
                              out_dir=tmp_path / "w")
     assert code == 0 and "--warmup 5 is not shorter than --max_iters 2" in out
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--probe_samples",
+                                          "100000"), out_dir=tmp_path / "p")
+    assert code == 0 and "--probe_samples 100000 is more than the " in out, out
+    err = cli_error(capsys, *text_flags(tiny_data, "next", "--stream", "on"), "--out_dir",
+                    str(tmp_path / "s"))
+    assert "--stream 'on' reads image files; --dataset text is text" in err
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 1)
     run = tmp_path / "ft"
     assert trained_checkpoint(tiny_data, "cls", run, 1, "--init_from", tmp_path / "mae" / "ckpt.pt")

@@ -167,6 +167,8 @@ def check_settings(cfg):
          "8)"),
         ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
          "(MAE's for the objective)"),
+        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS, f"reads image files; "
+         f"--dataset {cfg.dataset} is text, tokenized once (drop --stream)"),
     ]
     for name, ok, why in checks:
         if not ok:
@@ -178,6 +180,10 @@ def check_settings(cfg):
             raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
                                 "(WANDB_MODE=offline logs without network), or drop the flag") \
                 from None
+        except Exception as e:  # installed but broken: its own error, in one line
+            raise TrainingError(f"--wandb_project: the wandb package fails to import "
+                                f"({type(e).__name__}: {str(e)[:120]}); reinstall it (pip install "
+                                "-U wandb) or drop the flag") from None
 
 
 def check_dataset_fits(objective, dataset, image_objectives):
@@ -735,6 +741,9 @@ def settings_lines(cfg, config, data, sources):
         if unused:
             lines.append(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
                          "decodes its images into memory (--stream on to stream them)")
+    if cfg.probe_samples > data.num_held_out():
+        lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "
+                     f"{data.num_held_out()} held-out samples; the probe takes those")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
     sources.update(dict.fromkeys(dictated, "the data"))
     lines += settings_block({**vars(cfg), **config.to_dict()}, sources)
