@@ -115,6 +115,7 @@ class ImageData:
             from operations import datasets
 
             files, classes = listing or datasets.list_folder(data_dir, train, train_samples)
+            self.listing = datasets.listing_fingerprint(files["train"]) if train else None
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,

@@ -2352,6 +2352,27 @@ def test_resuming_on_renamed_reordered_or_fewer_class_folders_is_refused(capsys,
     assert "['green', 'red']" in err and "damaged" not in err
 
 
+def test_resuming_on_a_folder_whose_files_changed_is_refused_and_a_moved_one_resumes(
+        capsys, tiny_data, tmp_path):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1")
+    flags[flags.index("--data_dir") + 1] = str(images)
+    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
+    moved = tmp_path / "moved"
+    images.rename(moved)  # the same files elsewhere: --resume may point --data_dir there
+    code, out, _ = run_train("--resume", "--max_iters", "2", "--data_dir", moved,
+                             out_dir=tmp_path / "run")
+    assert code == 0, out
+    extra = sorted((moved / "train" / "red").iterdir())[0]
+    shutil.copy(extra, moved / "train" / "red" / "added.png")  # a file added since
+    err = cli_error(capsys, "--resume", "--max_iters", "3", "--data_dir", str(moved), "--out_dir",
+                    str(tmp_path / "run"))
+    assert "are not the ones the run was trained on (files added, removed or renamed" in err
+
+
 def test_a_text_file_that_is_not_utf8_is_named(capsys, tiny_data, tmp_path):
     (tmp_path / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)
     (tmp_path / "val.txt").write_text("plain text " * 100)

@@ -140,7 +140,7 @@ def train(args):
         torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
         step, best, saved_step = 0, None, None  # saved_step: what ckpt.pt holds (None: nothing)
         if resumed is not None:
-            housekeeping.check_same_classes(resumed.get("classes"), data, cfg.data_dir)
+            housekeeping.check_same_data(resumed, data, cfg.data_dir)
             step, best = checkpoint.load_states(resumed, ckpt_path, model, optimizer, scaler)
             checkpoint.restore_random_states(resumed, ckpt_path, generator, rank, world, device)
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
@@ -271,6 +271,7 @@ def train(args):
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": step, "best": best,
                              "rng": rng, "classes": getattr(data, "classes", None),
+                             "listing": getattr(data, "listing", None),  # a folder's files
                              "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
                     checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it

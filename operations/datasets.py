@@ -93,6 +93,16 @@ def _decode(path, size):
     return np.asarray(im if im.size == (size, size) else im.resize((size, size), Image.BICUBIC))
 
 
+def listing_fingerprint(samples):
+    """A short sha1 of a split's (file, label) list, paths below their common folder (so a moved
+    data_dir keeps it): a resume checks that the folder still lists the same files."""
+    paths = [path for path, _ in samples]
+    root, key = os.path.commonpath(paths) if paths else "", hashlib.sha1()
+    for path, label in samples:
+        key.update(f"{os.path.relpath(path, root)}|{label}\n".encode())
+    return key.hexdigest()[:16]
+
+
 def _image_files(root):
     """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
     torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
@@ -181,6 +191,7 @@ class ImageStream:
     def __init__(self, listing, device, image_size, crop_scale=0.2, workers=0, rank=0, world=1,
                  grad_accum=1):
         self.files, classes = listing
+        self.listing = listing_fingerprint(self.files.get("train", ()))  # checked on resume
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8

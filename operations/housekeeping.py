@@ -247,14 +247,20 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
             from None
 
 
-def check_same_classes(saved, data, data_dir):
-    """A resumed image run must see the class folders it was trained on, in the same order: labels
-    are class indices, so renamed or reordered folders would train on permuted labels."""
-    now = getattr(data, "classes", None)
+def check_same_data(resumed, data, data_dir):
+    """A resumed image run must see the class folders it was trained on, in the same order (labels
+    are class indices: renamed or reordered folders would train on permuted labels), and a folder
+    the same files (added or removed ones would change the data order silently)."""
+    saved, now = resumed.get("classes"), getattr(data, "classes", None)
     if saved is not None and now is not None and list(saved) != list(now):
         raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
                             f"{data_dir} holds {now[:6]}; point --data_dir at the same "
                             "class folders (same names, so the same order)")
+    saved, now = resumed.get("listing"), getattr(data, "listing", None)
+    if saved is not None and now is not None and saved != now:
+        raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
+                            "was trained on (files added, removed or renamed since); put the "
+                            "folder back as it was, or start a new run on it")
 
 
 def check_scored_as_trained(path, ckpt, settings):
