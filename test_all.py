@@ -84,7 +84,32 @@ TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_si
                     "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2",
                     "--cache_dir", IMAGE_CACHE]
 TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32",
-                   "--tokenizer", "bytes"]
+                   "--tokenizer", "bytes", "--cache_dir", IMAGE_CACHE]
+# what may change in the clone while the suite runs: Python's and the tools' own caches
+CLONE_CACHES = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
+def clone_files():
+    """{path: (size, mtime)} of every file in the clone outside CLONE_CACHES."""
+    files = {}
+    for folder, subfolders, names in os.walk(REPO):
+        subfolders[:] = [d for d in subfolders if d not in CLONE_CACHES]
+        for name in names:
+            stat = os.stat(os.path.join(folder, name))
+            files[os.path.relpath(os.path.join(folder, name), REPO)] = (stat.st_size,
+                                                                        stat.st_mtime_ns)
+    return files
+
+
+@pytest.fixture(scope="session", autouse=True)
+def the_suite_leaves_the_clone_unchanged():
+    """Every test writes under temporary folders only: after the suite, no file of the clone was
+    added, removed or changed (an error at the end of the run names them)."""
+    before = clone_files()
+    yield
+    after = clone_files()
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    assert changed == [], f"the suite wrote into the clone: {changed[:10]}"
 
 
 def run_train(*flags, out_dir):
