@@ -3134,6 +3134,53 @@ def test_tiny_timm_and_hugging_face_models_probe_end_to_end(capsys, tiny_data, t
     assert all(v is not None for v in report["metrics"]["attn_entropy"]["opt"][1:])
 
 
+@pytest.mark.parametrize("objective", ["cls", "mae", "next"])
+def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective, tmp_path,
+                                                                     capsys):
+    """The export writes what the library loads as-is (timm: the state dict, strict; Hugging Face:
+    a save_pretrained folder), and the library's model then computes our logits or features."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from operations import checkpoint, export
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny(objective)).eval()
+    for p in model.parameters():  # no zero-initialised head or bias hides a wrong mapping
+        p.data.add_(torch.randn_like(p) * 0.02)
+    ckpt = tmp_path / "ckpt.pt"
+    checkpoint.save(str(ckpt), {"config": model.config.to_dict(), "model": model.state_dict()})
+    out = tmp_path / ("gpt2" if objective == "next" else "vit.safetensors")
+    assert export.main([str(ckpt), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    x, _ = batch(model.config)
+    with torch.no_grad():
+        if objective == "next":
+            theirs = GPT2LMHeadModel.from_pretrained(out).eval()(input_ids=x[:, :-1]).logits
+            ours = model(x)[0]
+        else:
+            vit = export.timm_model(model.config).eval()
+            vit.load_state_dict(load_file(out))  # strict: every tensor named and shaped alike
+            theirs = vit(x) if objective == "cls" else vit.forward_features(x)
+            ours = model(x)[0] if objective == "cls" else model.forward_encoder(x, 0.0)[0]
+    assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()
+
+
+def test_what_timm_and_hugging_face_do_not_have_is_refused_in_one_line(tmp_path, capsys):
+    from operations import checkpoint, export
+
+    for overrides, message in (({"neutreno": 0.6}, "uses NeuTRENO"),
+                               ({"vo_param": "smooth"}, "W_V W_O is smooth"),
+                               ({"pool": "cls"}, "CLS-token pool"),
+                               ({"objective": "mlm"}, "an mlm model has no export")):
+        model = Bamboo(tiny(overrides.pop("objective", "cls"), **overrides))
+        checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
+                                                 "model": model.state_dict()})
+        assert export.main([str(tmp_path / "c.pt"), "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
+
+
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
     own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""

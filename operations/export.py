@@ -1,0 +1,147 @@
+"""A trained model out to the libraries it already equals: a cls classifier or an MAE trunk as a
+timm VisionTransformer state dict, a next-token model as a Hugging Face GPT2LMHeadModel folder.
+
+What has no counterpart there is refused in one line: NeuTRENO, the smooth/sharpen W_V W_O, the
+mlm objective, and a CLS-token pool (timm's would need its own position). LayerNorm's eps is ours
+(1e-5; timm's default is 1e-6), so build the timm model with the norm_layer that is printed.
+
+Run: python -m operations.export out/ckpt.pt --out vit.safetensors   (cls, mae: timm)
+     python -m operations.export out/ckpt.pt --out gpt2/             (next: save_pretrained)
+"""
+import argparse
+import json
+import os
+import sys
+from functools import partial
+
+import torch.nn as nn
+
+from operations.checkpoint import check_output_path, model_from_checkpoint
+from operations.housekeeping import one_line_errors
+
+LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
+
+
+def check_exportable(config):
+    """One line for a model the libraries have no counterpart of."""
+    if config.objective == "mlm":
+        raise ValueError("an mlm model has no export here (its head is BERT's, its trunk GPT-2's "
+                         "without the causal mask); export cls, mae or next models")
+    if config.neutreno > 0:
+        raise ValueError(f"this model uses NeuTRENO (lambda {config.neutreno}), which timm and "
+                         "Hugging Face do not have; only softmax-attention models export")
+    if config.vo_param != "free":
+        raise ValueError(f"this model's W_V W_O is {config.vo_param}, which timm and Hugging Face "
+                         "do not have; only vo_param free exports")
+    if config.is_image and config.pool != "mean":
+        raise ValueError("a CLS-token pool has no position in timm's layout here; only --pool "
+                         "mean models export")
+
+
+def timm_kwargs(config):
+    """VisionTransformer's arguments for this model (besides norm_layer, see timm_model)."""
+    return dict(img_size=config.image_size, patch_size=config.patch_size,
+                in_chans=config.channels, embed_dim=config.width, depth=config.depth,
+                num_heads=config.heads, mlp_ratio=config.mlp_ratio, class_token=False,
+                global_pool="avg", fc_norm=config.objective == "cls",
+                num_classes=config.num_classes if config.objective == "cls" else 0)
+
+
+def timm_model(config):
+    """timm's VisionTransformer of this model's shape, with our LayerNorm eps."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**timm_kwargs(config), norm_layer=partial(nn.LayerNorm,
+                                                                       eps=LAYER_NORM_EPS))
+
+
+def to_timm(model):
+    """Our state dict in timm's names. The patch embedding is a linear map of patches in (p, p, C)
+    order: timm's stride-p convolution holds the same numbers as (D, C, p, p). The fixed sin-cos
+    positions become timm's pos_embed."""
+    c, ours = model.config, model.state_dict()
+    p, width = c.patch_size, c.width
+    out = {"pos_embed": model.pos_embed.detach().clone(),
+           "patch_embed.proj.weight": ours["patch_embed.weight"].view(width, p, p, c.channels)
+           .permute(0, 3, 1, 2).contiguous(),
+           "patch_embed.proj.bias": ours["patch_embed.bias"]}
+    names = {"ln1": "norm1", "attn.qkv": "attn.qkv", "attn.proj": "attn.proj", "ln2": "norm2",
+             "mlp.fc": "mlp.fc1", "mlp.proj": "mlp.fc2"}
+    for i in range(c.depth):
+        for mine, theirs in names.items():
+            for kind in ("weight", "bias"):
+                out[f"blocks.{i}.{theirs}.{kind}"] = ours[f"blocks.{i}.{mine}.{kind}"]
+    last = ("fc_norm", "head") if c.objective == "cls" else ("ln_f",)
+    for mine in last:
+        for kind in ("weight", "bias"):
+            out[f"{'norm' if mine == 'ln_f' else mine}.{kind}"] = ours[f"{mine}.{kind}"]
+    return out
+
+
+def gpt2_config(config):
+    """Hugging Face's GPT2Config of this model: exact GELU, our eps, no dropout, tied embeddings."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_len,
+                      n_embd=config.width, n_layer=config.depth, n_head=config.heads,
+                      n_inner=int(config.mlp_ratio * config.width), activation_function="gelu",
+                      layer_norm_epsilon=LAYER_NORM_EPS, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, tie_word_embeddings=True)
+
+
+def to_gpt2(model):
+    """Our state dict in GPT2LMHeadModel's names: its Conv1D layers hold our Linear weights
+    transposed; [MASK]'s embedding row (never used by a next-token model) is left out."""
+    c, ours = model.config, model.state_dict()
+    out = {"transformer.wte.weight": ours["tok_embed.weight"][:c.vocab_size],
+           "transformer.wpe.weight": ours["pos_embed"][0],
+           "transformer.ln_f.weight": ours["ln_f.weight"],
+           "transformer.ln_f.bias": ours["ln_f.bias"]}
+    names = {"ln1": ("ln_1", False), "attn.qkv": ("attn.c_attn", True),
+             "attn.proj": ("attn.c_proj", True), "ln2": ("ln_2", False),
+             "mlp.fc": ("mlp.c_fc", True), "mlp.proj": ("mlp.c_proj", True)}
+    for i in range(c.depth):
+        for mine, (theirs, conv1d) in names.items():
+            weight = ours[f"blocks.{i}.{mine}.weight"]
+            out[f"transformer.h.{i}.{theirs}.weight"] = (weight.t().contiguous() if conv1d
+                                                          else weight)
+            out[f"transformer.h.{i}.{theirs}.bias"] = ours[f"blocks.{i}.{mine}.bias"]
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def export(path, out):
+    """Write the checkpoint at path for timm (a .safetensors state dict, cls and mae) or Hugging
+    Face (a save_pretrained folder, next); returns the line that says how to load it."""
+    model, _ = model_from_checkpoint(path)
+    c = model.config
+    check_exportable(c)
+    if c.objective == "next":
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel(gpt2_config(c))
+        hf.load_state_dict(to_gpt2(model))
+        hf.save_pretrained(out)
+        return f"wrote {out}: transformers.GPT2LMHeadModel.from_pretrained({out!r})"
+    from safetensors.torch import save_file
+
+    check_output_path("--out", out)
+    save_file({k: v.contiguous() for k, v in to_timm(model).items()}, out)
+    return (f"wrote {out}: VisionTransformer(**{json.dumps(timm_kwargs(c))}, norm_layer=partial("
+            f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."
+            f"load_file({out!r}))")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Export a trained model to timm or Hugging Face.")
+    parser.add_argument("checkpoint", help="a train.py checkpoint (ckpt.pt or best.pt)")
+    parser.add_argument("--out", required=True, help="a .safetensors file (cls, mae) or a folder "
+                        "(next)")
+    args = parser.parse_args(argv)
+    with one_line_errors() as outcome:
+        print(export(args.checkpoint, os.path.normpath(args.out)))
+    return outcome.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
