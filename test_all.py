@@ -2206,6 +2206,22 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
     assert len([line for line in out.splitlines() if re.match(r"step \d/6: ", line)]) == 5  # 2-6
 
 
+def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypatch):
+    """In a log file (no terminal) an evaluation prints a progress line at most every
+    PROGRESS_EVERY_S seconds, never after its last batch; its batches pass through unchanged."""
+    from operations import housekeeping
+
+    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0.0)
+    assert list(housekeeping.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == [f"evaluating: {i}/4 batches"
+                                                     for i in (1, 2, 3)]
+    assert all(line.endswith(" s left") for line in lines)
+    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 3600.0)
+    assert list(housekeeping.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
+    assert capsys.readouterr().out == ""  # a short evaluation says nothing
+
+
 def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
                                                                               tmp_path):
     """--time_limit counts from the invocation's start and stops training while the evaluation and

@@ -440,7 +440,9 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
-        for x, y in data.eval_batches(batch_size, cfg.eval_samples or None):
+        samples = min(cfg.eval_samples or math.inf, data.num_held_out())
+        batches = data.eval_batches(batch_size, cfg.eval_samples or None)
+        for x, y in housekeeping.evaluation_progress(batches, math.ceil(samples / batch_size)):
             x = x.to(device)
             if objective == "cls":
                 y = y.to(device)

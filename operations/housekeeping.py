@@ -759,6 +759,24 @@ def settings_lines(cfg, config, data, sources):
     return lines
 
 
+def evaluation_progress(batches, total):
+    """The evaluation's batches as they go: a bar on a terminal, or in a log file a line at most
+    every 30 s with the time left, so that a long evaluation (a stop's, --eval_only's) is never
+    silent."""
+    from tqdm import tqdm
+
+    bar = tqdm(batches, total=total, desc="evaluating", leave=False, dynamic_ncols=True,
+               disable=not sys.stderr.isatty(), mininterval=1.0)
+    start = said = time.time()
+    for done, batch in enumerate(bar, 1):
+        yield batch
+        now = time.time()
+        if bar.disable and now - said >= PROGRESS_EVERY_S and done < total:
+            said = now
+            left = (now - start) / done * (total - done)
+            print(f"evaluating: {done}/{total} batches, about {left:.0f} s left", flush=True)
+
+
 def how_to_resume(reason, step, world, out_dir):
     """After an early stop: why, where the checkpoint is, and the command that continues."""
     return (f"{reason or 'stopped by another rank'} at step {step}; checkpoint saved to "
