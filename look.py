@@ -34,12 +34,13 @@ from operations.housekeeping import one_line_errors
 
 
 def load(path, objective=None):
-    """(model in eval mode, its training settings) from a checkpoint of `objective`, if given."""
+    """(model in eval mode, its training settings, its step) from a checkpoint of `objective`, if
+    given."""
     model, ckpt = model_from_checkpoint(path)
     if objective and model.config.objective != objective:
         raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
                          f"{objective} model")
-    return model.eval(), ckpt.get("train", {})
+    return model.eval(), ckpt.get("train", {}), ckpt.get("step")
 
 
 def pyplot():
@@ -64,7 +65,7 @@ def read_prompt(path):
 
 def sample(args):
     """Continue the prompt num_samples times; print each continuation."""
-    model, train_cfg = load(args.checkpoint, "next")
+    model, train_cfg, _ = load(args.checkpoint, "next")
     trained_with = train_cfg.get("tokenizer", "gpt2")
     tokenizer = get_tokenizer(args.tokenizer or trained_with)
     if tokenizer.n_vocab != model.config.vocab_size:  # it could not encode or decode every id
@@ -112,7 +113,7 @@ def mae_columns(model, images, seed=0):
 
 def reconstruct(args):
     """A grid of held-out images, one per row, in the four columns of mae_columns."""
-    model, train_cfg = load(args.checkpoint, "mae")
+    model, train_cfg, step = load(args.checkpoint, "mae")
     c = model.config
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
     *columns, hidden = mae_columns(model, first_samples(data, args.samples), args.seed)
@@ -132,7 +133,8 @@ def reconstruct(args):
             ax.set_yticks([])
             if row == 0:
                 ax.set_title(names[col], fontsize=9)
-    fig.suptitle(f"MAE reconstructions of {rows} held-out images", fontsize=11)
+    fig.suptitle(f"MAE reconstructions of {rows} held-out images: {args.checkpoint}, step {step}",
+                 fontsize=10)
     fig.tight_layout()
     save_figure(fig, args.out)
 
@@ -157,7 +159,7 @@ def parse_indices(text, count, what):
 def attention(args):
     """The attention of chosen layers and heads for one held-out sample: over the image's patch
     grid, or as a queries x keys map labelled with the window's tokens."""
-    model, train_cfg = load(args.checkpoint)
+    model, train_cfg, _ = load(args.checkpoint)
     c = model.config
     layers = parse_indices(args.layers, c.depth, "layers")
     heads = parse_indices(args.heads, c.heads, "heads")
@@ -192,8 +194,9 @@ def attention_over_image(image, maps, grid):
     for ax, ((layer, head), probs) in zip(axes[0, 1:], maps.items()):
         received = probs.mean(0)[-grid * grid:].reshape(grid, grid)
         ax.imshow(image.numpy())
-        ax.imshow(received.numpy(), cmap="inferno", alpha=0.6,
-                  extent=(-0.5, size - 0.5, size - 0.5, -0.5))  # on the image's pixel edges
+        overlay = ax.imshow(received.numpy(), cmap="inferno", alpha=0.6, vmin=0,
+                            extent=(-0.5, size - 0.5, size - 0.5, -0.5))  # on the pixel edges
+        fig.colorbar(overlay, ax=ax, fraction=0.046, pad=0.04)
         for edge in range(0, size + 1, size // grid):  # the patch grid
             ax.axhline(edge - 0.5, color="white", linewidth=0.3)
             ax.axvline(edge - 0.5, color="white", linewidth=0.3)
@@ -248,20 +251,38 @@ CURVES = {"loss": "training loss", "val_loss": "held-out loss", "top1": "held-ou
           "ppl": "held-out perplexity", "mlm_acc": "held-out MLM accuracy (%)"}
 
 
+def loss_kind(evals):
+    """What a run's loss measures, from the metric its evaluations log beside it."""
+    if not evals:
+        return "not evaluated yet"
+    metrics = {k for r in evals for k in r}
+    return "cross-entropy" if metrics & {"top1", "ppl", "mlm_acc"} else "MAE, pixel MSE"
+
+
 def curves_figure(logs):
-    """One panel per metric (never two scales on one axis), one line per run."""
+    """One panel per metric (never two scales on one axis: MAE's pixel loss and a classifier's
+    cross-entropy get a panel each), one line per run, one colour per run."""
     plt = pyplot()
-    shown = [k for k in CURVES if any(k in r for train, evals in logs.values()
-                                      for r in (train if k == "loss" else evals))]
-    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], shown):
+    panels = []  # (key, loss kind or None)
+    for key in CURVES:
+        for train, evals in logs.values():
+            if any(key in r for r in (train if key == "loss" else evals)):
+                panel = (key, loss_kind(evals) if key in ("loss", "val_loss") else None)
+                panels += [panel] if panel not in panels else []
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (key, kind) in zip(axes[0], panels):
         for colour, (out_dir, (train, evals)) in enumerate(logs.items()):  # a run: one colour
+            if kind is not None and loss_kind(evals) != kind:
+                continue
             points = [(r["step"], r[key]) for r in (train if key == "loss" else evals) if key in r]
             if points:
                 label = os.path.basename(os.path.normpath(out_dir)) or out_dir
-                ax.plot(*zip(*points), label=label, lw=1, marker="" if key == "loss" else "o",
-                        ms=3, color=f"C{colour}")
-        ax.set(title=CURVES[key], xlabel="step")
+                dense = key == "loss" and len(points) > 2  # a few points: marked, or unseen
+                ax.plot(*zip(*points), label=label, lw=1, marker="" if dense else "o", ms=3,
+                        color=f"C{colour}")
+        title = CURVES[key] + (f" ({kind})" if kind else "")
+        ax.set(title=title, xlabel="step", ylabel=title)
+        least_visible_range(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -282,10 +303,15 @@ def smoothing(args):
 
     runs = {}
     for out_dir in args.out_dirs:
-        evals = [r for r in read_log(out_dir)[1] if r.get("layers")]  # null: non-finite states
+        logged = read_log(out_dir)[1]
+        evals = [r for r in logged if r.get("layers")]  # null: non-finite states
+        if not logged:
+            raise ValueError(f"{out_dir}/log.jsonl has no evaluation yet (one comes every "
+                             "--eval_interval steps, and at the end or a stop); look once it has")
         if not evals:
-            raise ValueError(f"{out_dir}/log.jsonl has no per-layer metrics; train with "
-                             "--probe_samples N (on by default) to log them at each evaluation")
+            raise ValueError(f"{out_dir}/log.jsonl: its evaluations logged no per-layer metrics "
+                             "(trained with --probe_samples 0, or its hidden states were "
+                             "non-finite); train with --probe_samples N (64 by default)")
         label = os.path.basename(os.path.normpath(out_dir)) or out_dir
         runs[out_dir if label in runs else label] = (
             [r["step"] for r in evals],
@@ -307,7 +333,8 @@ def smoothing(args):
         last.plot(steps, [row[-1] for row in rows], marker="o", ms=3, label=label)
         print(f"{label}: {args.metric} of the last layer at steps {steps}: "
               + " ".join(f"{row[-1]:.4f}" for row in rows))  # nan where it was undefined
-    last.set(title="the last layer", xlabel="step", ylabel=args.metric)
+    last.set(title=f"the last layer's {args.metric}", xlabel="step")  # the colour bar names it
+    least_visible_range(last)
     last.grid(alpha=0.3)
     last.legend(fontsize=8)
     fig.suptitle(f"{args.metric} per layer as training went ({AXES[args.metric]})", fontsize=11)

@@ -1526,7 +1526,7 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
 
 
 def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_nothing(
-        capsys, tiny_data, tmp_path):
+        capsys, tiny_data, tmp_path, monkeypatch):
     """Over-smoothing as it forms: every evaluation record holds probe.py's per-layer metrics on
     the first N held-out samples, equal to probe.py's own numbers for the checkpoint; a run with
     them trains bit for bit as one without; look.py draws them for several runs."""
@@ -1556,14 +1556,23 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     capsys.readouterr()
     shutil.copytree(tmp_path / "a", tmp_path / "c")
+    drawn, save_figure = [], look.save_figure
+    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
+                        save_figure(fig, path))
     assert look.main(["smoothing", str(tmp_path / "a"), str(tmp_path / "c"), "--out",
                       str(tmp_path / "s.png")]) == 0
+    labels = [ax.get_ylabel() for ax in drawn[0].axes]  # two heatmaps, the last layer, the bar
+    assert labels == ["layer (0 = embedding)"] * 2 + ["", "abs_cos_centered"]  # named once
     printed = capsys.readouterr().out
     assert "a: abs_cos_centered of the last layer at steps [2, 4]: " in printed
     assert "\nc: abs_cos_centered of the last layer" in printed
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
-    assert "has no per-layer metrics; train with --probe_samples" in capsys.readouterr().err
+    assert "logged no per-layer metrics (trained with --probe_samples 0" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert look.main(["smoothing", str(tmp_path / "d"), "--out", str(tmp_path / "t.png")]) == 2
+    assert "has no evaluation yet" in capsys.readouterr().err
     # what train.py writes when the probe met non-finite states ("layers": null), or a null value
     records = (tmp_path / "c" / "log.jsonl").read_text().splitlines()
     evals = [i for i, line in enumerate(records) if '"eval": true' in line]
@@ -3536,7 +3545,8 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
     code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
     width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
     assert code == 0 and width > height > 400, out.err
-    model, _ = look.load(ckpt, "mae")
+    model, _, step = look.load(ckpt, "mae")
+    assert step == 2
     images = batch(model.config, B=3)[0]
     original, masked, recon, pasted, hidden = look.mae_columns(model, images)
     assert hidden.float().mean() == 0.75 and torch.equal(original, images)
@@ -3559,9 +3569,11 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
 
     probs = torch.softmax(torch.randn(17, 17), -1)  # a CLS token and a 4 x 4 patch grid
     figure = look.attention_over_image(torch.rand(16, 16, 3), {(0, 0): probs, (1, 1): probs}, 4)
-    assert [ax.get_title() for ax in figure.axes] == [
+    assert [ax.get_title() for ax in figure.axes if ax.get_title()] == [
         "the image", "block 0, head 0: attention received", "block 1, head 1: attention received"]
-    assert all(len(ax.get_images()) == 2 for ax in figure.axes[1:])  # the map over the image
+    maps = [ax for ax in figure.axes if ax.get_title().startswith("block")]
+    assert all(len(ax.get_images()) == 2 for ax in maps)  # the map over the image
+    assert len(figure.axes) == 3 + 2  # a colour bar beside each map
     overlay = figure.axes[1].get_images()[1].get_array()
     assert torch.allclose(torch.as_tensor(overlay), probs.mean(0)[1:].reshape(4, 4))  # no CLS
     figure = look.attention_over_tokens(["a", " cat", "\n"] * 20, {(0, 0): torch.rand(60, 60)})
@@ -3576,8 +3588,15 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
     runs = [trained_checkpoints / "cls", trained_checkpoints / "next"]
     figure = look.curves_figure({d: look.read_log(d) for d in runs})
     panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}
-    assert panels == {"training loss": 2, "held-out loss": 2, "held-out top-1 (%)": 1,
-                      "held-out perplexity": 1}  # one metric per axis, never top-1 beside ppl
+    assert panels == {"training loss (cross-entropy)": 2, "held-out loss (cross-entropy)": 2,
+                      "held-out top-1 (%)": 1, "held-out perplexity": 1}  # one metric an axis
+    mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 2).parent
+    figure = look.curves_figure({d: look.read_log(d) for d in (mae, runs[0])})
+    panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}
+    assert panels == {"training loss (MAE, pixel MSE)": 1, "training loss (cross-entropy)": 1,
+                      "held-out loss (MAE, pixel MSE)": 1, "held-out loss (cross-entropy)": 1,
+                      "held-out top-1 (%)": 1}  # pixel MSE never beside cross-entropy
+    assert all(ax.get_ylabel() == ax.get_title() for ax in figure.axes)
     code, out = look_cli(capsys, "curves", tmp_path, "--out", tmp_path / "c.png")
     assert code == 2 and "no log at" in out.err and out.err.count("\n") == 1
 
