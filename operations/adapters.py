@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from neutreno import attention_probabilities
+from operations import housekeeping
 
 FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)")
 
@@ -31,21 +32,14 @@ FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)
 def parse(spec):
     """(library, name, settings) of 'timm:NAME,key=value,...'; values are int, float or text."""
     library, _, rest = spec.partition(":")
-    name, *pairs = rest.split(",")
-    settings = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        if not key or not value:
-            raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value")
-        if key in settings:
-            raise ValueError(f"{key} is given twice in {spec!r}; give it once")
+    name, settings = housekeeping.split_spec(rest)
+    for key, value in settings.items():
         for kind in (int, float):
             try:
-                value = kind(value)
+                settings[key] = kind(value)
                 break
             except ValueError:
                 pass
-        settings[key] = value
     return library, name, settings
 
 

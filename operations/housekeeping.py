@@ -71,21 +71,30 @@ def flags_given(args, cls):
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
-def config_from_spec(spec, **defaults):
-    """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
+def split_spec(spec, known=None):
+    """'NAME,key=value,...' -> (NAME, {key: value text}): the one way every command line names a
+    model (bench.py's and probe.py's specs, timm and Hugging Face ones); each key once, and one of
+    `known` if given."""
     name, *pairs = spec.split(",")
-    types = {f.name: f.type for f in fields(Config)}
-    settings = dict(defaults)
-    seen = set()
+    settings = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        if key not in types or not value:
-            raise ValueError(
-                f"bad setting {pair!r} in {spec!r}; write key=value with a Config field as key"
-            )
-        if key in seen:
+        if not key or not value or (known is not None and key not in known):
+            field = " with a Config field as key" if known is not None else ""
+            raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value{field}")
+        if key in settings:
             raise ValueError(f"{key} is given twice in {spec!r}; give it once")
-        seen.add(key)
+        settings[key] = value
+    return name, settings
+
+
+def config_from_spec(spec, **defaults):
+    """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
+    types = {f.name: f.type for f in fields(Config)}
+    name, given = split_spec(spec, known=types)
+    settings = dict(defaults)
+    for key, value in given.items():
+        pair = f"{key}={value}"
         try:
             settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
         except ValueError:
