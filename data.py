@@ -24,13 +24,11 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
      'cache', 128).vocab_size)"
 """
 import copy
-import hashlib
 import os
 
 import numpy as np
 import torch
 
-from operations import checkpoint
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
@@ -290,42 +288,16 @@ def get_tokenizer(name):
                         "or use --tokenizer bytes") from None
 
 
-def read_text(path):
-    """The text of a UTF-8 file; any other encoding is one line, never replacement characters."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
-                        "convert it, e.g. iconv -f latin1 -t utf-8") from None
-
-
-def tokenize_cached(path, tokenizer, cache_dir):
-    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
-    stat = os.stat(path)
-    fingerprint = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}"
-    key = hashlib.sha1(fingerprint.encode())
-    dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
-    cache = os.path.join(cache_dir,
-                         f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
-    if not os.path.exists(cache):
-        os.makedirs(cache_dir, exist_ok=True)
-        ids = tokenizer.encode_ordinary(read_text(path))
-        checkpoint.atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
-    return np.memmap(cache, dtype=dtype, mode="r")
-
-
 class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
     def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len,
                  train=True):
         """train=False reads the validation file only (the probe needs nothing else)."""
+        from operations import datasets  # downloads, and the tokenized files' cache
+
         self.tokenizer = get_tokenizer(tokenizer)
         if name in ("wikitext2", "wikitext103"):
-            from operations import datasets
-
             data_dir = datasets.download_wikitext(name, data_dir)
             train_file, val_file = "train.txt", "valid.txt"
         wanted = ((train_file, "--train_file"),) if train else ()
@@ -337,7 +309,7 @@ class TextData:
                                 f"and {flag} elsewhere")
             if os.path.getsize(path) == 0:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
-            tokens.append(tokenize_cached(path, self.tokenizer, cache_dir))
+            tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size = self.tokenizer.n_vocab
         self.seq_len = seq_len

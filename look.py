@@ -25,8 +25,8 @@ import torch
 
 from bamboo import patchify, unpatchify
 from operations.checkpoint import check_output_path, model_from_checkpoint, save_figure
-from data import (IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out,
-                  read_text)
+from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out
+from operations.datasets import read_text
 from operations.housekeeping import one_line_errors
 
 

@@ -181,6 +181,34 @@ def folder_key(files, size):
     return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
 
 
+# ----------------------------------------------------------------------------- text files
+
+def read_text(path):
+    """The text of a UTF-8 file; any other encoding is one line, never replacement characters."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
+                        "convert it, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def tokenize_cached(path, tokenizer, cache_dir):
+    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
+    stat = os.stat(path)
+    fingerprint = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}"
+    key = hashlib.sha1(fingerprint.encode())
+    dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
+    cache = os.path.join(cache_dir,
+                         f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
+    if not os.path.exists(cache):
+        os.makedirs(cache_dir, exist_ok=True)
+        ids = tokenizer.encode_ordinary(read_text(path))
+        atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
+    return np.memmap(cache, dtype=dtype, mode="r")
+
+
 # ----------------------------------------------------------------------------- streaming
 
 class ImageStream:
