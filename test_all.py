@@ -933,6 +933,17 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
     assert code == 0 and f"evaluated at step 2: val_loss {logged['val_loss']:.4g}" in printed
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    import fcntl
+
+    held = os.open(out, os.O_RDONLY)  # a run training there (its lock), in a read-only folder
+    fcntl.flock(held, fcntl.LOCK_EX)
+    out.chmod(0o555)
+    try:
+        code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
+    finally:
+        out.chmod(0o755)
+        os.close(held)
+    assert code == 0 and "evaluated at step 2" in printed, printed
     code, printed, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"),
                                  out_dir=tmp_path / "fresh")
     assert code == 0 and "evaluated at step 0" in printed and not (tmp_path / "fresh").exists()

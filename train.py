@@ -113,7 +113,9 @@ def train(args):
     ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
                                       for name in ("ckpt.pt", "best.pt", "log.jsonl"))
     # out_dir: locked for the whole run, and removed again if this run made it and left it empty
-    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite, master), \
+    # (--eval_only writes nothing: it reads a run, even a read-only or a training one)
+    writes = master and not cfg.eval_only
+    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite, writes), \
             housekeeping.process_group_left(ddp):
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
         data, config = load_data(cfg, settings, device, rank, world)

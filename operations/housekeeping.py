@@ -314,13 +314,14 @@ def check_trunk_loaded(model, path, loaded, skipped):
 # ----------------------------------------------------------------------------- the out_dir
 
 @contextmanager
-def out_dir_claimed(out, resume, overwrite, master=True):
+def out_dir_claimed(out, resume, overwrite, writes=True):
     """with out_dir_claimed(...): the run. Before any data is decoded, out_dir must be a writable
     folder that no other train.py is using (a lock held for the whole run), with no other run's
     files unless --resume or --overwrite. Temporary files of a write that a kill cut short are
     removed (the lock says none is ours). On the way out the lock goes, and the folder too if this
-    run made it and left it empty. Other DDP ranks touch nothing."""
-    if not master:
+    run made it and left it empty. A process that writes nothing (other DDP ranks, --eval_only)
+    touches nothing."""
+    if not writes:
         yield
         return
     if os.path.exists(out) and not os.path.isdir(out):
