@@ -2308,6 +2308,11 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
     err = capsys.readouterr().err
     assert err.startswith("error: another rank of this DDP run stopped ([../third_party/gloo")
     assert err.count("\n") == 1 and "nothing to resume" in err
+    with one_line_errors(str(tmp_path)) as outcome:  # torch's words for a worker killed mid-run
+        raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    err = capsys.readouterr().err
+    assert outcome.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: a streaming worker died (DataLoader worker (pid(s) 4242) exited")
     monkeypatch.setenv("WORLD_SIZE", "1")  # alone, the same words are not about a peer
     with pytest.raises(RuntimeError, match="Connection closed"):
         with one_line_errors(str(tmp_path)):

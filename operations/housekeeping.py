@@ -856,6 +856,9 @@ def one_line_errors(out_dir=None):
         elif out_dir and peer_lost(e):
             message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]})"
                        f"{left()}, with every rank")
+        elif out_dir and "DataLoader worker" in str(e):  # torch raises it wherever the loop is
+            message = (f"a streaming worker died ({str(e).splitlines()[0][:100]}; killed, or out "
+                       f"of memory: fewer --workers use less){left()}")
         else:
             raise
     except KeyboardInterrupt:  # training: a second Ctrl-C, which stops without saving this step
