@@ -3332,7 +3332,10 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
 
     model, _ = probe.load_model(HF_MAE, "")
     x = torch.rand(2, 3, 16, 16)
+    ratio = model.model.config.mask_ratio
     hiddens, attns = model.hidden_states(x, need_weights=True)
+    assert model.model.config.mask_ratio == ratio == 0.75  # the model's own setting, kept
+    model.model.config.mask_ratio = 0.0
     library = model.model(pixel_values=x, noise=torch.arange(16.).expand(2, -1),
                           output_hidden_states=True, output_attentions=True)
     assert [h.shape[1] for h in hiddens] == [17] * 3  # the class token and 16 patches
@@ -3349,6 +3352,14 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     assert reports[0]["attn_entropy_ceiling"][HF_MAE] == pytest.approx(math.log(17))
     assert reports[1]["attn_entropy_ceiling"][HF_MAE] == pytest.approx(math.log(5))  # 4 visible
     assert masked == again and masked["cos"] != unmasked["cos"]
+
+
+def test_a_timm_model_with_normalised_queries_and_keys_is_refused_not_misprobed():
+    from operations import adapters
+
+    with pytest.raises(ValueError, match="normalises its queries and keys \\(q_norm, k_norm\\)"):
+        adapters.load("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=1,"
+                      "embed_dim=32,num_heads=2,qk_norm=True")
 
 
 def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data,

@@ -21,6 +21,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from neutreno import attention_probabilities
@@ -164,6 +165,12 @@ def block_layout(model, block):
     before attention (None where the block is post-norm) and the output's per-channel scale."""
     kind = type(block).__name__
     if hasattr(block, "attn") and hasattr(block.attn, "qkv"):  # timm's ViT (and bamboo's Block)
+        normed = [n for n in ("q_norm", "k_norm") if not isinstance(getattr(block.attn, n, None),
+                                                                     (type(None), nn.Identity))]
+        if normed:  # the recomputed maps would be plain softmax(q k^T): wrong for this model
+            raise ValueError(f"{kind} normalises its queries and keys ({', '.join(normed)}), "
+                             "which the probe's attention maps do not; probe a model without "
+                             "qk_norm")
         w, b = linear(block.attn.qkv)  # rows: W_Q, W_K, W_V, each head's rows together
         q, k, v = zip(w.chunk(3), b.chunk(3))
         scale = getattr(getattr(block, "ls1", None), "gamma", None)  # LayerScale, if there is one
@@ -290,10 +297,13 @@ class Foreign:
             elif hasattr(self.model.config, "objective"):  # bamboo's own model, seen from outside
                 self.model(x, x if self.causal else None)  # next: every token in, as targets too
             elif self.is_mae:  # every patch in order unless masked (noise: which are kept)
-                self.model.config.mask_ratio = mask_ratio
-                self.model(pixel_values=x, noise=noise if mask_ratio else
-                           torch.arange(self.config.num_patches(), device=x.device)
-                           .float().expand(len(x), -1))
+                before, self.model.config.mask_ratio = self.model.config.mask_ratio, mask_ratio
+                try:
+                    self.model(pixel_values=x, noise=noise if mask_ratio else
+                               torch.arange(self.config.num_patches(), device=x.device)
+                               .float().expand(len(x), -1))
+                finally:  # the model's own setting, as it was
+                    self.model.config.mask_ratio = before
             else:
                 self.model(**{"pixel_values" if self.is_image else "input_ids": x})
         finally:

@@ -105,9 +105,9 @@ def fused_adamw(device):
 
 
 def use_explicit_attention(asked, device, dtype, config):
-    """Whether to build the model with explicit matmul-softmax-matmul attention for --attention
-    `asked`: under auto, on CPU in bf16/fp16 for short sequences only, where it was measured to beat
-    the fused kernel."""
+    """Whether to build the model with explicit matmul-softmax-matmul attention: `asked` is
+    bench.py's --attention (train.py asks auto); under auto, on CPU in bf16/fp16 for short
+    sequences only, where it was measured to beat the fused kernel."""
     if asked not in ATTENTION_CHOICES:
         raise ValueError(f"--attention {asked!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if asked != "auto":
