@@ -807,10 +807,11 @@ def test_vo_param_eigenvalues_are_what_the_probe_reports():
 
 def test_smooth_model_reads_smoother_than_sharpen_at_init_on_every_token_metric():
     import probe
+    from operations import probing
 
     last = {}
     for mode in ("smooth", "sharpen"):
-        model, _ = probe.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
+        model, _ = probing.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
         x, _ = batch(model.config, B=8, seed=1)
         last[mode] = {k: v[-1] for k, v in probe.probe_model(model, x, 8).items()}
     assert last["smooth"]["cos"] > last["sharpen"]["cos"]
@@ -1886,6 +1887,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     import json
 
     import probe
+    from operations import probing
 
     (tmp_path / "p.json").write_text("the previous report")
 
@@ -1895,7 +1897,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
             str(tiny_data / "images"),
             "--samples", "2", "--json", str(tmp_path / "p.json")]
-    monkeypatch.setattr(probe.json, "dumps", full_disk)
+    monkeypatch.setattr(probing.json, "dumps", full_disk)
     assert probe.main(argv) == 2
     monkeypatch.undo()
     err = capsys.readouterr().err
@@ -2368,11 +2370,11 @@ def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_pa
 
 def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
     import bench
-    import probe
+    from operations import probing
     import train
 
     for parser, argv in ((train.build_parser(), ["--max_iter", "5"]),
-                         (probe.build_parser(), ["x.pt", "--sample", "4"]),
+                         (probing.build_parser(), ["x.pt", "--sample", "4"]),
                          (bench.build_parser(), ["cls:cifar-tiny", "--batch", "4"])):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
@@ -2972,12 +2974,13 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     import probe
+    from operations import probing
 
     samples = torch.rand(4, 3, 16, 16)
-    classifier, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
+    classifier, _ = probing.load_model("init:cifar-tiny,image_size=16", "folder")
     with pytest.raises(ValueError, match="--mask probes MAE's visible patches; it needs an MAE"):
         probe.probe_model(classifier, samples, 4, mask=True)  # every Config has a mask_ratio
-    model, _ = probe.load_model("init:cifar-tiny,image_size=16,objective=mae", "folder")
+    model, _ = probing.load_model("init:cifar-tiny,image_size=16,objective=mae", "folder")
     full = probe.probe_model(model, samples, 4)
     masked = probe.probe_model(model, samples, 4, mask=True)
     assert full["std"] != masked["std"]
@@ -3226,9 +3229,10 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
     own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
     import probe
+    from operations import probing
 
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
-        model, _ = probe.load_model(spec, "")
+        model, _ = probing.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
         hs = D // nh
         for i, block in enumerate(model.blocks):
@@ -3252,16 +3256,16 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
 
 
 def test_recomputed_attention_equals_the_libraries_explicit_attention():
-    import probe
+    from operations import probing
 
     torch.manual_seed(0)
     for name in ("gpt2", "bert"):
-        model, _ = probe.load_model(HF_TINY[name], "")
+        model, _ = probing.load_model(HF_TINY[name], "")
         tokens = torch.randint(0, 300, (2, 12))
         _, attns = model.hidden_states(tokens, need_weights=True)
         library = model.model(input_ids=tokens, output_attentions=True).attentions
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, library)), name
-    model, _ = probe.load_model(TIMM_VIT, "")
+    model, _ = probing.load_model(TIMM_VIT, "")
     seen = []
     for module in model.block_modules:
         module.attn.fused_attn = False  # timm's explicit path: its probabilities pass attn_drop
@@ -3328,9 +3332,9 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     """Every patch, in order, by default (the library masks 75% unless told otherwise): the hooked
     hidden states equal the library's own; --mask keeps a quarter of the patches, the same ones in
     every run, and changes the numbers."""
-    import probe
+    from operations import probing
 
-    model, _ = probe.load_model(HF_MAE, "")
+    model, _ = probing.load_model(HF_MAE, "")
     x = torch.rand(2, 3, 16, 16)
     ratio = model.model.config.mask_ratio
     hiddens, attns = model.hidden_states(x, need_weights=True)
@@ -4136,14 +4140,14 @@ def test_measurement_tools_do_not_import_the_trainer():
 
 TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
 PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
-OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "adapters"}  # operations/
+OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "probing"}  # operations/
 
 
 def test_the_tutorial_imports_itself_the_named_packages_and_five_operations_modules():
     """The five files import each other, the standard library, the packages the user named, and at
     most five modules of operations/, those as modules (`from operations import housekeeping`), so
-    each call reads housekeeping.out_dir_claimed(...) where it happens; and look.py, the picture
-    tool, for probe.py's figure. Anything else fails here."""
+    each call reads housekeeping.out_dir_claimed(...) where it happens. Anything else fails
+    here."""
     import ast
 
     tutorial, found = {p[:-3] for p in TUTORIAL}, []
@@ -4153,7 +4157,7 @@ def test_the_tutorial_imports_itself_the_named_packages_and_five_operations_modu
                 found += [(path, a.name, None) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 found.append((path, node.module, [a.name for a in node.names]))
-    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names) | {"look"}
+    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names)
     others = [(path, module, names) for path, module, names in found
               if module.split(".")[0] not in allowed and module != "operations"]
     assert others == []

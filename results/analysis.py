@@ -59,10 +59,10 @@ def experiment_data(argv, image_size=16, train_samples=5000, device="cpu"):
 def probe_images(data_dir, model, samples=256):
     """The first `samples` test images of the CIFAR-10 folder, loaded as probe.py loads them for this model."""
     sys.path.insert(0, ROOT)
-    import probe
+    from operations import probing
 
     args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=samples, tokenizer="", val_file="")
-    return probe.load_samples(args, model, {})
+    return probing.load_samples(args, model, {})
 
 
 @torch.no_grad()
