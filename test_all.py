@@ -921,6 +921,14 @@ def test_best_pt_is_never_ahead_of_the_checkpoint_and_catches_up_on_resume(tiny_
                                      for k, v in best["model"].items())
     code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=out)
     assert code == 0 and "caught up" not in printed  # in step: nothing to say
+    (out / "best.pt").unlink()  # and the log says step 2 was not the best: nothing is made up
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    for r in records:
+        if r.get("eval"):
+            r["top1"] += 1.0
+    (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=out)
+    assert code == 0 and "caught up" not in printed and not (out / "best.pt").exists(), printed
 
 
 def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp_path, capsys):
@@ -2481,7 +2489,7 @@ def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(ti
     assert (tmp_path / ".notes.x.tmp").exists() and (tmp_path / "ckpt.pt.tmp").exists()
 
 
-@pytest.mark.parametrize("how", ["diverged", "killed"])
+@pytest.mark.parametrize("how", ["diverged", "killed", "killed while setting aside"])
 def test_an_overwrite_run_that_ends_before_saving_puts_the_replaced_run_back(capsys, tiny_data,
                                                                             tmp_path, how):
     """--overwrite keeps the old run aside until the new one's first checkpoint: a new run that
@@ -2501,12 +2509,18 @@ def test_an_overwrite_run_that_ends_before_saving_puts_the_replaced_run_back(cap
         err = capsys.readouterr().err
         assert "the run it replaced (--overwrite) is back in" in err
         assert err.rstrip().splitlines()[-1].startswith("error: loss is")  # the error comes last
-    else:  # what a SIGKILL leaves: the old run aside, the new run's log, no new checkpoint
+    elif how == "killed":  # what a SIGKILL leaves: the old run aside, the new run's log
         housekeeping.set_aside_old_run(str(tmp_path))
         (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
         with housekeeping.out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
             pass
         assert "is back in place" in capsys.readouterr().err
+    else:  # a kill between two of the set-aside's moves: the checkpoint moved, the log not yet
+        (tmp_path / ".replacing").mkdir()
+        (tmp_path / "ckpt.pt").rename(tmp_path / ".replacing" / "ckpt.pt")
+        with housekeeping.out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
+            pass
+        assert not (tmp_path / ".replacing").exists()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     assert not (tmp_path / ".replaced").exists()
     code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
@@ -2536,9 +2550,10 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once(capsys, tiny_data, tmp_p
 
 
 def test_the_lock_is_the_folder_and_ends_with_the_main_process(tmp_path):
-    """The lock is on out_dir itself (no file in it to delete or link), and a forked child (a
-    DataLoader worker) that outlives a killed main process does not keep it; a child that did not
-    let go of its copy would (the contrast shows the test can fail)."""
+    """The lock is on out_dir itself (no file in it to delete or link dodges it) and on its .lock
+    (for NFS), and a forked child (a DataLoader worker) that outlives a killed main process does
+    not keep it; a child that did not let go of its copy would (the contrast shows the test can
+    fail). Deleting .lock mid-run does not let a second run in."""
     from operations.housekeeping import TrainingError, out_dir_claimed
 
     script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
@@ -2554,7 +2569,7 @@ def test_the_lock_is_the_folder_and_ends_with_the_main_process(tmp_path):
     for child, free in (("drop", True), ("keep", False)):
         out = tmp_path / child
         subprocess.run([sys.executable, "-c", script, str(out), child], check=True, timeout=60)
-        assert os.listdir(out) == []  # no lock file
+        assert os.listdir(out) == [".lock"]  # what a killed run leaves
         if free:
             with out_dir_claimed(str(out), resume=False, overwrite=False):
                 pass
@@ -2562,6 +2577,11 @@ def test_the_lock_is_the_folder_and_ends_with_the_main_process(tmp_path):
             with pytest.raises(TrainingError, match="another train.py is running"):
                 with out_dir_claimed(str(out), resume=False, overwrite=False):
                     pass
+    with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
+        (tmp_path / "run" / ".lock").unlink()
+        with pytest.raises(TrainingError, match="another train.py is running"):
+            with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
+                pass
 
 
 def test_a_log_linked_out_of_out_dir_is_refused_not_appended_to(capsys, tiny_data, tmp_path):
@@ -3095,8 +3115,8 @@ def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(t
             (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
             monkeypatch.setattr(os, "remove", read_only)
             raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
-    # the write's error is the one shown, and the lock is let go
-    assert os.listdir(tmp_path / "run") == ["ckpt.pt"]
+    # the write's error is the one shown (the lock file's removal failed quietly); the lock is let go
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
     with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
         pass
 
@@ -3223,6 +3243,12 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_in_one_line(tmp_path,
         assert export.main([str(tmp_path / "c.pt"), "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
+    model = Bamboo(tiny("next"))
+    checkpoint.save(str(tmp_path / "n.pt"), {"config": model.config.to_dict(),
+                                             "model": model.state_dict()})
+    (tmp_path / "file").write_text("the user's own")
+    assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "file")]) == 2
+    assert "a Hugging Face model is a folder" in capsys.readouterr().err
 
 
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():

@@ -148,7 +148,8 @@ def train(args):
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
                 housekeeping.forget_unsaved_steps(log_path, step)
-                for line in housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples):
+                for line in housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples,
+                                                       log_path):
                     say(line)
             say(f"resumed from {ckpt_path} at step {step}")
 
@@ -256,7 +257,8 @@ def train(args):
                 # nothing non-finite is saved: every rank stops where rank 0 found it
                 finite = not master or (math.isfinite(metrics["val_loss"])
                                         and all(torch.isfinite(p).all() for p in params))
-                if not finite or (ddp and housekeeping.any_rank(not finite, device)):
+                stop_all = housekeeping.any_rank(not finite, device) if ddp else not finite
+                if stop_all:  # every rank joins the all-reduce, then every rank stops
                     what = (f"the weights or the evaluation went non-finite at step {step}"
                             if not finite else "rank 0 stopped the run")
                     raise housekeeping.diverged(what, cfg, saved_step)

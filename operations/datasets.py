@@ -97,9 +97,9 @@ def listing_fingerprint(samples):
     """A short sha1 of a split's (file, label) list, paths below their common folder (so a moved
     data_dir keeps it): a resume checks that the folder still lists the same files."""
     paths = [path for path, _ in samples]
-    root, key = os.path.commonpath(paths) if paths else "", hashlib.sha1()
+    root, key = len(os.path.commonpath(paths)) if paths else 0, hashlib.sha1()
     for path, label in samples:
-        key.update(f"{os.path.relpath(path, root)}|{label}\n".encode())
+        key.update(f"{path[root:]}|{label}\n".encode())
     return key.hexdigest()[:16]
 
 
@@ -123,17 +123,22 @@ def _image_files(root):
         before, found = len(samples), []
         seen = roots - {os.path.realpath(os.path.join(root, name))}
         for folder, subfolders, files in os.walk(os.path.join(root, name), followlinks=True):
-            if os.path.realpath(folder) in seen:  # a link back into the tree: visited already
+            subfolders.sort()  # the same walk on every copy of the data
+            real_folder = os.path.realpath(folder)
+            if real_folder in seen:  # a link back into the tree: visited already
                 subfolders[:] = []
                 continue
-            seen.add(os.path.realpath(folder))
-            found.append((folder, sorted(f for f in files if f.lower().endswith(IMAGE_FILES))))
+            seen.add(real_folder)
+            found.append((folder, real_folder,
+                          sorted(f for f in files if f.lower().endswith(IMAGE_FILES))))
         real = set()  # each real file once, whatever the links to it
-        for folder, files in sorted(found):
+        for folder, real_folder, files in sorted(found):
             for f in files:
                 path = os.path.join(folder, f)
-                if os.path.realpath(path) not in real:
-                    real.add(os.path.realpath(path))
+                key = (os.path.realpath(path) if os.path.islink(path)  # one lstat a file
+                       else os.path.join(real_folder, f))
+                if key not in real:
+                    real.add(key)
                     samples.append((path, label))
         if len(samples) == before:
             raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "

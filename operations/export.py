@@ -9,7 +9,6 @@ Run: python -m operations.export out/ckpt.pt --out vit.safetensors   (cls, mae: 
      python -m operations.export out/ckpt.pt --out gpt2/             (next: save_pretrained)
 """
 import argparse
-import json
 import os
 import sys
 from functools import partial
@@ -119,6 +118,9 @@ def export(path, out):
     if c.objective == "next":
         from transformers import GPT2LMHeadModel
 
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"--out {out} is a file; a Hugging Face model is a folder: give a "
+                             "folder's path")
         hf = GPT2LMHeadModel(gpt2_config(c))
         hf.load_state_dict(to_gpt2(model))
         hf.save_pretrained(out)
@@ -127,7 +129,7 @@ def export(path, out):
 
     check_output_path("--out", out)
     save_file({k: v.contiguous() for k, v in to_timm(model).items()}, out)
-    return (f"wrote {out}: VisionTransformer(**{json.dumps(timm_kwargs(c))}, norm_layer=partial("
+    return (f"wrote {out}: VisionTransformer(**{timm_kwargs(c)!r}, norm_layer=partial("
             f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."
             f"load_file({out!r}))")
 

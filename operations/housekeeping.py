@@ -6,6 +6,7 @@ after a kill, progress lines, the summary, and main's one-line errors. train.py 
 what it does; none is a step verb.
 """
 import argparse
+import errno
 import inspect
 import json
 import math
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import types
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import fields
 
 import numpy as np
@@ -176,8 +177,9 @@ def check_settings(cfg):
          "8)"),
         ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
          "(MAE's for the objective)"),
-        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS, f"reads image files; "
-         f"--dataset {cfg.dataset} is text, tokenized once (drop --stream)"),
+        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS or cfg.resume
+         or cfg.eval_only, f"reads image files; --dataset {cfg.dataset} is text, tokenized once "
+         "(drop --stream)"),
     ]
     for name, ok, why in checks:
         if not ok:
@@ -335,7 +337,7 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
     if not os.access(out, os.W_OK | os.X_OK):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
-    lock = lock_out_dir(out)
+    locks = lock_out_dir(out)
     try:
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
@@ -354,21 +356,30 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
                                 "choose another --out_dir, or pass --overwrite to replace it")
         yield
     finally:
-        if put_back_replaced_run(out):
-            print(f"note: this run ended before its first checkpoint, so the run it replaced "
-                  f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
-        release_out_dir(out, lock, created)
+        try:
+            if put_back_replaced_run(out):
+                print(f"note: this run ended before its first checkpoint, so the run it replaced "
+                      f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
+        except OSError:  # a folder gone read-only: the error that ended the run is the one to say
+            pass
+        finally:
+            release_out_dir(out, locks, created)
 
 
 def set_aside_old_run(out):
     """--overwrite, once the new run has passed every check: the old run's files move into
     out/.replaced, kept until the new run's first checkpoint (forget_replaced_run); a run that ends
-    before that, however it ends, gets them back (put_back_replaced_run)."""
-    aside = os.path.join(out, REPLACED)
-    os.makedirs(aside, exist_ok=True)
-    for name in RUN_FILES:
-        if os.path.exists(os.path.join(out, name)):
-            os.replace(os.path.join(out, name), os.path.join(aside, name))
+    before that, however it ends, gets them back (put_back_replaced_run, at its end or at the next
+    start). They move through out/.replacing, renamed only when all are there, so that a kill
+    mid-way loses nothing."""
+    old = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+    if not old:
+        return
+    staging = os.path.join(out, REPLACED.replace("replaced", "replacing"))
+    os.makedirs(staging, exist_ok=True)
+    for name in old:
+        os.replace(os.path.join(out, name), os.path.join(staging, name))
+    os.replace(staging, os.path.join(out, REPLACED))
 
 
 def forget_replaced_run(out):
@@ -383,15 +394,22 @@ def forget_replaced_run(out):
 
 def put_back_replaced_run(out):
     """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
-    the successor wrote and move the replaced run back; True if so. Where the successor saved, the
-    replaced run goes."""
+    the successor wrote and move the replaced run back, its checkpoint last; True if so. Where the
+    successor saved, the replaced run goes. A set-aside cut short (out/.replacing) is undone."""
+    staging = os.path.join(out, REPLACED.replace("replaced", "replacing"))
+    if os.path.isdir(staging):  # nothing of a new run yet: every file goes back where it was
+        for name in RUN_FILES:
+            if os.path.exists(os.path.join(staging, name)):
+                os.replace(os.path.join(staging, name), os.path.join(out, name))
+        with suppress(OSError):
+            os.rmdir(staging)
     aside = os.path.join(out, REPLACED)
     if not os.path.isdir(aside):
         return False
     if os.path.exists(os.path.join(out, "ckpt.pt")):
         forget_replaced_run(out)
         return False
-    for name in RUN_FILES:
+    for name in sorted(RUN_FILES, key=lambda name: name == "ckpt.pt"):  # ckpt.pt last
         with suppress(FileNotFoundError):
             os.remove(os.path.join(out, name))
         if os.path.exists(os.path.join(aside, name)):
@@ -401,26 +419,37 @@ def put_back_replaced_run(out):
     return True
 
 
-LOCKS = []  # the out_dir locks this process holds: file descriptors of the folders themselves
+LOCKS = []  # the out_dir locks this process holds (file descriptors), for forked children to drop
 
 
 def lock_out_dir(out):
-    """An exclusive lock on the out_dir folder itself for this process's lifetime (None where the
-    platform has no flock): a second run into the same folder stops at once instead of
-    interleaving its files. No path inside the folder can be deleted or linked to dodge it."""
+    """Exclusive locks for this process's lifetime on the out_dir folder itself (no path inside it
+    can be deleted or linked to dodge it) and on out_dir/.lock (which NFS shares between machines,
+    where a folder's lock is local): a second run into the same folder stops at once. [] where the
+    platform has no flock."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock
-        return None
-    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
-                            "finish or choose another --out_dir") from None
-    LOCKS.append(fd)
-    return fd
+        return []
+    if os.path.islink(os.path.join(out, ".lock")):
+        raise TrainingError(f"{os.path.join(out, '.lock')} is a link; remove it")
+    held = []
+    try:  # the folder first: a busy one stops here, before any file is made in it
+        held.append(os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+        fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(os.open(os.path.join(out, ".lock"), os.O_WRONLY | os.O_CREAT
+                            | getattr(os, "O_NOFOLLOW", 0), 0o644))
+        fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        for fd in held:
+            os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
+                                "finish or choose another --out_dir") from None
+        raise TrainingError(f"cannot lock --out_dir {out} ({e.strerror}); its file system may not "
+                            "support locks: choose a local --out_dir") from None
+    LOCKS.extend(held)
+    return held
 
 
 def drop_inherited_locks():
@@ -431,14 +460,15 @@ def drop_inherited_locks():
             os.close(LOCKS.pop())
 
 
-def release_out_dir(out, lock, created):
-    """Drop the lock, and remove out_dir again if this run created it and left nothing in it."""
-    if lock is None:
-        return
-    LOCKS.remove(lock)
-    os.close(lock)
+def release_out_dir(out, locks, created):
+    """Drop the locks, and remove out_dir again if this run created it and left only its lock."""
+    for fd in locks:
+        LOCKS.remove(fd)
+        os.close(fd)
     with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
-        if created and not os.listdir(out):  # stopped the run is the one to report
+        if locks:  # stopped the run is the one to report
+            os.remove(os.path.join(out, ".lock"))
+        if created and not os.listdir(out):
             os.rmdir(out)
 
 
@@ -472,19 +502,29 @@ def forget_unsaved_steps(log_path, step):
         checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
 
 
-def catch_up_best(best_path, resumed, eval_samples):
+def catch_up_best(best_path, resumed, eval_samples, log_path):
     """On resume, best.pt against the checkpoint (saved first): a kill between the two saves leaves
-    best.pt one improvement behind, which the checkpoint's weights then are; written and said. And
-    a resume that evaluates on another held-out set says that "best" now compares across sets."""
+    best.pt one improvement behind; where the log shows the checkpoint's own evaluation was the
+    best, its weights are written as best.pt, and said. And a resume that evaluates on another
+    held-out set says that "best" now compares across sets."""
     lines, step = [], int(resumed["step"])
-    best = checkpoint.load(best_path) if os.path.exists(best_path) else None
+    try:
+        best = checkpoint.load(best_path) if os.path.exists(best_path) else None
+    except checkpoint.CheckpointError:
+        best = None
+        lines.append(f"note: {best_path} is damaged; it is written again at the checkpoint's "
+                     "step if that was the best, else at the next best")
     if best is not None and best.get("step", 0) > step:  # an older version saved it first
         lines.append(f"note: {best_path} holds step {best['step']}, past the checkpoint's {step} "
                      "(a kill between the two saves); it is kept as it is")
     elif resumed.get("best") is not None and (best is None or best.get("best") != resumed["best"]):
-        checkpoint.save(best_path, checkpoint.weights_only(resumed))
-        lines.append(f"{best_path} caught up with the checkpoint's step {step}, its best "
-                     "evaluation (a kill came between the two saves)")
+        name, _ = selection_metric(resumed["config"]["objective"])
+        with open(log_path, encoding="utf-8") if os.path.exists(log_path) else nullcontext([]) as f:
+            records = [json.loads(line) for line in f if '"eval": true' in line]
+        if any(r.get("step") == step and r.get(name) == resumed["best"] for r in records):
+            checkpoint.save(best_path, checkpoint.weights_only(resumed))
+            lines.append(f"{best_path} caught up with the checkpoint's step {step}, its best "
+                         "evaluation (a kill came between the two saves)")
     before = resumed.get("train", {}).get("eval_samples", eval_samples)
     if before != eval_samples:
         lines.append(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): "
@@ -775,6 +815,9 @@ def evaluation_progress(batches, total):
     silent."""
     from tqdm import tqdm
 
+    if int(os.environ.get("RANK", 0)) != 0:  # rank 0 speaks for the run
+        yield from batches
+        return
     bar = tqdm(batches, total=total, desc="evaluating", leave=False, dynamic_ncols=True,
                disable=not sys.stderr.isatty(), mininterval=1.0)
     start = said = time.time()
