@@ -3115,7 +3115,7 @@ def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(t
             (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
             monkeypatch.setattr(os, "remove", read_only)
             raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
-    # the write's error is the one shown (the lock file's removal failed quietly); the lock is let go
+    # the write's error is shown (the lock file's removal failed quietly); the lock is let go
     assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
     with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
         pass
