@@ -112,10 +112,9 @@ def train(args):
 
     ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
                                       for name in ("ckpt.pt", "best.pt", "log.jsonl"))
-    # out_dir: locked for the whole run, and removed again if this run made it and left it empty
-    # (--eval_only writes nothing: it reads a run, even a read-only or a training one)
-    writes = master and not cfg.eval_only
-    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite, writes), \
+    # out_dir: locked for the run, removed again if made and left empty (--eval_only writes none)
+    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
+                                      master and not cfg.eval_only), \
             housekeeping.process_group_left(ddp):
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
         data, config = load_data(cfg, settings, device, rank, world)
@@ -148,9 +147,7 @@ def train(args):
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
                 housekeeping.forget_unsaved_steps(log_path, step)
-                for line in housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples,
-                                                       log_path):
-                    say(line)
+                housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples, log_path)
             say(f"resumed from {ckpt_path} at step {step}")
 
         # what the step calls: the model in operations/fast.py's wrapper for this machine, then DDP

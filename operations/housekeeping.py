@@ -506,7 +506,7 @@ def catch_up_best(best_path, resumed, eval_samples, log_path):
     """On resume, best.pt against the checkpoint (saved first): a kill between the two saves leaves
     best.pt one improvement behind; where the log shows the checkpoint's own evaluation was the
     best, its weights are written as best.pt, and said. And a resume that evaluates on another
-    held-out set says that "best" now compares across sets."""
+    held-out set says that "best" now compares across sets. Prints what it did or found."""
     lines, step = [], int(resumed["step"])
     try:
         best = checkpoint.load(best_path) if os.path.exists(best_path) else None
@@ -529,7 +529,8 @@ def catch_up_best(best_path, resumed, eval_samples, log_path):
     if before != eval_samples:
         lines.append(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): "
                      "'best' now compares evaluations on different held-out sets")
-    return lines
+    for line in lines:
+        print(line, flush=True)
 
 
 def code_and_machine(device):
