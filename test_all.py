@@ -3384,6 +3384,20 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     assert masked == again and masked["cos"] != unmasked["cos"]
 
 
+def test_a_timm_checkpoint_path_that_does_not_load_is_one_line(tmp_path):
+    """timm raises its own RuntimeError for a checkpoint_path it cannot use (a pickle that
+    torch.load refuses, or another model's weights); the probe says it in one line."""
+    import argparse
+
+    from operations import adapters
+
+    torch.save({"state_dict": {"x": argparse.Namespace(a=1)}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="could not load its checkpoint_path") as e:
+        adapters.load("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=1,"
+                      f"embed_dim=32,num_heads=2,checkpoint_path={tmp_path / 'other.pt'}")
+    assert "\n" not in str(e.value)
+
+
 def test_a_timm_model_with_normalised_queries_and_keys_is_refused_not_misprobed():
     from operations import adapters
 

@@ -64,6 +64,12 @@ def load(spec):
         raise ValueError(f"{spec}: its weights are a pickle with more than tensors, which is not "
                          "loaded (it could run code); use safetensors or plain tensor weights") \
             from None
+    except RuntimeError as e:  # timm's checkpoint_path: a refused pickle, or another model's
+        if "checkpoint_path" not in settings:
+            raise
+        raise ValueError(f"{spec}: could not load its checkpoint_path "
+                         f"({' '.join(str(e).split())[:160]}); give this model's weights as plain "
+                         "tensors") from None
     except OSError as e:  # offline, or a name the hub does not know
         advice = "check the name and the network, or pass pretrained=0" if pretrained else (
             f"with pretrained=0 the name must be a model type ({', '.join(FAMILIES)})")
