@@ -324,7 +324,9 @@ def smoothing(args):
         by_layer = [[float("nan") if v is None else v for v in layer] for layer in zip(*rows)]
         image = ax.imshow(by_layer, origin="lower", aspect="auto", vmin=min(values),
                           vmax=max(values), extent=(0, len(steps), -0.5, len(by_layer) - 0.5))
-        ax.set_xticks([i + 0.5 for i in range(len(steps))], [str(s) for s in steps], fontsize=7)
+        every = max(1, len(steps) // 8)  # at most about 8 labels: they never overlap
+        ax.set_xticks([i + 0.5 for i in range(0, len(steps), every)],
+                      [str(s) for s in steps[::every]], fontsize=7)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(title=label, xlabel="step (each evaluation)", ylabel="layer (0 = embedding)")
     fig.colorbar(image, ax=axes[0][:len(runs)].tolist(), label=args.metric)

@@ -1604,6 +1604,21 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
 
 
+def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
+                                                                              monkeypatch):
+    import look
+
+    records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
+               for i in range(1, 17)]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn, save_figure = [], look.save_figure
+    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
+                        save_figure(fig, path))
+    assert look.main(["smoothing", str(tmp_path), "--out", str(tmp_path / "s.png")]) == 0
+    labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
+    assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
+
+
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
                                                                             tmp_path):
     import shutil
