@@ -187,9 +187,8 @@ def train(args):
             return 0
 
         # ------------------------------------------------------------------------- the loop
-        held_out_batches = math.ceil(min(cfg.eval_samples or math.inf, data.num_held_out())
-                                     / eval_batch)
-        clock = housekeeping.Clock(t_begin, cfg, held_out_batches)
+        clock = housekeeping.Clock(t_begin, cfg, housekeeping.held_out_batches(
+            data, cfg.eval_samples, eval_batch))
         made_by = housekeeping.code_and_machine(device)  # the commit, command, torch and device
         metrics, t_start = None, time.time()
         with housekeeping.stop_signals(ddp, master) as stop, \
@@ -441,9 +440,9 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
-        samples = min(cfg.eval_samples or math.inf, data.num_held_out())
         batches = data.eval_batches(batch_size, cfg.eval_samples or None)
-        for x, y in housekeeping.evaluation_progress(batches, math.ceil(samples / batch_size)):
+        total = housekeeping.held_out_batches(data, cfg.eval_samples, batch_size)
+        for x, y in housekeeping.evaluation_progress(batches, total):
             x = x.to(device)
             if objective == "cls":
                 y = y.to(device)

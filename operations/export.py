@@ -70,10 +70,10 @@ def to_timm(model):
         for mine, theirs in names.items():
             for kind in ("weight", "bias"):
                 out[f"blocks.{i}.{theirs}.{kind}"] = ours[f"blocks.{i}.{mine}.{kind}"]
-    last = ("fc_norm", "head") if c.objective == "cls" else ("ln_f",)
-    for mine in last:
+    last = {"fc_norm": "fc_norm", "head": "head"} if c.objective == "cls" else {"ln_f": "norm"}
+    for mine, theirs in last.items():
         for kind in ("weight", "bias"):
-            out[f"{'norm' if mine == 'ln_f' else mine}.{kind}"] = ours[f"{mine}.{kind}"]
+            out[f"{theirs}.{kind}"] = ours[f"{mine}.{kind}"]
     return out
 
 

@@ -34,6 +34,7 @@ PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir
 RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")
 REPLACED = ".replaced"  # inside out_dir: the run --overwrite replaces, until the new one has saved
+REPLACING = ".replacing"  # where its files gather first, so that a kill mid-move loses nothing
 
 
 class TrainingError(Exception):
@@ -375,7 +376,7 @@ def set_aside_old_run(out):
     old = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
     if not old:
         return
-    staging = os.path.join(out, REPLACED.replace("replaced", "replacing"))
+    staging = os.path.join(out, REPLACING)
     os.makedirs(staging, exist_ok=True)
     for name in old:
         os.replace(os.path.join(out, name), os.path.join(staging, name))
@@ -396,7 +397,7 @@ def put_back_replaced_run(out):
     """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
     the successor wrote and move the replaced run back, its checkpoint last; True if so. Where the
     successor saved, the replaced run goes. A set-aside cut short (out/.replacing) is undone."""
-    staging = os.path.join(out, REPLACED.replace("replaced", "replacing"))
+    staging = os.path.join(out, REPLACING)
     if os.path.isdir(staging):  # nothing of a new run yet: every file goes back where it was
         for name in RUN_FILES:
             if os.path.exists(os.path.join(staging, name)):
@@ -808,6 +809,11 @@ def settings_lines(cfg, config, data, sources):
         lines.append(f"note: --warmup {cfg.warmup} is not shorter than --max_iters "
                      f"{cfg.max_iters}: the rate never reaches its peak and never decays")
     return lines
+
+
+def held_out_batches(data, eval_samples, batch_size):
+    """How many batches an evaluation takes: --eval_samples of the held-out split (0: all)."""
+    return math.ceil(min(eval_samples or math.inf, data.num_held_out()) / batch_size)
 
 
 def evaluation_progress(batches, total):
