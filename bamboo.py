@@ -33,6 +33,7 @@ from neutreno import Attention, EigenAttention
 OBJECTIVES = ("mae", "cls", "mlm", "next")
 VO_PARAMS = ("free", "smooth", "sharpen")
 IMAGE_OBJECTIVES = ("mae", "cls")
+LOGITS_PER_CHUNK = 2 ** 23  # next-token loss: 32 MB of fp32 logits at a time (166 rows of GPT-2's)
 
 
 @dataclass
@@ -311,6 +312,48 @@ def take_tokens(x, ids):
     return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
+
+    Next-token logits over GPT-2's 50,257 ids are a step's largest tensors (batch 32 x 128 tokens:
+    0.8 GB in fp32, and as much again for log-softmax and each gradient). Here each chunk of rows
+    makes its logits, its loss and, when training, straight away its gradient (softmax minus
+    one-hot); only dL/dh and dL/dW are kept for backward. h (N, D), weight (V, D), targets (N,),
+    -100 where ignored.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):
+        gradients = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        valid = targets != -100
+        safe = targets.clamp(min=0)[:, None]  # (N, 1); ignored rows are zeroed through h_valid
+        h_valid = h * valid[:, None].to(h.dtype)  # cheaper than masking each (rows, V) gradient
+        rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if gradients else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, h.shape[0], rows):
+            chunk = slice(i, i + rows)
+            log_probs = torch.log_softmax(h[chunk] @ weight.T, -1, dtype=torch.float32)  # (rows, V)
+            total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
+            if gradients:
+                grad = log_probs.exp_()  # softmax, in place
+                grad.scatter_add_(1, safe[chunk], torch.full_like(grad[:, :1], -1.0))  # - one-hot
+                grad = grad.to(h.dtype)
+                grad_h[chunk] = (grad @ weight) * valid[chunk, None]
+                grad_w += grad.T @ h_valid[chunk]
+        count = valid.sum().clamp(min=1)  # no NaN when a batch has no targets
+        if gradients:
+            ctx.save_for_backward(grad_h, grad_w, count)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(grad_h.dtype), None
+
+
 def init_stack(*modules, residual_depth=0):
     """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0; with residual_depth, then
     each residual projection N(0, 0.02 / sqrt(2 * depth)), because that many add up in the stream.
@@ -350,8 +393,8 @@ class Bamboo(nn.Module):
       mlm:  x tokens (B, T) -> out = logits (N, vocab) at the N chosen positions, in row-major
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
-      next: x tokens (B, T) -> out = logits (B, T-1, vocab) predicting x[:, 1:];
-            or pass y (B, T) as explicit targets, nanoGPT-style, and out is (B, T, vocab)
+      next: x tokens (B, T) -> out = None, loss predicting x[:, 1:] (or pass y (B, T) as explicit
+            targets, nanoGPT-style); the logits: model.token_logits(h) of next_token_features
     """
 
     def __init__(self, config, explicit_attention=False):
@@ -600,12 +643,16 @@ class Bamboo(nn.Module):
         return self.ln_f(h), targets
 
     def forward_next(self, tokens, y=None):
-        return self.next_token_loss(*self.next_token_features(tokens, y))
+        return None, self.next_token_loss(*self.next_token_features(tokens, y))
 
     def next_token_loss(self, h, targets):
-        """Logits (B, T, vocab) of the features h (B, T, D), and their mean cross-entropy."""
-        logits = self.token_logits(h)
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        """Mean cross-entropy of the logits of the features h (B, T, D) over targets (B, T). No
+        logits come back: ChunkedCrossEntropy never holds them all (token_logits(h) makes them)."""
+        weight = self.output_embedding()
+        if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
+            dtype = torch.get_autocast_dtype(h.device.type)
+            h, weight = h.to(dtype), weight.to(dtype)
+        return ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
 
     @torch.no_grad()
     def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, generator=None):

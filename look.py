@@ -381,9 +381,11 @@ def probe_figure(report, relative):
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    names = [n for n in report["metrics"]
-             if any(v is not None for vs in report["metrics"][n].values() for v in vs)
-             and not (n.startswith("beta") and len(report["labels"]) == 1)]  # 1 against itself
+    def drawn(name):  # a panel with something to show: beta needs a checkpoint beside the first
+        lines = sum(any(v is not None for v in vs) for vs in report["metrics"][name].values())
+        return lines > (1 if name.startswith("beta") else 0)  # the first is 1 against itself
+
+    names = [n for n in report["metrics"] if drawn(n)]
     cols = 3
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)

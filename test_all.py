@@ -219,7 +219,9 @@ def test_objective_shapes_loss_and_gradients(objective):
     c = tiny(objective, pool="cls" if objective == "cls" else "mean")
     model = Bamboo(c)
     x, y = batch(c)
-    out, loss = model(x, y)  # logits for every objective, with or without gradients
+    out, loss = model(x, y)  # next: no logits (its loss never holds them all); token_logits
+    if objective == "next":
+        out = model.token_logits(model.next_token_features(x, y)[0])
     expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels),
                 "cls": (4, c.num_classes),
                 "mlm": (out.shape[0], c.vocab_size),
@@ -610,7 +612,7 @@ def test_wrong_input_shape_is_a_clear_error():
         shape = re.escape(str(tuple(wrong.shape)))
         with pytest.raises(ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + shape):
             text(wrong)  # the shape the caller passed, not the shifted inputs
-    assert text(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 64)
+    assert text.next_token_features(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 32)
 
 
 # ---------------------------------------------------------------- overfitting one batch
@@ -2289,6 +2291,22 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
 
 
+def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
+    """python train.py passes the time taken before its imports: a limit already spent there stops
+    the run after its first step, evaluated and saved."""
+    import train
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
+    printed = io.StringIO()
+    with redirect_stdout(printed), redirect_stderr(printed):
+        code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert code == 0 and "time limit reached" in printed.getvalue(), printed.getvalue()
+    assert [r["step"] for r in log if r.get("eval")] == [1]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+    assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
+
+
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     from tqdm import tqdm
 
@@ -2371,7 +2389,7 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
     import train
 
-    def interrupted_twice(args):
+    def interrupted_twice(args, started):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train, "train", interrupted_twice)
@@ -2991,9 +3009,9 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
     import probe
 
     code, out = probe_cli(capsys, trained_checkpoints / "cls" / "ckpt.pt",
-                          "init:cifar-tiny,image_size=16,depth=2", "--labels", "trained,fresh",
-                          "--dataset", "folder", "--data_dir", tiny_data / "images", "--samples",
-                          "4", "--json", tmp_path / "p.json")
+                          "init:cifar-tiny,image_size=16,depth=2,width=32",  # trained's shape
+                          "--labels", "trained,fresh", "--dataset", "folder", "--data_dir",
+                          tiny_data / "images", "--samples", "4", "--json", tmp_path / "p.json")
     assert code == 0 and max(len(line) for line in out.out.splitlines()) <= 100
     assert "probing trained (1 of 2) ...\nprobing fresh (2 of 2) ..." in out.out  # progress
     assert all(name in out.out for name in probe.TOKEN_METRICS + probe.LAYER_METRICS
@@ -3236,7 +3254,7 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     with torch.no_grad():
         if objective == "next":
             theirs = GPT2LMHeadModel.from_pretrained(out).eval()(input_ids=x[:, :-1]).logits
-            ours = model(x)[0]
+            ours = model.token_logits(model.next_token_features(x)[0])
         else:
             vit = export.timm_model(model.config).eval()
             vit.load_state_dict(load_file(out))  # strict: every tensor named and shaped alike
@@ -3553,8 +3571,8 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
     out = model.generate(prompt, 20, temperature=0.7, top_k=1)  # longer than seq_len 16: cropped
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
     for t in range(5, 25):  # a context of at most 15 tokens: the positions training windows train
-        logits, _ = model(out[:, max(0, t - 15):t + 1])
-        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
+        h, _ = model.next_token_features(out[:, max(0, t - 15):t + 1])
+        assert torch.equal(out[:, t], model.token_logits(h)[:, -1].argmax(-1))
     draws = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(seed))
              for seed in (1, 1, 2)]
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
@@ -3583,7 +3601,8 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
 
 
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
-    """One model: no beta panels (each would be 1 against itself); a metric that moves by 1e-4
+    """One model, or models of other shapes than the first: no beta panels (the first alone would be
+    1 against itself); a metric that moves by 1e-4
     near 1 is drawn flat (its y-range at least 5% of its size); y-labels wrap, never overlapping
     the next panel."""
     import look
@@ -3602,6 +3621,10 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
     report["attn_entropy_ceiling"]["b"] = 1.0
     panels = {ax.get_title(): ax for ax in look.probe_figure(report, False).axes}
     assert "beta_v" in panels and panels["cos"].get_ylim()[0] < 0.25  # a real range is kept
+    for name in ("beta_qk", "beta_v"):  # b of another shape: no beta, so no flat line at 1 alone
+        report["metrics"][name]["b"] = [None, None, None]
+    panels = {ax.get_title() for ax in look.probe_figure(report, False).axes}
+    assert "cos" in panels and not panels & {"beta_qk", "beta_v"}
 
 
 def test_look_refuses_a_tokenizer_that_cannot_decode_the_models_ids(capsys, trained_checkpoints,
@@ -3721,10 +3744,10 @@ def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
-    from operations.fast import ChunkedCrossEntropy
+    import bamboo
+    from bamboo import ChunkedCrossEntropy
 
-    # 5 rows a chunk: 4 chunks + a part
-    monkeypatch.setattr(ChunkedCrossEntropy, "ELEMENTS_PER_CHUNK", 64 * 5)
+    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
     torch.manual_seed(0)
     h = torch.randn(23, 16, requires_grad=True)
     weight = torch.randn(64, 16, requires_grad=True)
@@ -3745,22 +3768,25 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
     assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0
 
 
-def test_chunked_next_token_training_gives_the_models_loss_and_gradients():
-    from operations import fast
+def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_gradients(monkeypatch):
+    """The model's one next-token loss, chunked, equals F.cross_entropy of token_logits in value and
+    gradients, and without gradients (evaluation) gives the same value."""
+    import bamboo
 
+    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
     torch.manual_seed(0)
     model = Bamboo(tiny("next", depth=2))
     x, _ = batch(model.config)
-    out, chunked = fast.ChunkedNextToken(model)(x)
+    out, loss = model(x)
     assert out is None
-    chunked.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    logits, loss = model(x)  # the tutorial path: plain logits and F.cross_entropy
-    loss.backward()
-    assert logits.shape == (4, model.config.seq_len - 1, model.config.vocab_size)
-    assert torch.allclose(loss, chunked, atol=1e-6)
-    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    h, targets = model.next_token_features(x)
+    reference = F.cross_entropy(model.token_logits(h).flatten(0, 1), targets.flatten())
+    reference_grads = torch.autograd.grad(reference, list(model.parameters()))
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
+    with torch.no_grad():
+        assert torch.allclose(model(x)[1], reference, atol=1e-6)
 
 
 def readme_commands(*pages):
@@ -3849,15 +3875,15 @@ def test_every_file_py_name_in_the_readme_and_guide_exists():
     assert [(f, n) for f, n in cited if n not in defined.get(f, ())] == []
 
 
-def test_fast_wraps_next_token_training_on_cpu_only():
+def test_fast_trains_the_model_itself_without_compilation():
+    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
+    loss."""
     from operations import fast
 
-    model = Bamboo(tiny("next"))
-    assert isinstance(fast.for_training(model, torch.device("cpu"), torch.float32)[0],
-                      fast.ChunkedNextToken)
-    assert fast.for_training(model, torch.device("meta"), torch.float32)[0] is model
-    assert fast.for_training(Bamboo(tiny("mlm")), torch.device("cpu"),
-                             torch.float32)[0].__class__ is Bamboo
+    for objective in ("mae", "cls", "mlm", "next"):
+        model = Bamboo(tiny(objective))
+        for device in ("cpu", "meta"):
+            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
 
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
@@ -4066,34 +4092,36 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
         torch.manual_seed(1)
         out, loss = module(x, y)
         loss.backward()
-        assert torch.allclose(out, eager_out, atol=1e-6) and torch.allclose(loss, eager_loss,
-                                                                            atol=1e-6)
+        assert torch.allclose(loss, eager_loss, atol=1e-6)
+        assert (out is eager_out is None) if objective == "next" else torch.allclose(
+            out, eager_out, atol=1e-6)
         graphs[depth] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     # the decoder's blocks, or next's loss: one more
     assert graphs[3] == graphs[8] <= 2 + (objective != "cls")
 
 
-def test_compiled_next_token_logits_are_rows_padded_to_64_columns_with_the_models_loss_and_grads():
-    """Regional compilation gives next-token logits whose rows start every 64 columns (100 ids:
-    128), as a view that leaves the padding out: logits, loss and every gradient equal the plain
-    model's. The logits come without gradient (a compiled region would take a zero gradient for them
-    at every step)."""
+def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
+    """Regional compilation of next-token's loss (through AOTAutograd, as inductor compiles it)
+    keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
+    from torch._dynamo.utils import counters
+
     from operations import fast
 
     torch.manual_seed(0)
     model = Bamboo(tiny("next", vocab_size=100))
     x, _ = batch(model.config)
-    plain_out, plain_loss = model(x)
+    _, plain_loss = model(x)
     plain_grads = torch.autograd.grad(plain_loss, list(model.parameters()))
     torch._dynamo.reset()
-    fast.compile_blocks(model, backend="eager")
-    out, loss = fast.CompiledNextToken(model, backend="eager")(x)
+    counters.clear()
+    fast.compile_blocks(model, backend="aot_eager")
+    out, loss = fast.CompiledNextToken(model, backend="aot_eager")(x)
     grads = torch.autograd.grad(loss, list(model.parameters()))
+    breaks = dict(counters["graph_break"])
     torch._dynamo.reset()
-    assert plain_out.stride(1) == 100 and out.stride(1) == 128 and out.shape == plain_out.shape
-    assert plain_out.requires_grad and not out.requires_grad
-    assert torch.allclose(out, plain_out, atol=1e-6) and torch.allclose(loss, plain_loss, atol=1e-6)
+    assert out is None and breaks == {}
+    assert torch.allclose(loss, plain_loss, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
 
 
@@ -4120,12 +4148,11 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
 
 def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
     """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model
-    as None. The graphed callable returns the loss alone; the logits are kept beside it without
-    gradient (a graphed output that requires grad would get a (B, T, vocab) zero gradient at every
-    step)."""
+    as None. The graphed callable returns the loss alone; out is kept beside it without gradient (a
+    graphed output that requires grad would get a zero gradient of its size at every step)."""
     from operations import fast
 
-    model = Bamboo(tiny("next"))
+    model = Bamboo(tiny("mae"))
     x, _ = batch(model.config)
     wrapped = fast.LossOnly(model, (x, None))
     torch.manual_seed(0)
@@ -4134,6 +4161,10 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
     out, expected = model(x)
     assert torch.equal(loss, expected) and loss.requires_grad
     assert torch.equal(wrapped.out, out) and not wrapped.out.requires_grad
+    text = Bamboo(tiny("next"))  # no logits: out stays None
+    tokens, _ = batch(text.config)
+    wrapped = fast.LossOnly(text, (tokens, None))
+    assert wrapped(tokens).requires_grad and wrapped.out is None
 
 
 # ==================================================================================================
@@ -4277,21 +4308,24 @@ if torch.cuda.is_available():
                                                 ("blocks", "next"), ("graphs", "next")])
     def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
         torch.manual_seed(0)
-        # next: logits padded to 128
         model = Bamboo(tiny(objective, depth=4, width=64, vocab_size=100)).to(CUDA)
         x, y = cuda_batch(model.config)
         eager_out, eager = model(x, y)
         eager_grads = torch.autograd.grad(eager, list(model.parameters()))
         # frees the eager autograd graph: a capture must not meet it
-        eager_out, eager = eager_out.detach(), eager.detach()
+        eager_out = None if eager_out is None else eager_out.detach()
+        eager = eager.detach()
         module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
         assert chosen == mode
         for _ in range(3):  # the first call warms up and captures; then replays
             out, loss = module(x, y)
             grads = torch.autograd.grad(loss, list(model.parameters()))
         assert torch.allclose(loss, eager, rtol=1e-3)
-        # logits too
-        assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)
+        if objective == "next":  # the chunked loss holds no logits
+            assert out is None and eager_out is None
+        else:  # logits too
+            assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3,
+                                                                   atol=1e-4)
         assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 

@@ -10,10 +10,13 @@ are in operations/, called by module name where they happen.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
+import time
+
+STARTED = time.time()  # --time_limit counts from here, before torch is imported
+
 import json
 import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 
@@ -69,7 +72,7 @@ class TrainConfig:
     compile: str = "auto"            # auto | off | model | blocks | graphs (see operations/fast.py)
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
-    time_limit: float = 0.0          # end within this many seconds, evaluated and saved (0: none)
+    time_limit: float = 0.0          # end this long after the start, evaluated and saved (0: none)
     eval_only: bool = False          # evaluate the weights as set up (--resume, --init_from), once
     wandb_project: str = ""          # also log to Weights & Biases under this project (pip install)
 
@@ -98,10 +101,10 @@ def get_lr(it, cfg):
 
 # ----------------------------------------------------------------------------- the run
 
-def train(args):
+def train(args, started=None):
     """One run, top to bottom as nanoGPT's: settings, processes, data, model, optimizer, a resumed
     run's state, then the loop. Its state is the local variables below."""
-    t_begin = time.time()  # --time_limit counts from the invocation's start
+    t_begin = started or time.time()  # --time_limit counts from the invocation's start
     cfg, resumed, pretrained, settings, sources = resolve_settings(args)
     device, rank, world = start_processes(cfg)
     master, ddp = rank == 0, world > 1
@@ -473,13 +476,13 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     return metrics
 
 
-def main(argv=None):
+def main(argv=None, started=None):
     args = build_parser().parse_args(argv)
     out_dir = getattr(args, "out_dir", TrainConfig.out_dir)
     with housekeeping.one_line_errors(out_dir) as outcome:  # a user's mistake: one line
-        outcome.code = train(args)
+        outcome.code = train(args, started)
     return outcome.code
 
 
 if __name__ == "__main__":
-    housekeeping.exit_process(main())
+    housekeeping.exit_process(main(started=STARTED))

@@ -1,29 +1,23 @@
 """What depends on the hardware: the device, the dtype, and speedups that pay only on some of it.
 
-bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention,
-F.cross_entropy, AdamW. What was measured to pay on particular hardware lives here: train.py and
-bench.py build the model with its options (Bamboo(config, explicit_attention=...)), then call
-for_training(model, device, dtype, compile), which returns the model itself or a wrapper module
-whose forward says what it calls; its one change to the model is nn.Module.compile on each Block
-(compile_blocks). Every module returns (out, loss): the model's out is the logits of every
-objective; ChunkedNextToken's is None (it never holds all the logits), and CompiledNextToken's
-logits carry no gradient (the loss does).
+bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention, one
+cross-entropy per objective, AdamW. What was measured to pay on particular hardware lives here:
+train.py and bench.py build the model with its options (Bamboo(config, explicit_attention=...)),
+then call for_training(model, device, dtype, compile), which returns the model itself or the model
+inside wrappers that run its own forward and loss; its one change to the model is nn.Module.compile
+on each Block (compile_blocks).
 
   device and dtype         pick_device (cuda, then mps, then cpu) and pick_dtype (bf16 where the
                            hardware computes it natively)
   explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
                            fused CPU kernel there (use_explicit_attention; a build option)
-  chunked next-token loss  CPU: the loss and its gradient a few rows at a time, never all
-                           (B*T, vocab) logits (ChunkedNextToken). On CUDA the plain loss
-                           under torch.compile is the fast one, so it stays off.
   compilation              --compile model: torch.compile of the whole training module;
                            blocks: each transformer Block compiled once and reused by every
                            identical Block (regional compilation, nn.Module.compile: the
                            Block's own forward, compiled), so compile time does not grow with
-                           depth, and next-token's logits and loss as one more region
-                           (CompiledNextToken: rows padded to 64 columns, logits without
-                           gradient); graphs: blocks compiled, then the whole forward and
-                           backward captured as one CUDA graph and replayed (CUDAGraphed).
+                           depth, and the model's next-token loss as one more region
+                           (CompiledNextToken); graphs: blocks compiled, then the whole forward
+                           and backward captured as one CUDA graph and replayed (CUDAGraphed).
                            auto: graphs on CUDA where they are safe, else blocks; off on CPU.
 
 The measurements, their machine and their commands are in results/bench/README.md (CPU) and
@@ -34,12 +28,10 @@ Run: python -c "import torch, bamboo; from operations import fast; print(fast.fo
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from bamboo import Block
 
 EXPLICIT_ATTENTION_MAX_TOKENS = 256  # beyond, the (T, T) matrices cost more memory than they save
-LOGITS_ROW_MULTIPLE = 64  # columns: a row of bf16 logits then starts on a 128-byte boundary
 PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -123,18 +115,17 @@ def use_explicit_attention(asked, device, dtype, config):
 def for_training(model, device, dtype, compile="off", ddp=False):
     """(module to train, compile mode, note): model itself, or model inside the wrappers that pay
     on this device. The note says which compilation was chosen and why, for train.py to print.
-    Under the modes blocks and graphs, model's Blocks are compiled in place (nn.Module.compile:
-    their own forward, compiled; their weights and state_dict are untouched). Under mode graphs,
-    run the module under autocast with cache_enabled=False (the autocast cache would hold tensors
-    from outside the graph) and feed it batches of one shape."""
-    chunked = device.type == "cpu" and model.config.objective == "next"
-    module = ChunkedNextToken(model) if chunked else model
+    Under the modes blocks and graphs, model's Blocks are compiled in place (compile_blocks), and
+    next-token's loss as one more region (CompiledNextToken).
+    Under mode graphs, run the module under autocast with cache_enabled=False (the autocast cache
+    would hold tensors from outside the graph) and feed it batches of one shape."""
+    module = model
     mode, why = compile_plan(compile, device, model.config, ddp)
     if mode == "model":
         module = torch.compile(module)
     elif mode in ("blocks", "graphs"):
         compile_blocks(model)
-        if model.config.objective == "next" and not chunked:
+        if model.config.objective == "next":
             module = CompiledNextToken(model)
     if mode == "graphs":
         module = CUDAGraphed(module)
@@ -179,42 +170,17 @@ def compile_blocks(model, **compile_kwargs):
 
 
 class CompiledNextToken(nn.Module):
-    """model's next-token loss, its logits and loss compiled as one region:
-    forward(tokens, y=None) -> (logits without gradient, loss).
-
-    Compiled, the (B, T, vocab) log-softmax is fused into one pass instead of fp32 copies of the
-    largest tensors of the step. The features and targets are the model's own
-    (Bamboo.next_token_features); aligned_logits_and_loss gives the model's logits and loss.
-    """
+    """model's next-token forward with model.next_token_loss compiled as one region, which fuses
+    each chunk's log-softmax and gradient into a few kernels: forward(tokens, y=None) ->
+    (None, loss)."""
 
     def __init__(self, model, **compile_kwargs):
         super().__init__()
         self.model, self.config = model, model.config
-        self.logits_and_loss = torch.compile(aligned_logits_and_loss, **compile_kwargs)
+        self.loss = torch.compile(model.next_token_loss, **compile_kwargs)
 
     def forward(self, tokens, y=None):
-        h, targets = self.model.next_token_features(tokens, y)
-        return self.logits_and_loss(h, self.model.output_embedding(), targets)
-
-
-def aligned_logits_and_loss(h, weight, targets):
-    """Logits h @ weight^T (B, T, vocab) as a view of logits padded to a multiple of 64 columns, and
-    their mean cross-entropy; the logits come back detached, so that only the loss carries the
-    gradient.
-
-    With GPT-2's 50,257 ids every row of the logits starts off the 16-byte alignment that
-    tensor-core GEMMs load and store fastest, and the step's three largest GEMMs (the logits, dL/dh,
-    dL/dW) all use them. torch.compile keeps the strides of a tensor it returns, so it does not pad
-    these itself. Zero rows appended to the output embedding make the padded columns; the view
-    leaves them out, so the logits, the loss and the gradients are the model's own. A compiled
-    region's backward takes a gradient for every output that requires grad, zeros when unused: for
-    the logits, (B, T, vocab) zeros made and added every step, hence detached.
-    """
-    vocab = weight.shape[0]
-    padded = F.pad(weight, (0, 0, 0, -vocab % LOGITS_ROW_MULTIPLE))  # (vocab rounded up, D)
-    logits = (h @ padded.T)[..., :vocab]  # (B, T, vocab), row stride a multiple of 64
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    return logits.detach(), loss
+        return None, self.loss(*self.model.next_token_features(tokens, y))
 
 
 class CUDAGraphed(nn.Module):
@@ -229,8 +195,7 @@ class CUDAGraphed(nn.Module):
     shapes, so every call must have the first call's shapes; a replay overwrites the previous
     outputs, so consume them (the loss) before the next call. Only the loss is differentiated:
     out comes back without gradient, because a graphed output that requires grad gets a gradient at
-    every step, zeros when unused, and for next-token's logits that is (B, T, vocab) zeros made,
-    copied and added in every backward.
+    every step, zeros when unused: a tensor of out's size made, copied and added in every backward.
     """
 
     def __init__(self, module):
@@ -265,70 +230,5 @@ class LossOnly(nn.Module):
     def forward(self, *tensors):
         it = iter(tensors)
         out, loss = self.module(*(next(it) if present else None for present in self.present))
-        self.out = out.detach()
+        self.out = None if out is None else out.detach()
         return loss
-
-
-class ChunkedNextToken(nn.Module):
-    """model's next-token loss by ChunkedCrossEntropy: forward(tokens, y=None) -> (None, loss).
-
-    The features and targets are the model's own (Bamboo.next_token_features), so the loss is
-    the same as model(tokens, y)[1] to rounding; only the logits are never all materialised.
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.config = model.config
-
-    def forward(self, tokens, y=None):
-        h, targets = self.model.next_token_features(tokens, y)
-        weight = self.model.output_embedding()
-        if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
-            dtype = torch.get_autocast_dtype(h.device.type)
-            h, weight = h.to(dtype), weight.to(dtype)
-        return None, ChunkedCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten())
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
-
-    The next-token loss over GPT-2's 50257 ids makes (B*T, 50257) logits: at batch 32 x 128
-    tokens, 0.8 GB in fp32, plus as much again for log-softmax and for each gradient. Here
-    each chunk of rows makes its logits, its loss and straight away its gradient
-    (softmax - one-hot); only dL/dh and dL/dW are kept for backward. Same loss and gradients
-    to rounding.
-    """
-
-    ELEMENTS_PER_CHUNK = 2 ** 23  # 32 MB of fp32 logits at a time; 166 rows for GPT-2's vocabulary
-
-    @staticmethod
-    def forward(ctx, h, weight, targets):
-        # h (N, D), weight (V, D), targets (N,) with -100 = ignored
-        valid = targets != -100
-        safe = targets.clamp(min=0)[:, None]  # (N, 1); ignored rows are zeroed through h_valid
-        h_valid = h * valid[:, None].to(h.dtype)  # cheaper than masking each (rows, V) gradient
-        rows = max(1, ChunkedCrossEntropy.ELEMENTS_PER_CHUNK // weight.shape[0])
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, h.shape[0], rows):
-            chunk = slice(i, i + rows)
-            log_probs = torch.log_softmax(h[chunk] @ weight.T, -1, dtype=torch.float32)  # (rows, V)
-            total -= (log_probs.gather(1, safe[chunk]).squeeze(1) * valid[chunk]).sum()
-            grad = log_probs.exp_()  # softmax, in place
-            minus_one = torch.full_like(grad[:, :1], -1.0)
-            grad.scatter_add_(1, safe[chunk], minus_one)  # softmax minus the one-hot
-            grad = grad.to(h.dtype)
-            grad_h[chunk] = (grad @ weight) * valid[chunk, None]
-            grad_w += grad.T @ h_valid[chunk]
-        count = valid.sum().clamp(min=1)  # no NaN when a batch has no targets
-        ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.weight_dtype = weight.dtype
-        return total / count
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w, count = ctx.saved_tensors
-        scale = grad_loss / count
-        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.weight_dtype), None

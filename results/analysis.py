@@ -80,8 +80,8 @@ def token_predictions(model, windows, batch_size=8):
             logits, _ = model(inputs, targets)  # (N chosen, vocab)
             targets = targets[targets != -100]
         else:
-            logits, _ = model(x)  # (B, T-1, vocab)
-            logits, targets = logits.flatten(0, 1), x[:, 1:].flatten()
+            h, targets = model.next_token_features(x)
+            logits, targets = model.token_logits(h).flatten(0, 1), targets.flatten()  # (B*(T-1), vocab)
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none"))
         guesses.append(logits.argmax(-1))
         all_targets.append(targets)
