@@ -3,10 +3,15 @@
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
 it top to bottom: the settings, the learning rate, then train(), which holds a run's whole state
-as its local variables: set-up, then the loop with the whole step. Below it, what train() calls
-(resolve_settings first: the one place that says which setting wins). What surrounds a run (the
-out_dir's lock, signals, progress lines, one-line errors), the checkpoint files and the speedups
-are in operations/, called by module name where they happen.
+as its local variables: set-up, then the loop with the whole step. The step's path:
+
+  main -> train -> resolve_settings (which setting wins; the peak rate: schedule_defaults)
+       -> load_data (data.py) -> Bamboo and Bamboo.configure_optimizer (bamboo.py)
+       -> fast.for_training (what module(x, y) is: the model itself on CPU)
+       -> the loop: get_lr, data.sample, shard, data.train_batch, module(x, y), optimizer.step
+
+What surrounds a run (the out_dir's lock, signals, progress lines, one-line errors), the checkpoint
+files and the speedups are in operations/, called by module name where they happen.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """

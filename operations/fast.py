@@ -113,12 +113,18 @@ def use_explicit_attention(asked, device, dtype, config):
 
 
 def for_training(model, device, dtype, compile="off", ddp=False):
-    """(module to train, compile mode, note): model itself, or model inside the wrappers that pay
-    on this device. The note says which compilation was chosen and why, for train.py to print.
-    Under the modes blocks and graphs, model's Blocks are compiled in place (compile_blocks), and
-    next-token's loss as one more region (CompiledNextToken).
-    Under mode graphs, run the module under autocast with cache_enabled=False (the autocast cache
-    would hold tensors from outside the graph) and feed it batches of one shape."""
+    """(module to train, compile mode, note): what train.py calls as module(x, y), and a line that
+    says which compilation was chosen and why. Every choice runs the model's own forward and loss
+    (the compile tests of test_all.py check loss and gradients against the plain model):
+
+      --compile off, or auto on CPU    model itself
+      model                            torch.compile(model)
+      blocks (auto under DDP)          model with its Blocks compiled in place (compile_blocks);
+                                       next: CompiledNextToken(model), its loss one more region
+      graphs (auto on one GPU)         CUDAGraphed(the module of blocks)
+
+    Under graphs, run the module under autocast with cache_enabled=False (the autocast cache would
+    hold tensors from outside the graph) and feed it batches of one shape."""
     module = model
     mode, why = compile_plan(compile, device, model.config, ddp)
     if mode == "model":
