@@ -649,6 +649,8 @@ class Bamboo(nn.Module):
         """Mean cross-entropy of the logits of the features h (B, T, D) over targets (B, T). No
         logits come back: ChunkedCrossEntropy never holds them all (token_logits(h) makes them)."""
         weight = self.output_embedding()
+        if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradients made
+            h, weight = h.detach(), weight.detach()
         if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)

@@ -3601,10 +3601,9 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
 
 
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
-    """One model, or models of other shapes than the first: no beta panels (the first alone would be
-    1 against itself); a metric that moves by 1e-4
-    near 1 is drawn flat (its y-range at least 5% of its size); y-labels wrap, never overlapping
-    the next panel."""
+    """One model, or others of another shape: no beta panels (the first alone is 1 against itself);
+    a metric that moves by 1e-4 near 1 is drawn flat (its y-range at least 5% of its size); y-labels
+    wrap, never overlapping the next panel."""
     import look
 
     wobble = [0.9999, 1.0, 0.99995]
@@ -3770,7 +3769,9 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
 
 def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_gradients(monkeypatch):
     """The model's one next-token loss, chunked, equals F.cross_entropy of token_logits in value and
-    gradients, and without gradients (evaluation) gives the same value."""
+    gradients; without gradients (evaluation) it gives the same value from the logits alone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     import bamboo
 
     monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
@@ -3785,8 +3786,11 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     reference_grads = torch.autograd.grad(reference, list(model.parameters()))
     assert torch.allclose(loss, reference, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
-    with torch.no_grad():
-        assert torch.allclose(model(x)[1], reference, atol=1e-6)
+    with torch.no_grad(), FlopCounterMode(display=False) as flops:
+        held_out = model.next_token_loss(h, targets)
+    assert torch.allclose(held_out, reference, atol=1e-6)
+    rows, width = h.flatten(0, 1).shape  # without gradients: the logits' matmul alone
+    assert flops.get_total_flops() == 2 * rows * width * model.config.vocab_size
 
 
 def readme_commands(*pages):

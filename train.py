@@ -7,7 +7,7 @@ as its local variables: set-up, then the loop with the whole step. The step's pa
 
   main -> train -> resolve_settings (which setting wins; the peak rate: schedule_defaults)
        -> load_data (data.py) -> Bamboo and Bamboo.configure_optimizer (bamboo.py)
-       -> fast.for_training (what module(x, y) is: the model itself on CPU)
+       -> fast.for_training (what module(x, y) is: the model itself unless compiled)
        -> the loop: get_lr, data.sample, shard, data.train_batch, module(x, y), optimizer.step
 
 What surrounds a run (the out_dir's lock, signals, progress lines, one-line errors), the checkpoint
@@ -17,7 +17,7 @@ Run: python train.py --objective mae --depth 48 --width 384
 """
 import time
 
-STARTED = time.time()  # --time_limit counts from here, before torch is imported
+STARTED = time.time()  # --time_limit counts from here, before torch is imported (hence E402)
 
 import json
 import math
@@ -109,7 +109,7 @@ def get_lr(it, cfg):
 def train(args, started=None):
     """One run, top to bottom as nanoGPT's: settings, processes, data, model, optimizer, a resumed
     run's state, then the loop. Its state is the local variables below."""
-    t_begin = started or time.time()  # --time_limit counts from the invocation's start
+    t_begin = time.time() if started is None else started  # --time_limit counts from here
     cfg, resumed, pretrained, settings, sources = resolve_settings(args)
     device, rank, world = start_processes(cfg)
     master, ddp = rank == 0, world > 1
