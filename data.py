@@ -23,7 +23,6 @@ what is missing, where to put it, and which flag points elsewhere.
 Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt',
      'cache', 128).vocab_size)"
 """
-import copy
 import os
 
 import numpy as np
@@ -103,11 +102,11 @@ class ImageData:
     """A dataset's train and test split as uint8 tensors on `device`, with batch augmentation."""
 
     def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0,
-                 listing=None, cache_dir=None):
+                 listing=None, cache_dir=None, statistics=None):
         """train=False loads the test split only (the probe needs nothing else); train_samples > 0
         keeps a fixed random subset of the training split (the test split stays whole); a folder's
         listing is list_folder's, made here unless given; its decoded splits are kept in
-        cache_dir, if given."""
+        cache_dir, if given; statistics: a trained model's (mean, std), its checkpoint's."""
         files = classes = None
         if name == "folder":
             from operations import datasets
@@ -126,8 +125,9 @@ class ImageData:
         self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # the training pixels' statistics (the test split's without a train split)
-        self.mean, self.std = normalisation((self.train_x if train else self.test_x))
+        # a trained model's statistics, else the training pixels' (the test split's without one)
+        self.mean, self.std = ([s.to(device) for s in statistics] if statistics else
+                               normalisation(self.train_x if train else self.test_x))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
 
     def num_train(self):
@@ -135,15 +135,6 @@ class ImageData:
 
     def num_held_out(self):
         return len(self.test_x)
-
-    def as_held_out(self):
-        """This data as held_out() loads it (train=False: the test split on the CPU, normalised by
-        its own statistics), without decoding a file again."""
-        view = copy.copy(self)
-        view.test_x, view.test_y = self.test_x.cpu(), self.test_y.cpu()
-        view.train_x, view.train_y = view.test_x[:0], view.test_y[:0]
-        view.mean, view.std = normalisation(view.test_x)
-        return view
 
     def normalize(self, x):
         return (x.float() / 255 - self.mean) / self.std
@@ -176,7 +167,7 @@ def shard(draws, rank, world, grad_accum, k):
 
 
 def open_images(name, data_dir, device, image_size, train=True, train_samples=0, stream="off",
-                memory_gb=16.0, cache_dir=None, **streaming):
+                memory_gb=16.0, cache_dir=None, statistics=None, **streaming):
     """ImageData (decoded once into memory, a folder's decoded splits kept in cache_dir), or
     ImageStream where asked (stream 'on') or, under 'auto', where an image folder's decoded splits
     would take more than memory_gb."""
@@ -184,14 +175,16 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
         if stream == "on":
             raise DataError(f"--stream on reads an image folder; --dataset {name} is decoded into "
                             "memory (use --stream auto or off, or --dataset folder)")
-        return ImageData(name, data_dir, device, image_size, train, train_samples)
+        return ImageData(name, data_dir, device, image_size, train, train_samples,
+                         statistics=statistics)
     from operations import datasets  # the streaming path lives apart
 
     listing = datasets.list_folder(data_dir, train, train_samples)
     decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
     if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
         return datasets.ImageStream(listing, device, image_size, **streaming)
-    return ImageData(name, data_dir, device, image_size, train, train_samples, listing, cache_dir)
+    return ImageData(name, data_dir, device, image_size, train, train_samples, listing, cache_dir,
+                     statistics)
 
 
 def normalisation(images):
@@ -203,8 +196,9 @@ def normalisation(images):
 
 
 def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=""):
-    """The held-out split a model of `config` was trained on (train_cfg, a checkpoint's "train"),
-    or the one named, un-augmented and on the CPU: ImageData or TextData with train=False."""
+    """The held-out split a model of `config` was trained on (train_cfg: checkpoint.data_settings),
+    or the one named, un-augmented and on the CPU, normalised as training saw it: ImageData or
+    TextData with train=False."""
     c = config
     dataset = dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
     data_dir = data_dir or train_cfg.get("data_dir") or "./data"
@@ -216,7 +210,8 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
         streamed = dataset == "folder" and train_cfg.get("stream") == "on"
         return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
                            stream="on" if streamed else "off",
-                           cache_dir=train_cfg.get("cache_dir"))  # a run's own; else none
+                           cache_dir=train_cfg.get("cache_dir"),  # a run's own; else none
+                           statistics=train_cfg.get("statistics"))
     data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
                     val_file or train_cfg.get("val_file", "val.txt"),
                     train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
@@ -329,10 +324,6 @@ class TextData:
         starts = draws["start"].tolist()
         return torch.from_numpy(np.stack([self.train[s: s + self.seq_len]
                                           for s in starts]).astype(np.int64)), None
-
-    def as_held_out(self):
-        """This data as held_out() loads it: the validation windows are the same already."""
-        return self
 
     def num_train(self):
         return len(self.train) - self.seq_len + 1

@@ -24,7 +24,8 @@ import textwrap
 import torch
 
 from bamboo import patchify, unpatchify
-from operations.checkpoint import check_output_path, model_from_checkpoint, save_figure
+from operations.checkpoint import (check_output_path, data_settings, model_from_checkpoint,
+                                   save_figure)
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out
 from operations.datasets import read_text
 from operations.housekeeping import one_line_errors
@@ -40,7 +41,7 @@ def load(path, objective=None):
     if objective and model.config.objective != objective:
         raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
                          f"{objective} model")
-    return model.eval(), ckpt.get("train", {}), ckpt.get("step")
+    return model.eval(), data_settings(ckpt), ckpt.get("step")
 
 
 def pyplot():
@@ -228,10 +229,11 @@ def attention_over_tokens(tokens, maps, shown=24):
 
 
 def read_log(out_dir):
-    """(training records, evaluation records) of out_dir/log.jsonl."""
-    path = os.path.join(out_dir, "log.jsonl")
+    """(training records, evaluation records) of out_dir/log.jsonl, or of a log kept as a .jsonl
+    file (results/ keeps runs' logs so)."""
+    path = out_dir if str(out_dir).endswith(".jsonl") else os.path.join(out_dir, "log.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"no log at {path}; give the --out_dir of a train.py run")
+        raise ValueError(f"no log at {path}; give the --out_dir of a train.py run or its log")
     train, evals = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -244,6 +246,11 @@ def read_log(out_dir):
     if not train and not evals:
         raise ValueError(f"{path} holds no step yet; look again once the run has logged")
     return train, evals
+
+
+def run_label(out_dir):
+    """A run's name in a legend: its folder's, or its kept log's without .jsonl."""
+    return os.path.basename(os.path.normpath(out_dir)).removesuffix(".jsonl") or str(out_dir)
 
 
 # Each panel of the curves: its log key and what its y-axis shows; a run draws the ones it has.
@@ -276,7 +283,7 @@ def curves_figure(logs):
                 continue
             points = [(r["step"], r[key]) for r in (train if key == "loss" else evals) if key in r]
             if points:
-                label = os.path.basename(os.path.normpath(out_dir)) or out_dir
+                label = run_label(out_dir)
                 dense = key == "loss" and len(points) > 2  # a few points: marked, or unseen
                 ax.plot(*zip(*points), label=label, lw=1, marker="" if dense else "o", ms=3,
                         color=f"C{colour}")
@@ -312,7 +319,7 @@ def smoothing(args):
             raise ValueError(f"{out_dir}/log.jsonl: its evaluations logged no per-layer metrics "
                              "(trained with --probe_samples 0, or its hidden states were "
                              "non-finite); train with --probe_samples N (64 by default)")
-        label = os.path.basename(os.path.normpath(out_dir)) or out_dir
+        label = run_label(out_dir)
         runs[out_dir if label in runs else label] = (
             [r["step"] for r in evals],
             [[math.nan if v is None else v for v in r["layers"][args.metric]] for r in evals])
@@ -451,7 +458,7 @@ def build_parser():
     c.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     m = commands.add_parser("smoothing", help="per-layer probe metrics against step, of out_dirs",
                             allow_abbrev=False)
-    m.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders")
+    m.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders, or their logs (.jsonl)")
     m.add_argument("--metric", default="abs_cos_centered",
                    choices=("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"))
     m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")

@@ -29,7 +29,8 @@ with the others (raw: with 0; centred: with the mean), so every pair it is in co
 Tokens that have become identical therefore read as fully smoothed, never as "diverse".
 
 Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split,
-in order), so two runs give identical numbers. A checkpoint can be a fresh model instead:
+in order, normalised as its training saw them), so two runs give identical numbers, and the ones
+its run logged at each evaluation. A checkpoint can be a fresh model instead:
 init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6 (seed 0, so equal specs are equal).
 
 Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen \

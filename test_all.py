@@ -1512,20 +1512,24 @@ def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_
     assert code == 0 and len(resumes) == 2 and resumes[1]["from_step"] == 2, out
 
 
-def test_a_runs_held_out_view_is_what_held_out_loads_without_decoding_again(tiny_data, tmp_path):
-    """The samples train.py probes at each evaluation are probe.py's for the checkpoint."""
+def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
+    """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
+    probed and evaluated; an older checkpoint without them falls back to the test split's own."""
     from data import ImageData, TextData, first_samples, held_out
+    from operations import checkpoint
 
     images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
-    loaded = held_out(Config(image_size=16), {"dataset": "folder",
-                                              "data_dir": str(tiny_data / "images")})
-    assert torch.equal(first_samples(images.as_held_out(), 8), first_samples(loaded, 8))
-    assert not torch.equal(first_samples(images, 8), first_samples(loaded, 8))  # train statistics
+    cfg = {"dataset": "folder", "data_dir": str(tiny_data / "images")}
+    ckpt = {"train": cfg, "statistics": (images.mean, images.std)}
+    loaded = held_out(Config(image_size=16), checkpoint.data_settings(ckpt))
+    assert torch.equal(first_samples(images, 8), first_samples(loaded, 8))
+    older = held_out(Config(image_size=16), checkpoint.data_settings({"train": cfg}))
+    assert not torch.equal(first_samples(images, 8), first_samples(older, 8))  # test statistics
     cfg = {"dataset": "text", "data_dir": str(tiny_data / "text"), "tokenizer": "bytes",
            "val_file": "val.txt", "cache_dir": str(tmp_path)}
     text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32)
     loaded = held_out(Config(objective="next", vocab_size=256, seq_len=32), cfg)
-    assert torch.equal(first_samples(text.as_held_out(), 8), first_samples(loaded, 8))
+    assert torch.equal(first_samples(text, 8), first_samples(loaded, 8))
 
 
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
@@ -1604,6 +1608,25 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
     assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
+
+
+def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
+    """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
+    draw an out_dir, named NAME."""
+    import shutil
+
+    import look
+
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
+    assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
+    shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
+    capsys.readouterr()
+    assert look.main(["smoothing", str(tmp_path / "kept.jsonl"), "--out",
+                      str(tmp_path / "k.png")]) == 0
+    assert "kept: abs_cos_centered of the last layer at steps [1, 2]: " in capsys.readouterr().out
+    assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
+                      str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
 
 
 def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,

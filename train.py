@@ -172,7 +172,7 @@ def train(args, started=None):
         eval_batch = micro_batch * cfg.grad_accum
         probe_x = None  # the held-out samples probed at every evaluation (probe.py's)
         if master and cfg.probe_samples:
-            probe_x = first_samples(data.as_held_out(), cfg.probe_samples)
+            probe_x = first_samples(data, cfg.probe_samples)
         if master and cfg.overwrite:  # only now that every check has passed; back if no save
             housekeeping.set_aside_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
@@ -280,6 +280,8 @@ def train(args, started=None):
                              "scaler": scaler.state_dict(), "step": step, "best": best,
                              "rng": rng, "classes": getattr(data, "classes", None),
                              "listing": getattr(data, "listing", None),  # a folder's files
+                             "statistics": ((data.mean.cpu(), data.std.cpu()) if config.is_image
+                                            else None),  # the pixels' normalisation
                              "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
                     checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it

@@ -104,7 +104,8 @@ def random_states(generator, device, world=1):
     return {"data": generator.get_state(), "ranks": ranks}
 
 
-WEIGHTS = ("config", "train", "model", "step", "best", "classes", "init_hash", "made_by")
+WEIGHTS = (
+    "config", "train", "model", "step", "best", "classes", "statistics", "init_hash", "made_by")
 
 
 def weights_only(state):
@@ -144,6 +145,12 @@ def load(path):
         raise CheckpointError(f"{path} is not a bamboo checkpoint (no config dict and tensor "
                               "weights inside)")
     return ckpt
+
+
+def data_settings(ckpt):
+    """What held-out data needs to be seen as the checkpoint's training saw it: its settings and
+    its pixel statistics (none in checkpoints before 2026-11-27: the test split's own are used)."""
+    return {**ckpt.get("train", {}), "statistics": ckpt.get("statistics")}
 
 
 def model_from_checkpoint(path, **options):

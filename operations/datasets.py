@@ -19,7 +19,6 @@ that says what to put where instead.
 Run: python -c "from operations import datasets;
      print(datasets.ImageStream(datasets.list_folder('DIR'), 'cpu', 224).num_train())"
 """
-import copy
 import hashlib
 import io
 import itertools
@@ -243,12 +242,6 @@ class ImageStream:
 
     def num_held_out(self):
         return len(self.files["test"])
-
-    def as_held_out(self):
-        """This data as held_out() loads it: the test split, evaluated on the CPU."""
-        view = copy.copy(self)
-        view.device, view.mean, view.std = torch.device("cpu"), self.mean.cpu(), self.std.cpu()
-        return view
 
     def sample(self, n, generator):
         """The random draws of one global batch: which images, and each one's crop seed."""

@@ -28,7 +28,7 @@ def load_model(spec, dataset):
         return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}
     if not spec.startswith("init:"):
         model, ckpt = checkpoint.model_from_checkpoint(spec)
-        return model.eval(), ckpt.get("train", {})
+        return model.eval(), checkpoint.data_settings(ckpt)
     config = housekeeping.config_from_spec(spec[len("init:"):],
                                            objective="cls" if dataset in IMAGE_DATASETS else "next")
     torch.manual_seed(0)
