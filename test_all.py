@@ -2098,6 +2098,27 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
 
 
+def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
+    """A streaming worker killed (the OOM killer's SIGKILL) while the run goes: the batch it owed
+    is decoded here, new workers start where the data order stands, and every batch is the one a
+    run without the kill reads; torch's error never comes from elsewhere in the step."""
+    from operations.datasets import ImageStream, list_folder
+
+    listing = list_folder(str(mixed_jpegs))
+    steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
+                                                                              workers=2)
+    g_steady, g_killed = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(5):
+        expected = steady.train_batch(steady.sample(8, g_steady))
+        draws = killed.sample(8, g_killed)
+        if step == 2:
+            os.kill(killed.batches._workers[0].pid, signal.SIGKILL)
+            time.sleep(0.5)  # the SIGCHLD has arrived: nothing may raise outside the read
+        got = killed.train_batch(draws)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    killed.batches = None  # no worker left behind
+
+
 def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
     flags = ["--objective", "mae", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "4", "--eval_interval", "2", "--workers", "2"]

@@ -24,6 +24,8 @@ import io
 import itertools
 import math
 import os
+import signal
+import threading
 import time
 import urllib.request
 import zipfile
@@ -250,6 +252,7 @@ class ImageStream:
                                        generator.get_state(), n, self.shard,
                                        self.worker_statistics())
             self.batches = iter(self.loader(self.replay))
+            raise_dead_workers_where_read()
         return draw_stream_batch(n, self.num_train(), generator)
 
     def train_batch(self, draws):
@@ -273,6 +276,7 @@ class ImageStream:
         batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
         dataset = StreamEval(batches, self.image_size, self.worker_statistics())
         items = iter(self.loader(dataset))
+        raise_dead_workers_where_read()
         for i in range(len(dataset)):
             try:
                 item = next(items) if items is not None else dataset[i]
@@ -313,11 +317,17 @@ def checked(item):
     return item
 
 
+def raise_dead_workers_where_read():
+    """torch's DataLoader raises a dead worker's error from a SIGCHLD handler, wherever the main
+    process is (a forward, a save); without the handler it raises where a batch is read, within
+    seconds, and train_batch and eval_batches decode that batch here and go on."""
+    if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 def leave_stopping_to_the_main_process(worker_id):
     """Ctrl-C reaches every process: the main one stops at a checkpoint and ends the workers. A
     SIGTERM (the DataLoader's own, a scheduler's) ends a worker quietly; see train_batch."""
-    import signal
-
     from operations import housekeeping
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
