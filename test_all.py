@@ -1,9 +1,10 @@
-"""The reference's tests: the specification of its behaviour, in sections by concern.
+"""The reference's tests: the specification of its behaviour, one section per file in the
+README's order, each with its bad input and faults; the shared helpers first.
 
-  0. shared helpers: tiny configs and batches, the tiny data, the training CLI run as users run it
-  1. the model              2. the W_V W_O parameterization   3. training
-  4. bad input and faults   5. the probe, and look.py         6. speedups (operations/fast.py)
-  7. the code itself        8. CUDA (defined only where a GPU is; results/gpu.sh runs them)
+  0. shared helpers       1. bamboo.py     2. neutreno.py    3. data.py       4. train.py
+  5. probe.py             6. operations/fast.py              7. operations/adapters.py, export.py
+  8. look.py              9. bench.py      10. the code itself
+  11. CUDA (defined only where a GPU is; results/gpu.sh runs them)
 
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
 Run: python -m pytest -q test_all.py results
@@ -41,7 +42,6 @@ from neutreno import Attention, explicit_attention
 # The suite's models are tiny: splitting their ops over two threads costs more in hand-offs than it
 # saves on a 2-core machine, and one thread leaves the other core to the subprocesses of the tests.
 torch.set_num_threads(1)
-
 
 
 # ==================================================================================================
@@ -209,8 +209,209 @@ def tiny_data(tmp_path_factory):
     return root
 
 
+def trunk_state(model):
+    return {k: v for k, v in model.state_dict().items()
+            if k.startswith(("blocks.", "patch_embed", "tok_embed",
+                                                                          "pos_embed"))}
+
+
+def assert_spectra(model, mode):
+    from probe import head_value_output
+
+    for block in model.blocks:
+        eigs = torch.linalg.eigvals(head_value_output(block))
+        assert eigs.imag.abs().max() < 1e-6  # symmetric by construction: real eigenvalues
+        if mode == "smooth":
+            assert (eigs.real > 0).all()
+        else:
+            assert (eigs.real >= -1 - 1e-6).all() and (eigs.real < 0).all()
+
+
+def write_folder(root, classes_per_split, n=4, blue=True):
+    """An ImageFolder tree of 16x16 noise images, {split: [class names]}; blue=False leaves that
+    channel at 0."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, classes in classes_per_split.items():
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                pixels[..., 2] *= blue
+                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def mixed_jpegs(tmp_path_factory):
+    """An ImageFolder tree of 225 JPEGs of mixed sizes and aspect ratios (12 to 96 px a side, up to
+    1:5), three classes, train/ and val/."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 60), ("val", 15)):
+        for label in ("cat", "dog", "fox"):
+            (root / split / label).mkdir(parents=True)
+            for i in range(n):
+                w, h = rng.integers(12, 97, 2)
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / label / f"{i}.jpg", quality=90)
+    return root
+
+
+STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmup", "2",
+                "--dtype", "float32", "--stream", "on"]
+
+
+def attention_stack(x, depth, residual, seed=0):
+    """Hidden states of a stack of softmax attention whose values are the identity (depth + 1
+    tensors).
+
+    residual=True:  x <- x + softmax(LN(x) W_Q (LN(x) W_K)^T / sqrt(d)) LN(x)
+    residual=False: x <- softmax(x W_Q (x W_K)^T / sqrt(d)) x   (Dong et al. 2021's pure attention)
+    Each output token is the previous tokens' convex combination (plus the token itself), so the
+    tokens contract towards a common vector.
+    """
+    g = torch.Generator().manual_seed(seed)
+    d = x.shape[-1]
+    hiddens = [x]
+    for _ in range(depth):
+        w_q, w_k = (torch.randn(d, d, generator=g, dtype=x.dtype) * 2 / math.sqrt(d)
+                    for _ in range(2))
+        z = F.layer_norm(x, (d,)) if residual else x
+        probs = torch.softmax((z @ w_q) @ (z @ w_k).transpose(1, 2) / math.sqrt(d), dim=-1)
+        x = x + probs @ z if residual else probs @ z
+        hiddens.append(x)
+    return hiddens
+
+
+def per_layer(hiddens):
+    from probe import token_metrics
+
+    layers = [token_metrics(h) for h in hiddens]
+    return {name: [m[name] for m in layers] for name in layers[0]}
+
+
+def hand_built_block(gain):
+    """A width-8, 2-head block whose per-head W_V W_O (gain folded in) is diag(eigs_h * gain_h)."""
+    from bamboo import Block
+
+    block = Block(8, 2)
+    eigs = torch.tensor([[3.0, -1.0, 0.5, 0.2], [-2.0, 1.0, 1.0, 1.0]])
+    with torch.no_grad():
+        block.attn.qkv.weight[16:] = torch.eye(8)  # W_V: head h reads channels 4h..4h+3
+        # W_O: head h writes them back, scaled
+        block.attn.proj.weight.copy_(torch.diag(eigs.flatten()))
+        block.ln1.weight.copy_(gain)
+    return block, eigs
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoints(tiny_data, tmp_path_factory):
+    """A tiny cls checkpoint and a tiny next-token checkpoint, trained for two steps."""
+    out = tmp_path_factory.mktemp("probe_ckpts")
+    trained_checkpoint(tiny_data, "cls", out / "cls", 2)
+    trained_checkpoint(tiny_data, "next", out / "next", 2)
+    return out
+
+
+def probe_cli(capsys, *argv):
+    """probe.py's command line in a scratch working folder: a foreign model's tokenized text is
+    cached under ./data/cache, which must not be the clone's."""
+    import contextlib
+
+    import probe
+
+    with contextlib.chdir(tempfile.mkdtemp()):
+        code = probe.main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+TIMM_VIT = ("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=3,embed_dim=48,"
+            "num_heads=3")
+
+
+HF_TINY = {  # random weights from a configuration: no network
+    "gpt2": "hf:gpt2,pretrained=0,n_layer=2,n_embd=32,n_head=2,vocab_size=300,n_positions=64",
+    "bert": "hf:bert,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+            "intermediate_size=64,vocab_size=300,max_position_embeddings=64",
+    "opt": "hf:opt,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+           "ffn_dim=64,vocab_size=300,max_position_embeddings=64,word_embed_proj_dim=32"}
+
+
+HF_MAE = ("hf:vit_mae,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
+          "intermediate_size=64,image_size=16,patch_size=4")
+
+
+def byte_level_tokenizer(folder):
+    """A Hugging Face tokenizer saved to a folder, made offline: one id per byte, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+    return folder
+
+
+def look_cli(capsys, *argv):
+    import look
+
+    code = look.main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def png_size(path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size
+
+
+def readme_commands(*pages):
+    """The train.py, torchrun, look.py and probe.py commands of the pages' bash blocks, in order,
+    continuation lines joined and comments dropped, as argument lists."""
+    commands = []
+    for page in pages:
+        text = open(os.path.join(REPO, page)).read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                argv = line.split("#")[0].split()
+                if "train.py" in argv or argv[:2] in (["python", "look.py"], ["python", "probe.py"],
+                                                      ["mkdir", "-p"]):
+                    commands.append(argv)
+    return commands
+
+
+REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
+                   "bench.py", "look.py", *sorted(f"operations/{name}" for name in
+                                                  os.listdir(os.path.join(REPO, "operations"))
+                                                  if name.endswith(".py")))
+
+
+def instance_attributes(model):
+    """Every module's own attributes (its __dict__, less PyTorch's registries), by module name."""
+    registries = {"_parameters", "_buffers", "_modules"}
+    return {name: {key: value for key, value in vars(module).items() if key not in registries}
+            for name, module in model.named_modules()}
+
+
+TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
+
+
+PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
+
+
+OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "probing"}  # operations/
+
+
 # ==================================================================================================
-# 1. The model: trunk, NeuTRENO, MAE, MLM, configs and presets, overfitting, same-init trunks
+# 1. bamboo.py: the trunk, the four objectives, configs and presets, one init for every arm
 # ==================================================================================================
 
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
@@ -357,7 +558,293 @@ def test_causal_outputs_ignore_the_future():
         assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])
 
 
-# ---------------------------------------------------------------- NeuTRENO
+def test_mae_masking_keeps_the_right_number_and_restores_order():
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, 8)
+    for ratio in (0.75, 0.5, 0.9):
+        ids_keep, mask, ids_restore = random_masking(3, 64, ratio)
+        visible = take_tokens(x, ids_keep)
+        keep = round(64 * (1 - ratio))
+        assert visible.shape == (3, keep, 8)
+        assert (mask.sum(1) == 64 - keep).all()
+        # gathering the shuffled sequence with ids_restore gives back the original order
+        ids_shuffle = ids_restore.argsort(1)
+        shuffled = x.gather(1, ids_shuffle[..., None].expand(-1, -1, 8))
+        assert torch.equal(shuffled.gather(1, ids_restore[..., None].expand(-1, -1, 8)), x)
+        assert torch.equal(shuffled[:, :keep], visible)
+        kept = (mask == 0)
+        assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
+
+
+def test_mae_stem_masks_before_embedding_with_the_same_result():
+    """The stem embeds only the visible patches; that equals embedding all, then masking (to
+    1e-6)."""
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mae")).eval()
+    imgs, _ = batch(model.config)
+    noise = torch.rand(4, model.config.num_patches())
+    h, mask, ids_restore = model.embed(imgs, 0.75, noise)
+    everything = model.embed(imgs)[0]
+    ids_keep = noise.argsort(1)[:, : h.shape[1]]
+    assert h.shape[1] == round(0.25 * model.config.num_patches())
+    assert torch.allclose(h, take_tokens(everything, ids_keep), atol=1e-6)
+
+
+def test_patchify_round_trip():
+    imgs = torch.randn(2, 3, 16, 16)
+    p = patchify(imgs, 4)
+    assert p.shape == (2, 16, 48)
+    # row-major patches
+    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
+    assert torch.equal(unpatchify(p, 4, 3), imgs)
+
+
+def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
+    torch.manual_seed(0)
+    for norm_pix in (False, True):
+        model = Bamboo(tiny("mae", norm_pix_loss=norm_pix)).eval()
+        imgs, _ = batch(model.config)
+        noise = torch.rand(4, model.config.num_patches())
+        latent, mask, ids_restore = model.forward_encoder(imgs, 0.75, noise)
+        pred = model.forward_decoder(latent, ids_restore)
+        loss = model.forward_loss(imgs, pred, mask)
+        pixel_mask = unpatchify(mask[..., None].expand(-1, -1, 48), 4, 3)  # 1 on hidden pixels
+        # the loss ignores the visible patches' targets
+        visible_changed = imgs + (1 - pixel_mask) * torch.randn_like(imgs)
+        assert torch.allclose(model.forward_loss(visible_changed, pred, mask), loss)
+        # the encoder never sees hidden patches: changing them leaves the prediction as it is
+        hidden_changed = imgs + pixel_mask * torch.randn_like(imgs)
+        pred2, loss2 = model.forward_mae(hidden_changed, noise=noise)
+        assert torch.allclose(pred2, pred, atol=1e-6) and not torch.allclose(loss2, loss)
+        # ...while changing a visible patch does reach it
+        assert not torch.allclose(model.forward_mae(visible_changed, noise=noise)[0], pred)
+
+
+def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mlm", vocab_size=1000))
+    tokens = torch.randint(0, 1000, (64, 1024))  # 65,536 positions
+    inputs, targets = model.mask_tokens(tokens)
+    chosen = targets != -100
+    assert (chosen.sum(1) == round(0.15 * 1024)).all()  # exactly k in every window, not about k
+    n = chosen.sum().item()
+    # Binomial standard errors of the splits: about 0.4%; allow ~5 sigma.
+    masked = (inputs == model.mask_id) & chosen
+    unchanged = (inputs == tokens) & chosen
+    assert abs(masked.sum().item() / n - 0.80) < 0.02
+    # "random" can land on the original id with probability 1/1000; it counts as unchanged here
+    assert abs(unchanged.sum().item() / n - 0.10) < 0.015
+    assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
+    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen],
+                                                                         tokens[chosen])
+    # positions anywhere in the window are as likely (about 4,900 chosen per half: ~5 sigma is 0.01)
+    first, second = chosen[:, :512].float().mean().item(), chosen[:, 512:].float().mean().item()
+    assert abs(first - second) < 0.01 and chosen.any(0).float().mean() > 0.99
+    # a window too short for 15% still gets one position, as BERT's max(1, round(...))
+    assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
+
+
+def test_table1_comparable_compute():
+    def size(name):
+        with torch.device("meta"):  # shapes only: no memory, no init time
+            model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16,
+                                              num_classes=1000))
+        return model.num_params(trunk_only=True), model.flops_per_sample()
+
+    (p_base, f_base), (p_bam, f_bam) = size("base-12x768"), size("bamboo-b")
+    assert abs(p_bam / p_base - 1) < 0.05 and abs(f_bam / f_base - 1) < 0.05
+    assert 80e6 < p_bam < 90e6
+    # Table 1's 0.9x rows hold within 5% as well
+    assert abs(size("base-24x512")[0] / p_base - 0.9) < 0.05
+    assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
+
+
+def test_training_flops_count_the_mlm_head_only_where_it_runs():
+    from bamboo import training_flops
+
+    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
+    # minus next's head
+    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
+    # transform + vocabulary at round(15% of 32) = 5 positions
+    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
+    assert training_flops(Config(objective="mlm", mlm_prob=0.15,
+                                 **shape)) == pytest.approx(trunk + head)
+
+
+@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
+def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
+    torch.manual_seed(0)
+    # the trunk is the point
+    model = Bamboo(Config.from_preset("bamboo-b", objective=objective, vocab_size=1000))
+    assert 84e6 < model.num_params(trunk_only=True) < 86e6
+    # small: 48 blocks
+    x = torch.rand(2, 3, 32, 32) if model.config.is_image else torch.randint(0, 1000, (2, 64))
+    y = torch.randint(0, 10, (2,)) if objective == "cls" else None
+    _, loss = model(x, y)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[-1].mlp.fc.weight.grad is not None
+
+
+def test_every_preset_builds_a_valid_config():
+    for name in PRESETS:
+        c = Config.from_preset(name)
+        assert c.width % c.heads == 0 and c.width // c.heads in (32, 64, 80, 96)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
+    ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
+    ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
+    ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
+                                         ("channels", 0),
+])
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"Config\.{field}="):
+        Config(**{field: value})
+
+
+def test_unknown_preset_and_unknown_field():
+    with pytest.raises(ValueError, match="unknown preset"):
+        Config.from_preset("bamboo-xl")
+    with pytest.raises(ValueError, match="unknown config fields"):
+        Config.from_preset("bamboo-b", widht=3)
+
+
+def test_wrong_input_shape_is_a_clear_error():
+    model = Bamboo(tiny("cls"))
+    with pytest.raises(ValueError, match="expected images"):
+        model(torch.rand(2, 3, 32, 32))
+    text = Bamboo(tiny("next"))  # seq_len 16: 16 inputs, and a 17th token that is only a target
+    for wrong in (torch.randint(0, 64, (2, 18)), torch.rand(2, 9), torch.randint(0, 64, (2, 1))):
+        shape = re.escape(str(tuple(wrong.shape)))
+        with pytest.raises(ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + shape):
+            text(wrong)  # the shape the caller passed, not the shifted inputs
+    assert text.next_token_features(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 32)
+
+
+@pytest.mark.parametrize("objective,steps,lr",
+                         [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3),
+                                                ("next", 150, 3e-3)])
+def test_tiny_model_overfits_one_batch(objective, steps, lr):
+    torch.manual_seed(0)
+    c = tiny(objective, width=64, depth=2, decoder_width=64, vocab_size=32)
+    model = Bamboo(c)
+    x, y = batch(c, B=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # settles, rather than hovers
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1 - it / steps)
+    first = None
+    for _ in range(steps):
+        _, loss = model(x, y)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        decay.step()
+    model.eval()  # measure without the random corruption of this step's draw
+    torch.manual_seed(1)
+    final = sum(model(x, y)[1].item() for _ in range(5)) / 5
+    assert final < 0.1 * first, f"{objective}: loss {first:.3f} -> {final:.3f}"
+
+
+def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
+    torch.manual_seed(0)
+    mae = Bamboo(tiny("mae"))
+    cls = Bamboo(tiny("cls"))
+    loaded, skipped = cls.load_encoder(mae.state_dict())
+    assert loaded and all(n.startswith(("blocks.", "patch_embed")) for n in loaded)
+    assert {"ln_f.weight",
+            "ln_f.bias"} <= set(skipped) and any(n.startswith("decoder_") for n in skipped)
+    own = cls.state_dict()
+    assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
+    assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight",
+                                                         "head.bias", "head.weight"]
+
+
+def test_label_smoothing_is_the_cross_entropy_against_smoothed_targets():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
+    x, y = batch(model.config)
+    logits, loss = model(x, y)
+    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
+    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
+    plain = Bamboo(tiny("cls", num_classes=4))
+    plain.load_state_dict(model.state_dict())
+    plain_loss = plain(x, y)[1]
+    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
+    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
+        tiny("cls", label_smoothing=1.0)
+
+
+def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls"))
+    assert not hasattr(model, "ln_f") and model.head.weight.std().item() < 1e-4  # std 2e-5
+    with torch.no_grad():
+        model.fc_norm.weight.normal_()
+        model.head.weight.normal_()
+        x, _ = batch(model.config)
+        expected = model.head(model.fc_norm(model.hidden_states(x)[-1].mean(dim=1)))
+        assert torch.allclose(model(x)[0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
+@pytest.mark.parametrize("options",
+                         [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7},
+                          {"neutreno": 0.6}])
+def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, options):
+    states = []
+    for i, objective in enumerate(pair):
+        torch.manual_seed(3)
+        states.append(trunk_state(Bamboo(tiny(objective, **(options if i else {})))))
+    assert states[0].keys() == states[1].keys() and len(states[0]) > 10
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_vo_param_changes_the_blocks_but_not_the_stem():
+    stems = []
+    for mode in ("free", "smooth", "sharpen"):
+        torch.manual_seed(0)
+        stems.append(Bamboo(tiny("cls", vo_param=mode)).patch_embed.weight)
+    assert torch.equal(stems[0], stems[1]) and torch.equal(stems[0], stems[2])
+
+
+def test_residual_projections_get_the_depth_scaled_init():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
+    encoder = torch.cat([p.flatten() for n, p in model.blocks.named_parameters()
+                         if n.endswith("proj.weight")])
+    decoder = torch.cat([p.flatten() for n, p in model.decoder_blocks.named_parameters()
+                         if n.endswith("proj.weight")])
+    assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
+    assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
+    from probe import beta
+
+    for first, second in (("cls", "mae"), ("next", "mlm")):
+        models = []
+        for objective in (first, second):
+            torch.manual_seed(0)
+            models.append(Bamboo(tiny(objective, depth=4)))
+        qk, v = beta(models[1], models[0])
+        assert qk == [1.0] * 4 and v == [1.0] * 4
+
+
+def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
+    torch.manual_seed(0)
+    for objective in ("mae", "mlm"):
+        model = Bamboo(tiny(objective))
+        x, y = batch(model.config)
+        losses = {model(x, y)[1].item() for _ in range(4)}
+        assert len(losses) == 4, objective  # a fresh mask every call, from the (per-rank) torch RNG
+
+
+# ==================================================================================================
+# 2. neutreno.py: attention, the NeuTRENO term, the W_V W_O eigen-parameterization
+# ==================================================================================================
 
 def test_neutreno_zero_lambda_is_plain_attention_exactly():
     torch.manual_seed(0)
@@ -445,327 +932,6 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
     assert cos[0.6] < cos[0.0]
 
 
-# ---------------------------------------------------------------- MAE
-
-def test_mae_masking_keeps_the_right_number_and_restores_order():
-    torch.manual_seed(0)
-    x = torch.randn(3, 64, 8)
-    for ratio in (0.75, 0.5, 0.9):
-        ids_keep, mask, ids_restore = random_masking(3, 64, ratio)
-        visible = take_tokens(x, ids_keep)
-        keep = round(64 * (1 - ratio))
-        assert visible.shape == (3, keep, 8)
-        assert (mask.sum(1) == 64 - keep).all()
-        # gathering the shuffled sequence with ids_restore gives back the original order
-        ids_shuffle = ids_restore.argsort(1)
-        shuffled = x.gather(1, ids_shuffle[..., None].expand(-1, -1, 8))
-        assert torch.equal(shuffled.gather(1, ids_restore[..., None].expand(-1, -1, 8)), x)
-        assert torch.equal(shuffled[:, :keep], visible)
-        kept = (mask == 0)
-        assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
-
-
-def test_mae_stem_masks_before_embedding_with_the_same_result():
-    """The stem embeds only the visible patches; that equals embedding all, then masking (to
-    1e-6)."""
-    torch.manual_seed(0)
-    model = Bamboo(tiny("mae")).eval()
-    imgs, _ = batch(model.config)
-    noise = torch.rand(4, model.config.num_patches())
-    h, mask, ids_restore = model.embed(imgs, 0.75, noise)
-    everything = model.embed(imgs)[0]
-    ids_keep = noise.argsort(1)[:, : h.shape[1]]
-    assert h.shape[1] == round(0.25 * model.config.num_patches())
-    assert torch.allclose(h, take_tokens(everything, ids_keep), atol=1e-6)
-
-
-def test_patchify_round_trip():
-    imgs = torch.randn(2, 3, 16, 16)
-    p = patchify(imgs, 4)
-    assert p.shape == (2, 16, 48)
-    # row-major patches
-    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
-    assert torch.equal(unpatchify(p, 4, 3), imgs)
-
-
-def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
-    torch.manual_seed(0)
-    for norm_pix in (False, True):
-        model = Bamboo(tiny("mae", norm_pix_loss=norm_pix)).eval()
-        imgs, _ = batch(model.config)
-        noise = torch.rand(4, model.config.num_patches())
-        latent, mask, ids_restore = model.forward_encoder(imgs, 0.75, noise)
-        pred = model.forward_decoder(latent, ids_restore)
-        loss = model.forward_loss(imgs, pred, mask)
-        pixel_mask = unpatchify(mask[..., None].expand(-1, -1, 48), 4, 3)  # 1 on hidden pixels
-        # the loss ignores the visible patches' targets
-        visible_changed = imgs + (1 - pixel_mask) * torch.randn_like(imgs)
-        assert torch.allclose(model.forward_loss(visible_changed, pred, mask), loss)
-        # the encoder never sees hidden patches: changing them leaves the prediction as it is
-        hidden_changed = imgs + pixel_mask * torch.randn_like(imgs)
-        pred2, loss2 = model.forward_mae(hidden_changed, noise=noise)
-        assert torch.allclose(pred2, pred, atol=1e-6) and not torch.allclose(loss2, loss)
-        # ...while changing a visible patch does reach it
-        assert not torch.allclose(model.forward_mae(visible_changed, noise=noise)[0], pred)
-
-
-# ---------------------------------------------------------------- MLM
-
-def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("mlm", vocab_size=1000))
-    tokens = torch.randint(0, 1000, (64, 1024))  # 65,536 positions
-    inputs, targets = model.mask_tokens(tokens)
-    chosen = targets != -100
-    assert (chosen.sum(1) == round(0.15 * 1024)).all()  # exactly k in every window, not about k
-    n = chosen.sum().item()
-    # Binomial standard errors of the splits: about 0.4%; allow ~5 sigma.
-    masked = (inputs == model.mask_id) & chosen
-    unchanged = (inputs == tokens) & chosen
-    assert abs(masked.sum().item() / n - 0.80) < 0.02
-    # "random" can land on the original id with probability 1/1000; it counts as unchanged here
-    assert abs(unchanged.sum().item() / n - 0.10) < 0.015
-    assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
-    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen],
-                                                                         tokens[chosen])
-    # positions anywhere in the window are as likely (about 4,900 chosen per half: ~5 sigma is 0.01)
-    first, second = chosen[:, :512].float().mean().item(), chosen[:, 512:].float().mean().item()
-    assert abs(first - second) < 0.01 and chosen.any(0).float().mean() > 0.99
-    # a window too short for 15% still gets one position, as BERT's max(1, round(...))
-    assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
-
-
-# ---------------------------------------------------------------- presets and configs
-
-def test_table1_comparable_compute():
-    def size(name):
-        with torch.device("meta"):  # shapes only: no memory, no init time
-            model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16,
-                                              num_classes=1000))
-        return model.num_params(trunk_only=True), model.flops_per_sample()
-
-    (p_base, f_base), (p_bam, f_bam) = size("base-12x768"), size("bamboo-b")
-    assert abs(p_bam / p_base - 1) < 0.05 and abs(f_bam / f_base - 1) < 0.05
-    assert 80e6 < p_bam < 90e6
-    # Table 1's 0.9x rows hold within 5% as well
-    assert abs(size("base-24x512")[0] / p_base - 0.9) < 0.05
-    assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
-
-
-def test_training_flops_count_the_mlm_head_only_where_it_runs():
-    from bamboo import training_flops
-
-    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
-    # minus next's head
-    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
-    # transform + vocabulary at round(15% of 32) = 5 positions
-    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
-    assert training_flops(Config(objective="mlm", mlm_prob=0.15,
-                                 **shape)) == pytest.approx(trunk + head)
-
-
-@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
-def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
-    torch.manual_seed(0)
-    # the trunk is the point
-    model = Bamboo(Config.from_preset("bamboo-b", objective=objective, vocab_size=1000))
-    assert 84e6 < model.num_params(trunk_only=True) < 86e6
-    # small: 48 blocks
-    x = torch.rand(2, 3, 32, 32) if model.config.is_image else torch.randint(0, 1000, (2, 64))
-    y = torch.randint(0, 10, (2,)) if objective == "cls" else None
-    _, loss = model(x, y)
-    loss.backward()
-    assert torch.isfinite(loss) and model.blocks[-1].mlp.fc.weight.grad is not None
-
-
-def test_every_preset_builds_a_valid_config():
-    for name in PRESETS:
-        c = Config.from_preset(name)
-        assert c.width % c.heads == 0 and c.width // c.heads in (32, 64, 80, 96)
-
-
-@pytest.mark.parametrize("field,value", [
-    ("objective", "gan"), ("depth", 0), ("heads", 5), ("mlp_ratio", 0), ("dropout", 1.0),
-    ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
-    ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
-    ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
-                                         ("channels", 0),
-])
-def test_invalid_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"Config\.{field}="):
-        Config(**{field: value})
-
-
-def test_unknown_preset_and_unknown_field():
-    with pytest.raises(ValueError, match="unknown preset"):
-        Config.from_preset("bamboo-xl")
-    with pytest.raises(ValueError, match="unknown config fields"):
-        Config.from_preset("bamboo-b", widht=3)
-
-
-def test_wrong_input_shape_is_a_clear_error():
-    model = Bamboo(tiny("cls"))
-    with pytest.raises(ValueError, match="expected images"):
-        model(torch.rand(2, 3, 32, 32))
-    text = Bamboo(tiny("next"))  # seq_len 16: 16 inputs, and a 17th token that is only a target
-    for wrong in (torch.randint(0, 64, (2, 18)), torch.rand(2, 9), torch.randint(0, 64, (2, 1))):
-        shape = re.escape(str(tuple(wrong.shape)))
-        with pytest.raises(ValueError, match=r"T <= seq_len \+ 1 = 17 .*got " + shape):
-            text(wrong)  # the shape the caller passed, not the shifted inputs
-    assert text.next_token_features(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 32)
-
-
-# ---------------------------------------------------------------- overfitting one batch
-
-@pytest.mark.parametrize("objective,steps,lr",
-                         [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3),
-                                                ("next", 150, 3e-3)])
-def test_tiny_model_overfits_one_batch(objective, steps, lr):
-    torch.manual_seed(0)
-    c = tiny(objective, width=64, depth=2, decoder_width=64, vocab_size=32)
-    model = Bamboo(c)
-    x, y = batch(c, B=8)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # settles, rather than hovers
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1 - it / steps)
-    first = None
-    for _ in range(steps):
-        _, loss = model(x, y)
-        first = first if first is not None else loss.item()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        decay.step()
-    model.eval()  # measure without the random corruption of this step's draw
-    torch.manual_seed(1)
-    final = sum(model(x, y)[1].item() for _ in range(5)) / 5
-    assert final < 0.1 * first, f"{objective}: loss {first:.3f} -> {final:.3f}"
-
-
-# ---------------------------------------------------------------- fine-tuning from MAE
-
-def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
-    torch.manual_seed(0)
-    mae = Bamboo(tiny("mae"))
-    cls = Bamboo(tiny("cls"))
-    loaded, skipped = cls.load_encoder(mae.state_dict())
-    assert loaded and all(n.startswith(("blocks.", "patch_embed")) for n in loaded)
-    assert {"ln_f.weight",
-            "ln_f.bias"} <= set(skipped) and any(n.startswith("decoder_") for n in skipped)
-    own = cls.state_dict()
-    assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
-    assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight",
-                                                         "head.bias", "head.weight"]
-
-
-def test_label_smoothing_is_the_cross_entropy_against_smoothed_targets():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
-    x, y = batch(model.config)
-    logits, loss = model(x, y)
-    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
-    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
-    plain = Bamboo(tiny("cls", num_classes=4))
-    plain.load_state_dict(model.state_dict())
-    plain_loss = plain(x, y)[1]
-    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
-    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
-        tiny("cls", label_smoothing=1.0)
-
-
-def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("cls"))
-    assert not hasattr(model, "ln_f") and model.head.weight.std().item() < 1e-4  # std 2e-5
-    with torch.no_grad():
-        model.fc_norm.weight.normal_()
-        model.head.weight.normal_()
-        x, _ = batch(model.config)
-        expected = model.head(model.fc_norm(model.hidden_states(x)[-1].mean(dim=1)))
-        assert torch.allclose(model(x)[0], expected, atol=1e-6)
-
-
-# ---------------------------------------------------------- the same weights for every objective
-
-def trunk_state(model):
-    return {k: v for k, v in model.state_dict().items()
-            if k.startswith(("blocks.", "patch_embed", "tok_embed",
-                                                                          "pos_embed"))}
-
-
-@pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
-@pytest.mark.parametrize("options",
-                         [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7},
-                          {"neutreno": 0.6}])
-def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, options):
-    states = []
-    for i, objective in enumerate(pair):
-        torch.manual_seed(3)
-        states.append(trunk_state(Bamboo(tiny(objective, **(options if i else {})))))
-    assert states[0].keys() == states[1].keys() and len(states[0]) > 10
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
-
-
-def test_vo_param_changes_the_blocks_but_not_the_stem():
-    stems = []
-    for mode in ("free", "smooth", "sharpen"):
-        torch.manual_seed(0)
-        stems.append(Bamboo(tiny("cls", vo_param=mode)).patch_embed.weight)
-    assert torch.equal(stems[0], stems[1]) and torch.equal(stems[0], stems[2])
-
-
-def test_residual_projections_get_the_depth_scaled_init():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
-    encoder = torch.cat([p.flatten() for n, p in model.blocks.named_parameters()
-                         if n.endswith("proj.weight")])
-    decoder = torch.cat([p.flatten() for n, p in model.decoder_blocks.named_parameters()
-                         if n.endswith("proj.weight")])
-    assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
-    assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
-
-
-def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
-    from probe import beta
-
-    for first, second in (("cls", "mae"), ("next", "mlm")):
-        models = []
-        for objective in (first, second):
-            torch.manual_seed(0)
-            models.append(Bamboo(tiny(objective, depth=4)))
-        qk, v = beta(models[1], models[0])
-        assert qk == [1.0] * 4 and v == [1.0] * 4
-
-
-# ---------------------------------------------------------------- training (data.py, train.py)
-
-
-def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
-    torch.manual_seed(0)
-    for objective in ("mae", "mlm"):
-        model = Bamboo(tiny(objective))
-        x, y = batch(model.config)
-        losses = {model(x, y)[1].item() for _ in range(4)}
-        assert len(losses) == 4, objective  # a fresh mask every call, from the (per-rank) torch RNG
-
-
-# ==================================================================================================
-# 2. The W_V W_O eigen-parameterization (Dovonon et al.): spectra by construction, before and after
-# ==================================================================================================
-
-def assert_spectra(model, mode):
-    from probe import head_value_output
-
-    for block in model.blocks:
-        eigs = torch.linalg.eigvals(head_value_output(block))
-        assert eigs.imag.abs().max() < 1e-6  # symmetric by construction: real eigenvalues
-        if mode == "smooth":
-            assert (eigs.real > 0).all()
-        else:
-            assert (eigs.real >= -1 - 1e-6).all() and (eigs.real < 0).all()
-
-
 @pytest.mark.parametrize("mode", ["smooth", "sharpen"])
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_vo_param_spectra_hold_at_init_and_after_training(mode, objective):
@@ -822,7 +988,553 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_every_token_metric(
 
 
 # ==================================================================================================
-# 3. Training as users run it: every objective through the CLI, resume, fine-tuning, DDP, errors
+# 3. data.py: images and text to the device, image folders (streamed too), downloads
+# ==================================================================================================
+
+def test_error_missing_data_directory(capsys, tmp_path):
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"),
+                    "--out_dir", str(tmp_path))
+    assert "does not exist" in err and "--data_dir" in err
+
+
+def test_error_download_without_network(capsys, tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                    str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path))
+    assert "could not download wikitext2" in err and "--dataset text" in err
+    # nothing half-written left behind
+    assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]
+    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
+                    str(tmp_path))
+    assert "could not download cifar10" in err
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # a CPU install without torchvision
+    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
+                    str(tmp_path))
+    assert "torchvision, which is not installed: pip install torchvision" in err
+
+
+def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
+                                                                        monkeypatch, capsys):
+    import data
+    from PIL import Image
+
+    from operations import datasets
+
+    folder, cache = tmp_path / "images", tmp_path / "cache"
+    shutil.copytree(tiny_data / "images", folder)
+    decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
+    capsys.readouterr()
+    first = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
+    assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
+    decodes = []
+    real_decode = datasets._decode
+    monkeypatch.setattr(datasets, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
+    cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert decodes == []  # loaded, not decoded
+    for got in (first, cached):
+        assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)
+        assert torch.equal(got.train_y, decoded.train_y) and torch.equal(got.mean, decoded.mean)
+    changed = sorted((folder / "test" / "red").iterdir())[0]  # one test image repainted
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
+    again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
+    where = [str(p) for p, _ in datasets.list_folder(str(folder))[0]["test"]].index(str(changed))
+    assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
+    for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
+        damaged.write_bytes(b"not an array")
+    assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
+                                      cache_dir=str(cache)).train_x, decoded.train_x)
+    assert len(decodes) == 32 + 32 + 96
+    listing = datasets.list_folder(str(folder))[0]  # the two files in use now hold arrays again
+    keys = [datasets.folder_key(listing[s], 16) for s in ("train", "test")]
+    assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
+    capsys.readouterr()
+    (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
+    unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
+    assert torch.equal(unwritable.train_x, decoded.train_x)
+    note = capsys.readouterr().out
+    assert note.count("note: decoded images not cached") == 2, note
+    assert "decoded 96 images in " in note and "kept in" not in note  # said, and not kept
+
+
+def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):
+    from data import ImageData
+
+    first = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
+    again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
+    assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
+    # the test split stays whole
+    assert first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32
+    assert set(first.train_y.tolist()) == {0, 1}
+
+
+def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
+    """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
+    probed and evaluated; an older checkpoint without them falls back to the test split's own."""
+    from data import ImageData, TextData, first_samples, held_out
+    from operations import checkpoint
+
+    images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
+    cfg = {"dataset": "folder", "data_dir": str(tiny_data / "images")}
+    ckpt = {"train": cfg, "statistics": (images.mean, images.std)}
+    loaded = held_out(Config(image_size=16), checkpoint.data_settings(ckpt))
+    assert torch.equal(first_samples(images, 8), first_samples(loaded, 8))
+    older = held_out(Config(image_size=16), checkpoint.data_settings({"train": cfg}))
+    assert not torch.equal(first_samples(images, 8), first_samples(older, 8))  # test statistics
+    cfg = {"dataset": "text", "data_dir": str(tiny_data / "text"), "tokenizer": "bytes",
+           "val_file": "val.txt", "cache_dir": str(tmp_path)}
+    text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32)
+    loaded = held_out(Config(objective="next", vocab_size=256, seq_len=32), cfg)
+    assert torch.equal(first_samples(text, 8), first_samples(loaded, 8))
+
+
+def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
+    from data import channel_statistics
+
+    images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
+    one_pass = channel_statistics(images)
+    chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one_pass, chunked))
+
+
+def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(images), "--out_dir",
+                    str(tmp_path / "o"))
+    assert "broken.png" in err and "remove or replace" in err
+
+
+def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypatch):
+    """PIL refuses an image over twice its pixel limit (a decompression bomb) with an error of its
+    own; here the limit is lowered so that a 16x16 image is one."""
+    from PIL import Image
+
+    import data
+
+    path = next((tiny_data / "images" / "test").glob("*/*.png"))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(data.DataError, match="DecompressionBombError") as e:
+        data.read_rgb(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
+    import shutil
+
+    from operations.datasets import list_folder
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", images)
+    plain = list_folder(str(images))[0]
+    red = images / "train" / "red"
+    (red / "again").symlink_to(red)  # a class folder that holds a link to itself
+    (red / "loop").symlink_to(images / "train")  # and one to the split above it
+    first = sorted(red.glob("*.png"))[0]
+    (red / "zz-same.png").symlink_to(first)  # one image under a second name
+    linked = list_folder(str(images))[0]
+    assert len(linked["train"]) == len(plain["train"]) and linked["test"] == plain["test"]
+
+
+def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
+    """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
+    inputs."""
+    import probe
+    from data import ImageData
+
+    images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
+                          blue=False)
+    data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
+    x, _ = next(data.eval_batches(8))
+    # the constant channel is centred, not divided by 0
+    assert x.isfinite().all() and x[:, 2].eq(0).all()
+    code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
+                                   "--max_iters", "3",
+                                   out_dir=tmp_path / "o")
+    assert code == 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records
+                             if "loss" in r), out
+    assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
+                       str(images),
+                       "--samples", "8"]) == 0, capsys.readouterr().err
+
+
+def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(capsys, tiny_data,
+                                                                                tmp_path):
+    """Labels are class indices: test/ with other classes than train/ would be scored against the
+    wrong labels."""
+    mismatch = write_folder(tmp_path / "mismatch",
+                            {"train": ["cat", "dog"], "test": ["dog", "emu"]})
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(mismatch),
+                    "--out_dir", str(tmp_path / "a"))
+    assert "different classes (only in training: ['cat'], only in test: ['emu'])" in err
+    single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
+    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(single), "--out_dir",
+                    str(tmp_path / "b"))
+    assert "num_classes=1 must be at least 2 for cls" in err
+    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
+                             single,
+                             # self-supervised: an unlabelled folder of one class is enough
+                             out_dir=tmp_path / "c")
+    assert code == 0, out
+
+
+def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_are_not_classes(
+        capsys, tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls")
+    no_classes = write_folder(tmp_path / "no_classes", {"test": ["a", "b"]})
+    (no_classes / "train").mkdir()
+    err = cli_error(capsys, *flags, "--data_dir", str(no_classes), "--out_dir", str(tmp_path / "a"))
+    assert f"{no_classes / 'train'} has no class folders" in err
+    no_images = write_folder(tmp_path / "no_images", {"train": ["a", "b"], "test": ["a", "b"]})
+    (no_images / "test" / "c").mkdir()
+    (no_images / "test" / "c" / "notes.txt").write_text("not an image")
+    err = cli_error(capsys, *flags, "--data_dir", str(no_images), "--out_dir", str(tmp_path / "b"))
+    assert f"{no_images / 'test' / 'c'} holds no image" in err and "remove it" in err
+    from data import ImageData
+
+    (no_images / "test" / "c" / "notes.txt").rename(no_images / "test" / ".ipynb_checkpoints")
+    (no_images / "test" / "c").rmdir()
+    (no_images / "train" / ".ipynb_checkpoints").mkdir()
+    data = ImageData("folder", str(no_images), torch.device("cpu"), image_size=16)
+    assert data.num_classes == 2 and data.train_y.tolist() == [0] * 4 + [1] * 4
+
+
+def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
+    (tmp_path / "train.txt").write_text("")
+    (tmp_path / "val.txt").write_text("some held-out words " * 50)
+    err = cli_error(capsys, "--objective", "next", "--dataset", "text", "--data_dir", str(tmp_path),
+                    "--tokenizer",
+                    "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir",
+                    str(tmp_path / "o"))
+    assert f"text file {tmp_path / 'train.txt'} is empty; give --train_file a file" in err
+
+
+def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
+                                                                        monkeypatch):
+    from operations import datasets
+
+    def offline(url, timeout=30):
+        raise OSError("no network")
+
+    monkeypatch.setattr(datasets, "_fetch", offline)
+    target = tmp_path / "d" / "wikitext-2-raw"
+    target.mkdir(parents=True)
+    (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
+    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                    str(tmp_path / "d"),
+                    "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+    assert str(target / "train.txt") in err and str(target / "valid.txt") in err
+    assert (target / "train.txt").read_text() == "the user's own file"
+    # following the message: now it trains, offline
+    (target / "valid.txt").write_text("word " * 5000)
+    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
+                             str(tmp_path / "d"),
+                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
+                             *TINY_TEXT_FLAGS[:6],
+                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
+                             "--batch_size", "2",
+                             out_dir=tmp_path / "o")
+    assert code == 0, out
+
+
+def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
+    from data import ImageData
+    from operations.datasets import _decode, list_folder
+    from operations.datasets import ImageStream
+
+    whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
+    listing = list_folder(str(mixed_jpegs), train_samples=100)
+    stream = ImageStream(listing, "cpu", 16)
+    files = stream.files
+    assert stream.classes == whole.classes == ["cat", "dog", "fox"]
+    assert stream.num_train() == whole.num_train() == 100
+    assert stream.num_held_out() == whole.num_held_out() == 45
+    assert whole.train_y.tolist() == [label for _, label in files["train"]]
+    assert torch.equal(whole.train_x[7], torch.tensor(_decode(files["train"][7][0], 16))
+                       .permute(2, 0, 1))
+    held_out = torch.cat([y for _, y in stream.eval_batches(10)])
+    assert held_out.tolist() == whole.test_y.tolist()
+    assert sorted(held_out.tolist()) != held_out.tolist()  # the fixed shuffle, not class by class
+    for i, (path, _) in enumerate(files["test"][:5]):  # the same images, in the same order
+        assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
+
+
+def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
+    """MAE's training view (RandomResizedCrop, bicubic, then a flip) under torch.manual_seed(seed),
+    and its evaluation view (Resize of the shorter side to size / crop, CenterCrop), on images
+    of every shape in the folder, a 1:5 strip among them (RandomResizedCrop's fallback)."""
+    from PIL import Image
+    from torchvision import transforms
+
+    from operations.datasets import eval_view, train_view
+
+    strip = mixed_jpegs / "strip.jpg"
+    Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
+    paths = [strip] + sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[:12]
+    for scale, size in ((0.2, 16), (0.08, 24), (0.2, 232)):  # above 224, MAE crops no border
+        mae = transforms.Compose([
+            transforms.RandomResizedCrop(size, scale=(scale, 1.0), interpolation=3),
+            transforms.RandomHorizontalFlip()])
+        for seed, path in enumerate(paths):
+            torch.manual_seed(seed)
+            expected = np.asarray(mae(Image.open(path).convert("RGB")))
+            assert np.array_equal(train_view(str(path), size, scale, seed), expected), path
+        crop = 224 / 256 if size <= 224 else 1.0
+        evaluation = transforms.Compose([transforms.Resize(int(size / crop), interpolation=3),
+                                         transforms.CenterCrop(size)])
+        for path in paths:
+            expected = np.asarray(evaluation(Image.open(path).convert("RGB")))
+            assert np.array_equal(eval_view(str(path), size), expected), path
+
+
+def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decodes_its_slice(
+        mixed_jpegs):
+    """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
+    each (their slices put together) give the same global batches, step after step."""
+    from data import shard
+    from operations.datasets import list_folder
+    from operations.datasets import ImageStream
+
+    listing = list_folder(str(mixed_jpegs))
+
+    def batches(workers, rank=0, world=1, accum=1, steps=3):
+        stream = ImageStream(listing, "cpu", 16, workers=workers, rank=rank, world=world,
+                             grad_accum=accum)
+        generator, out = torch.Generator().manual_seed(5), []
+        for _ in range(steps):
+            draws = stream.sample(8, generator)
+            out += [stream.train_batch(shard(draws, rank, world, accum, k)) for k in range(accum)]
+        return out
+
+    alone = batches(0)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(alone, batches(2)))
+    ranks = [batches(2, rank, 2, 2) for rank in (0, 1)]
+    for step in range(3):
+        parts = [ranks[r][2 * step + k][0] for r in (0, 1) for k in (0, 1)]
+        assert torch.equal(torch.cat(parts), alone[step][0])
+    assert not torch.equal(alone[0][0], alone[1][0])
+    x = alone[0][0]
+    assert x.dtype == torch.float32 and x.shape == (8, 3, 16, 16) and -3 < x.mean() < 3
+
+
+def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_restarts_them(
+        mixed_jpegs):
+    """A signal to every process ends the workers, maybe before they hand over the micro-batch
+    the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
+    step starts new workers where the data order stands. An evaluation reads on here too."""
+    from operations.datasets import list_folder
+    from operations.datasets import ImageStream
+
+    def workers_that_exited():
+        raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
+        yield
+
+    listing = list_folder(str(mixed_jpegs))
+    steady, stopped = (ImageStream(listing, "cpu", 16, workers=1) for _ in range(2))
+    g_steady, g_stopped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(3):
+        expected = steady.train_batch(steady.sample(8, g_steady))
+        draws = stopped.sample(8, g_stopped)
+        if step == 1:
+            stopped.batches = workers_that_exited()
+        got = stopped.train_batch(draws)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert (stopped.batches is None) == (step == 1)
+
+    def loader_that_stops_after_one(dataset):
+        yield dataset[0]
+        raise ConnectionResetError(104, "Connection reset by peer")  # fetching a dead worker's fd
+
+    stopped.loader = loader_that_stops_after_one
+    got, expected = list(stopped.eval_batches(10)), list(steady.eval_batches(10))
+    assert len(got) == len(expected) == 5
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+
+
+def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
+    """A streaming worker killed (the OOM killer's SIGKILL) while the run goes: the batch it owed
+    is decoded here, new workers start where the data order stands, and every batch is the one a
+    run without the kill reads; torch's error never comes from elsewhere in the step."""
+    from operations.datasets import ImageStream, list_folder
+
+    listing = list_folder(str(mixed_jpegs))
+    steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
+                                                                              workers=2)
+    g_steady, g_killed = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(5):
+        expected = steady.train_batch(steady.sample(8, g_steady))
+        draws = killed.sample(8, g_killed)
+        if step == 2:
+            os.kill(killed.batches._workers[0].pid, signal.SIGKILL)
+            time.sleep(0.5)  # the SIGCHLD has arrived: nothing may raise outside the read
+        got = killed.train_batch(draws)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    killed.batches = None  # no worker left behind
+
+
+def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
+    flags = ["--objective", "mae", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "4", "--eval_interval", "2", "--workers", "2"]
+    code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
+    assert code == 0 and "streaming 180 training images from disk, 2 decoding processes" in out
+    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
+    assert code == 0 and "time limit reached at step 1" in out, out
+    code, out, parts = run_train("--resume", "--workers", "1", out_dir=tmp_path / "parts")
+    assert code == 0 and "resumed from" in out, out
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("whole", "parts"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
+    assert a["train"]["stream"] == "on" and a["train"]["crop_scale"] == 0.2
+
+
+def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_path):
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2",
+             "--workers", "1"]
+    code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
+    assert code == 0 and "2 x 2 x 2" in out, out
+    code, out, single = run_train(*flags, out_dir=tmp_path / "one")
+    assert code == 0, out
+    a, b = train_losses(ddp), train_losses(single)
+    assert len(a) == 3 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
+
+
+def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, tmp_path):
+    """225 images at 16 px decode to 0.17 MB: within 0.1 GB decoded whole, over 0.0001 GB
+    streamed; what ran is what the checkpoint says."""
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *TINY_IMAGE_FLAGS, "--max_iters", "1", "--batch_size", "8"]
+    for budget, streamed in (("0.1", False), ("0.0001", True)):
+        code, out, _ = run_train(*flags, "--memory_gb", budget, out_dir=tmp_path / budget)
+        assert code == 0 and ("streaming 180 training images" in out) == streamed, out
+        saved = torch.load(tmp_path / budget / "ckpt.pt", weights_only=True)["train"]
+        assert saved["stream"] == ("on" if streamed else "off")
+        assert saved["crop_scale"] == 0.08  # fine-tuning's, for cls
+    # a run saved before streaming existed decoded its images whole, and resumes so
+    ckpt = torch.load(tmp_path / "0.1" / "ckpt.pt", weights_only=True)
+    del ckpt["train"]["stream"], ckpt["train"]["crop_scale"]
+    torch.save(ckpt, tmp_path / "0.1" / "ckpt.pt")
+    code, out, _ = run_train("--resume", "--max_iters", "2", "--memory_gb", "0.0001",
+                             out_dir=tmp_path / "0.1")
+    assert code == 0 and "resumed from" in out and "streaming" not in out, out
+
+
+def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
+    import probe
+    from data import first_samples, held_out
+    from operations.datasets import ImageStream, eval_view, standardised
+
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
+             *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
+    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    data = held_out(Config.from_dict(ckpt["config"]), ckpt["train"])
+    assert isinstance(data, ImageStream) and data.device.type == "cpu"
+    first = torch.tensor(eval_view(data.files["test"][0][0], 16)).permute(2, 0, 1)[None]
+    assert torch.equal(first_samples(data, 1), standardised(first, data.mean, data.std))
+    logged = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
+    assert probe.main([str(tmp_path / "run" / "ckpt.pt"), "--samples", "64", "--json",
+                       str(tmp_path / "p.json")]) == 0
+    probed = json.loads((tmp_path / "p.json").read_text())
+    row = next(iter(probed.values())) if isinstance(probed, dict) else probed[0]
+    assert logged["layers"] and row
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    ("unreadable", "cannot read image"),
+    ("empty class", "holds no image"),
+    ("no split", "no test/ or val/ folder in"),
+])
+def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
+    """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
+    file; an empty or mislaid folder is found before any work."""
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(mixed_jpegs, root)
+    if break_it == "unreadable":
+        for path in (root / "train" / "cat").glob("*.jpg"):
+            path.write_bytes(b"not a jpeg")
+    elif break_it == "empty class":
+        shutil.rmtree(root / "val" / "fox")
+        (root / "val" / "fox").mkdir()
+    else:
+        shutil.rmtree(root / "val")
+    err = cli_error(capsys, "--objective", "mae", "--dataset", "folder", "--data_dir", str(root),
+                    *STREAM_FLAGS, "--max_iters", "2", "--workers", "1", "--out_dir",
+                    str(tmp_path / "o"))
+    assert expected in err
+    if break_it == "unreadable":
+        assert str(root / "train" / "cat") in err and "remove or replace" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
+        mixed_jpegs, tmp_path, sig):
+    """Ctrl-C, or a scheduler's SIGTERM, reaches the workers too: the main process still finishes
+    its step and saves, with no traceback, and no worker outlives it."""
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
+             "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
+                             str(tmp_path), "--log_interval", "1"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and '"loss"' not in ((tmp_path / "log.jsonl").exists()
+                                                       and (tmp_path / "log.jsonl").read_text()
+                                                       or ""):
+        time.sleep(0.2)
+    os.killpg(proc.pid, sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # the whole process group is gone
+        os.killpg(proc.pid, 0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "cifar10", "--stream", "on"], "--stream on reads an image folder"),
+    (["--workers", "-2"], "--workers -2 must be"),
+    (["--crop_scale", "1.5"], "--crop_scale 1.5 must be"),
+    (["--memory_gb", "-1"], "--memory_gb -1.0 must be"),
+])
+def test_bad_streaming_flags_are_one_line(capsys, tmp_path, flags, message):
+    err = cli_error(capsys, "--objective", "mae", "--data_dir", str(tmp_path / "d"), *flags,
+                    "--out_dir", str(tmp_path / "o"))
+    assert message in err
+
+
+def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
+    c = Config.from_preset("bamboo-b-224", objective="mae")
+    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
+    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
+    assert c.norm_pix_loss
+
+
+def test_a_text_file_that_is_not_utf8_is_named(capsys, tiny_data, tmp_path):
+    (tmp_path / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)
+    (tmp_path / "val.txt").write_text("plain text " * 100)
+    err = cli_error(capsys, *text_flags(tiny_data, "next"), "--data_dir", str(tmp_path),
+                    "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "out"))
+    assert "train.txt is not UTF-8 text (byte 3 is 0xe9)" in err and "iconv" in err
+
+
+# ==================================================================================================
+# 4. train.py: training as users run it, resume, fine-tuning, DDP, and what goes wrong
 # ==================================================================================================
 
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
@@ -1205,38 +1917,6 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
-# ---------------------------------------------------------------- one-line errors
-
-def test_error_missing_data_directory(capsys, tmp_path):
-    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"),
-                    "--out_dir", str(tmp_path))
-    assert "does not exist" in err and "--data_dir" in err
-
-
-def test_error_download_without_network(capsys, tmp_path, monkeypatch):
-    import urllib.error
-    import urllib.request
-
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("no network")
-
-    monkeypatch.setattr(urllib.request, "urlopen", offline)
-    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"),
-                    "--tokenizer", "bytes", "--out_dir", str(tmp_path))
-    assert "could not download wikitext2" in err and "--dataset text" in err
-    # nothing half-written left behind
-    assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]
-    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
-                    str(tmp_path))
-    assert "could not download cifar10" in err
-    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
-    monkeypatch.setitem(sys.modules, "torchvision", None)  # a CPU install without torchvision
-    err = cli_error(capsys, "--dataset", "cifar10", "--data_dir", str(tmp_path / "c"), "--out_dir",
-                    str(tmp_path))
-    assert "torchvision, which is not installed: pip install torchvision" in err
-
-
 def test_error_objective_dataset_mismatch(capsys, tmp_path):
     err = cli_error(capsys, "--objective", "next", "--dataset", "cifar10", "--out_dir",
                     str(tmp_path))
@@ -1265,63 +1945,6 @@ def test_error_resume_with_another_objective_mismatched_or_truncated_checkpoint(
     assert "corrupt or truncated" in err
 
 
-def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
-                                                                        monkeypatch, capsys):
-    import data
-    from PIL import Image
-
-    from operations import datasets
-
-    folder, cache = tmp_path / "images", tmp_path / "cache"
-    shutil.copytree(tiny_data / "images", folder)
-    decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
-    capsys.readouterr()
-    first = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
-    assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
-    assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
-    decodes = []
-    real_decode = datasets._decode
-    monkeypatch.setattr(datasets, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
-    cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
-    assert decodes == []  # loaded, not decoded
-    for got in (first, cached):
-        assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)
-        assert torch.equal(got.train_y, decoded.train_y) and torch.equal(got.mean, decoded.mean)
-    changed = sorted((folder / "test" / "red").iterdir())[0]  # one test image repainted
-    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
-    again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
-    assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
-    where = [str(p) for p, _ in datasets.list_folder(str(folder))[0]["test"]].index(str(changed))
-    assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
-    for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
-        damaged.write_bytes(b"not an array")
-    assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
-                                      cache_dir=str(cache)).train_x, decoded.train_x)
-    assert len(decodes) == 32 + 32 + 96
-    listing = datasets.list_folder(str(folder))[0]  # the two files in use now hold arrays again
-    keys = [datasets.folder_key(listing[s], 16) for s in ("train", "test")]
-    assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
-    capsys.readouterr()
-    (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
-    unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
-    assert torch.equal(unwritable.train_x, decoded.train_x)
-    note = capsys.readouterr().out
-    assert note.count("note: decoded images not cached") == 2, note
-    assert "decoded 96 images in " in note and "kept in" not in note  # said, and not kept
-
-
-def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):
-    from data import ImageData
-
-    first = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
-    again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
-    assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
-    # the test split stays whole
-    assert first.train_x.shape[1:] == (3, 8, 8) and len(first.test_x) == 32
-    assert set(first.train_y.tolist()) == {0, 1}
-
-
-
 def test_runs_record_their_initial_trunk_and_each_images_correctness(tiny_data, tmp_path):
     """The cls and MAE arms of one seed show in their own files that they started from the same stem
     and blocks; a classifier's last evaluation is kept image by image (paired tests from files)."""
@@ -1343,10 +1966,6 @@ def test_runs_record_their_initial_trunk_and_each_images_correctness(tiny_data, 
     resumed = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)
     assert code == 0 and resumed["step"] == 3 and resumed["init_hash"] == hashes["cls"], out
 
-
-# ==================================================================================================
-# 4. Bad input and faults: one line that says how to fix it, never a traceback, never lost work
-# ==================================================================================================
 
 @pytest.mark.parametrize("resume_flags,message", [
     # --resume may raise the iterations and change the rate: here to one that diverges at once
@@ -1512,26 +2131,6 @@ def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_
     assert code == 0 and len(resumes) == 2 and resumes[1]["from_step"] == 2, out
 
 
-def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
-    """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
-    probed and evaluated; an older checkpoint without them falls back to the test split's own."""
-    from data import ImageData, TextData, first_samples, held_out
-    from operations import checkpoint
-
-    images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
-    cfg = {"dataset": "folder", "data_dir": str(tiny_data / "images")}
-    ckpt = {"train": cfg, "statistics": (images.mean, images.std)}
-    loaded = held_out(Config(image_size=16), checkpoint.data_settings(ckpt))
-    assert torch.equal(first_samples(images, 8), first_samples(loaded, 8))
-    older = held_out(Config(image_size=16), checkpoint.data_settings({"train": cfg}))
-    assert not torch.equal(first_samples(images, 8), first_samples(older, 8))  # test statistics
-    cfg = {"dataset": "text", "data_dir": str(tiny_data / "text"), "tokenizer": "bytes",
-           "val_file": "val.txt", "cache_dir": str(tmp_path)}
-    text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32)
-    loaded = held_out(Config(objective="next", vocab_size=256, seq_len=32), cfg)
-    assert torch.equal(first_samples(text, 8), first_samples(loaded, 8))
-
-
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     import train
 
@@ -1549,99 +2148,6 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     assert code == 0 and "from the resumed run: " in out, out
     assert "from flags: max_iters=2" in out and "every other setting: its default" in out
     assert "cifar-small: batch_size=128, max_iters=3600" in train.build_parser().format_help()
-
-
-def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_nothing(
-        capsys, tiny_data, tmp_path, monkeypatch):
-    """Over-smoothing as it forms: every evaluation record holds probe.py's per-layer metrics on
-    the first N held-out samples, equal to probe.py's own numbers for the checkpoint; a run with
-    them trains bit for bit as one without; look.py draws them for several runs."""
-    import shutil
-
-    import look
-    import probe
-
-    flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2")
-    code, out, logged = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
-    assert code == 0, out
-    evals = [r for r in logged if r.get("eval")]
-    assert [r["step"] for r in evals] == [2, 4]
-    assert all(len(r["layers"]["abs_cos_centered"]) == 3 for r in evals)  # stem + 2 blocks
-    ckpt = str(tmp_path / "a" / "ckpt.pt")
-    assert probe.main([ckpt, "--samples", "8", "--json", str(tmp_path / "p.json")]) == 0
-    report = json.loads((tmp_path / "p.json").read_text())["metrics"]
-    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"):
-        ours, probes = evals[-1]["layers"][name], report[name][ckpt]
-        assert [v is None for v in ours] == [v is None for v in probes], name  # attn_entropy[0]
-        assert [v for v in ours if v is not None] == pytest.approx(
-            [v for v in probes if v is not None], rel=1e-5), name
-    code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
-    assert code == 0 and not any("layers" in r for r in plain)
-    assert train_losses(plain) == train_losses(logged)
-    weights = [torch.load(tmp_path / run / "ckpt.pt", weights_only=True)["model"] for run in "ab"]
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    capsys.readouterr()
-    shutil.copytree(tmp_path / "a", tmp_path / "c")
-    drawn, save_figure = [], look.save_figure
-    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
-                        save_figure(fig, path))
-    assert look.main(["smoothing", str(tmp_path / "a"), str(tmp_path / "c"), "--out",
-                      str(tmp_path / "s.png")]) == 0
-    labels = [ax.get_ylabel() for ax in drawn[0].axes]  # two heatmaps, the last layer, the bar
-    assert labels == ["layer (0 = embedding)"] * 2 + ["", "abs_cos_centered"]  # named once
-    printed = capsys.readouterr().out
-    assert "a: abs_cos_centered of the last layer at steps [2, 4]: " in printed
-    assert "\nc: abs_cos_centered of the last layer" in printed
-    assert (tmp_path / "s.png").stat().st_size > 10_000
-    assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
-    assert "logged no per-layer metrics (trained with --probe_samples 0" in capsys.readouterr().err
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    assert look.main(["smoothing", str(tmp_path / "d"), "--out", str(tmp_path / "t.png")]) == 2
-    assert "has no evaluation yet" in capsys.readouterr().err
-    # what train.py writes when the probe met non-finite states ("layers": null), or a null value
-    records = (tmp_path / "c" / "log.jsonl").read_text().splitlines()
-    evals = [i for i, line in enumerate(records) if '"eval": true' in line]
-    first, last = json.loads(records[evals[0]]), json.loads(records[evals[-1]])
-    first["layers"], last["layers"]["abs_cos_centered"][-1] = None, None
-    records[evals[0]], records[evals[-1]] = json.dumps(first), json.dumps(last)
-    (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
-    assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
-    assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
-
-
-def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
-    """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
-    draw an out_dir, named NAME."""
-    import shutil
-
-    import look
-
-    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
-    assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
-    shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
-    capsys.readouterr()
-    assert look.main(["smoothing", str(tmp_path / "kept.jsonl"), "--out",
-                      str(tmp_path / "k.png")]) == 0
-    assert "kept: abs_cos_centered of the last layer at steps [1, 2]: " in capsys.readouterr().out
-    assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
-                      str(tmp_path / "c.png")]) == 0
-    assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
-
-
-def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
-                                                                              monkeypatch):
-    import look
-
-    records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
-               for i in range(1, 17)]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    drawn, save_figure = [], look.save_figure
-    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
-                        save_figure(fig, path))
-    assert look.main(["smoothing", str(tmp_path), "--out", str(tmp_path / "s.png")]) == 0
-    labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
-    assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
 def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(capsys, tiny_data,
@@ -1723,147 +2229,6 @@ def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
                                 "--out_dir", str(tmp_path / "out"))
 
 
-def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
-    from data import channel_statistics
-
-    images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
-    one_pass = channel_statistics(images)
-    chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one_pass, chunked))
-
-
-def test_an_unreadable_image_is_named(capsys, tiny_data, tmp_path):
-    import shutil
-
-    images = tmp_path / "images"
-    shutil.copytree(tiny_data / "images", images)
-    (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(images), "--out_dir",
-                    str(tmp_path / "o"))
-    assert "broken.png" in err and "remove or replace" in err
-
-
-def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypatch):
-    """PIL refuses an image over twice its pixel limit (a decompression bomb) with an error of its
-    own; here the limit is lowered so that a 16x16 image is one."""
-    from PIL import Image
-
-    import data
-
-    path = next((tiny_data / "images" / "test").glob("*/*.png"))
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(data.DataError, match="DecompressionBombError") as e:
-        data.read_rgb(path)
-    assert str(path) in str(e.value) and "\n" not in str(e.value)
-
-
-def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
-    import shutil
-
-    from operations.datasets import list_folder
-
-    images = tmp_path / "images"
-    shutil.copytree(tiny_data / "images", images)
-    plain = list_folder(str(images))[0]
-    red = images / "train" / "red"
-    (red / "again").symlink_to(red)  # a class folder that holds a link to itself
-    (red / "loop").symlink_to(images / "train")  # and one to the split above it
-    first = sorted(red.glob("*.png"))[0]
-    (red / "zz-same.png").symlink_to(first)  # one image under a second name
-    linked = list_folder(str(images))[0]
-    assert len(linked["train"]) == len(plain["train"]) and linked["test"] == plain["test"]
-
-
-def write_folder(root, classes_per_split, n=4, blue=True):
-    """An ImageFolder tree of 16x16 noise images, {split: [class names]}; blue=False leaves that
-    channel at 0."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split, classes in classes_per_split.items():
-        for name in classes:
-            (root / split / name).mkdir(parents=True)
-            for i in range(n):
-                pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
-                pixels[..., 2] *= blue
-                Image.fromarray(pixels).save(root / split / name / f"{i}.png")
-    return root
-
-
-def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
-    """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
-    inputs."""
-    import probe
-    from data import ImageData
-
-    images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
-                          blue=False)
-    data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
-    x, _ = next(data.eval_batches(8))
-    # the constant channel is centred, not divided by 0
-    assert x.isfinite().all() and x[:, 2].eq(0).all()
-    code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
-                                   "--max_iters", "3",
-                                   out_dir=tmp_path / "o")
-    assert code == 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records
-                             if "loss" in r), out
-    assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
-                       str(images),
-                       "--samples", "8"]) == 0, capsys.readouterr().err
-
-
-def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(capsys, tiny_data,
-                                                                                tmp_path):
-    """Labels are class indices: test/ with other classes than train/ would be scored against the
-    wrong labels."""
-    mismatch = write_folder(tmp_path / "mismatch",
-                            {"train": ["cat", "dog"], "test": ["dog", "emu"]})
-    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(mismatch),
-                    "--out_dir", str(tmp_path / "a"))
-    assert "different classes (only in training: ['cat'], only in test: ['emu'])" in err
-    single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
-    err = cli_error(capsys, *image_flags(tiny_data, "cls"), "--data_dir", str(single), "--out_dir",
-                    str(tmp_path / "b"))
-    assert "num_classes=1 must be at least 2 for cls" in err
-    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
-                             single,
-                             # self-supervised: an unlabelled folder of one class is enough
-                             out_dir=tmp_path / "c")
-    assert code == 0, out
-
-
-def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_are_not_classes(
-        capsys, tiny_data, tmp_path):
-    flags = image_flags(tiny_data, "cls")
-    no_classes = write_folder(tmp_path / "no_classes", {"test": ["a", "b"]})
-    (no_classes / "train").mkdir()
-    err = cli_error(capsys, *flags, "--data_dir", str(no_classes), "--out_dir", str(tmp_path / "a"))
-    assert f"{no_classes / 'train'} has no class folders" in err
-    no_images = write_folder(tmp_path / "no_images", {"train": ["a", "b"], "test": ["a", "b"]})
-    (no_images / "test" / "c").mkdir()
-    (no_images / "test" / "c" / "notes.txt").write_text("not an image")
-    err = cli_error(capsys, *flags, "--data_dir", str(no_images), "--out_dir", str(tmp_path / "b"))
-    assert f"{no_images / 'test' / 'c'} holds no image" in err and "remove it" in err
-    from data import ImageData
-
-    (no_images / "test" / "c" / "notes.txt").rename(no_images / "test" / ".ipynb_checkpoints")
-    (no_images / "test" / "c").rmdir()
-    (no_images / "train" / ".ipynb_checkpoints").mkdir()
-    data = ImageData("folder", str(no_images), torch.device("cpu"), image_size=16)
-    assert data.num_classes == 2 and data.train_y.tolist() == [0] * 4 + [1] * 4
-
-
-def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
-    (tmp_path / "train.txt").write_text("")
-    (tmp_path / "val.txt").write_text("some held-out words " * 50)
-    err = cli_error(capsys, "--objective", "next", "--dataset", "text", "--data_dir", str(tmp_path),
-                    "--tokenizer",
-                    "bytes", "--cache_dir", str(tmp_path / "cache"), "--out_dir",
-                    str(tmp_path / "o"))
-    assert f"text file {tmp_path / 'train.txt'} is empty; give --train_file a file" in err
-
-
 def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "cls", tmp_path)
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
@@ -1873,394 +2238,6 @@ def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_dat
         err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
         assert str(tmp_path / "ckpt.pt") in err, err
 
-
-def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
-                                                                        monkeypatch):
-    from operations import datasets
-
-    def offline(url, timeout=30):
-        raise OSError("no network")
-
-    monkeypatch.setattr(datasets, "_fetch", offline)
-    target = tmp_path / "d" / "wikitext-2-raw"
-    target.mkdir(parents=True)
-    (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
-    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"),
-                    "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
-    assert str(target / "train.txt") in err and str(target / "valid.txt") in err
-    assert (target / "train.txt").read_text() == "the user's own file"
-    # following the message: now it trains, offline
-    (target / "valid.txt").write_text("word " * 5000)
-    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                             str(tmp_path / "d"),
-                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
-                             *TINY_TEXT_FLAGS[:6],
-                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
-                             "--batch_size", "2",
-                             out_dir=tmp_path / "o")
-    assert code == 0, out
-
-
-def test_bench_spec_booleans_are_strict(capsys):
-    import bench
-
-    assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
-    assert "checkpointing takes true or false" in capsys.readouterr().err
-    from operations.housekeeping import config_from_spec
-
-    assert config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
-
-
-def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
-    import probe
-
-    code = probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
-                       str(tmp_path / "no-data"),
-                       "--json", str(tmp_path / "missing" / "p.json")])
-    err = capsys.readouterr().err
-    assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1
-    (tmp_path / "out").mkdir()
-    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
-                       str(tmp_path / "no-data"),
-                       "--plot", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
-
-
-def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,
-                                                                                   tiny_data,
-                                                                                   tmp_path,
-                                                                                   monkeypatch):
-    import json
-
-    import probe
-    from operations import probing
-
-    (tmp_path / "p.json").write_text("the previous report")
-
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
-            str(tiny_data / "images"),
-            "--samples", "2", "--json", str(tmp_path / "p.json")]
-    monkeypatch.setattr(probing.json, "dumps", full_disk)
-    assert probe.main(argv) == 2
-    monkeypatch.undo()
-    err = capsys.readouterr().err
-    assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
-    assert err.count("\n") == 1
-    # the temp file is gone, the old report kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
-    assert (tmp_path / "p.json").read_text() == "the previous report"
-    assert probe.main(argv) == 0
-    assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
-
-
-
-# ----------------------------------------------- streaming image folders (operations/datasets.py)
-
-@pytest.fixture(scope="session")
-def mixed_jpegs(tmp_path_factory):
-    """An ImageFolder tree of 225 JPEGs of mixed sizes and aspect ratios (12 to 96 px a side, up to
-    1:5), three classes, train/ and val/."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("mixed")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 60), ("val", 15)):
-        for label in ("cat", "dog", "fox"):
-            (root / split / label).mkdir(parents=True)
-            for i in range(n):
-                w, h = rng.integers(12, 97, 2)
-                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(root / split / label / f"{i}.jpg", quality=90)
-    return root
-
-
-STREAM_FLAGS = [*TINY_IMAGE_FLAGS, "--batch_size", "8", "--lr", "1e-2", "--warmup", "2",
-                "--dtype", "float32", "--stream", "on"]
-
-
-def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
-    from data import ImageData
-    from operations.datasets import _decode, list_folder
-    from operations.datasets import ImageStream
-
-    whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
-    listing = list_folder(str(mixed_jpegs), train_samples=100)
-    stream = ImageStream(listing, "cpu", 16)
-    files = stream.files
-    assert stream.classes == whole.classes == ["cat", "dog", "fox"]
-    assert stream.num_train() == whole.num_train() == 100
-    assert stream.num_held_out() == whole.num_held_out() == 45
-    assert whole.train_y.tolist() == [label for _, label in files["train"]]
-    assert torch.equal(whole.train_x[7], torch.tensor(_decode(files["train"][7][0], 16))
-                       .permute(2, 0, 1))
-    held_out = torch.cat([y for _, y in stream.eval_batches(10)])
-    assert held_out.tolist() == whole.test_y.tolist()
-    assert sorted(held_out.tolist()) != held_out.tolist()  # the fixed shuffle, not class by class
-    for i, (path, _) in enumerate(files["test"][:5]):  # the same images, in the same order
-        assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
-
-
-def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
-    """MAE's training view (RandomResizedCrop, bicubic, then a flip) under torch.manual_seed(seed),
-    and its evaluation view (Resize of the shorter side to size / crop, CenterCrop), on images
-    of every shape in the folder, a 1:5 strip among them (RandomResizedCrop's fallback)."""
-    from PIL import Image
-    from torchvision import transforms
-
-    from operations.datasets import eval_view, train_view
-
-    strip = mixed_jpegs / "strip.jpg"
-    Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
-    paths = [strip] + sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[:12]
-    for scale, size in ((0.2, 16), (0.08, 24), (0.2, 232)):  # above 224, MAE crops no border
-        mae = transforms.Compose([
-            transforms.RandomResizedCrop(size, scale=(scale, 1.0), interpolation=3),
-            transforms.RandomHorizontalFlip()])
-        for seed, path in enumerate(paths):
-            torch.manual_seed(seed)
-            expected = np.asarray(mae(Image.open(path).convert("RGB")))
-            assert np.array_equal(train_view(str(path), size, scale, seed), expected), path
-        crop = 224 / 256 if size <= 224 else 1.0
-        evaluation = transforms.Compose([transforms.Resize(int(size / crop), interpolation=3),
-                                         transforms.CenterCrop(size)])
-        for path in paths:
-            expected = np.asarray(evaluation(Image.open(path).convert("RGB")))
-            assert np.array_equal(eval_view(str(path), size), expected), path
-
-
-def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decodes_its_slice(
-        mixed_jpegs):
-    """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
-    each (their slices put together) give the same global batches, step after step."""
-    from data import shard
-    from operations.datasets import list_folder
-    from operations.datasets import ImageStream
-
-    listing = list_folder(str(mixed_jpegs))
-
-    def batches(workers, rank=0, world=1, accum=1, steps=3):
-        stream = ImageStream(listing, "cpu", 16, workers=workers, rank=rank, world=world,
-                             grad_accum=accum)
-        generator, out = torch.Generator().manual_seed(5), []
-        for _ in range(steps):
-            draws = stream.sample(8, generator)
-            out += [stream.train_batch(shard(draws, rank, world, accum, k)) for k in range(accum)]
-        return out
-
-    alone = batches(0)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-               for a, b in zip(alone, batches(2)))
-    ranks = [batches(2, rank, 2, 2) for rank in (0, 1)]
-    for step in range(3):
-        parts = [ranks[r][2 * step + k][0] for r in (0, 1) for k in (0, 1)]
-        assert torch.equal(torch.cat(parts), alone[step][0])
-    assert not torch.equal(alone[0][0], alone[1][0])
-    x = alone[0][0]
-    assert x.dtype == torch.float32 and x.shape == (8, 3, 16, 16) and -3 < x.mean() < 3
-
-
-def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_restarts_them(
-        mixed_jpegs):
-    """A signal to every process ends the workers, maybe before they hand over the micro-batch
-    the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
-    step starts new workers where the data order stands. An evaluation reads on here too."""
-    from operations.datasets import list_folder
-    from operations.datasets import ImageStream
-
-    def workers_that_exited():
-        raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
-        yield
-
-    listing = list_folder(str(mixed_jpegs))
-    steady, stopped = (ImageStream(listing, "cpu", 16, workers=1) for _ in range(2))
-    g_steady, g_stopped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for step in range(3):
-        expected = steady.train_batch(steady.sample(8, g_steady))
-        draws = stopped.sample(8, g_stopped)
-        if step == 1:
-            stopped.batches = workers_that_exited()
-        got = stopped.train_batch(draws)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-        assert (stopped.batches is None) == (step == 1)
-
-    def loader_that_stops_after_one(dataset):
-        yield dataset[0]
-        raise ConnectionResetError(104, "Connection reset by peer")  # fetching a dead worker's fd
-
-    stopped.loader = loader_that_stops_after_one
-    got, expected = list(stopped.eval_batches(10)), list(steady.eval_batches(10))
-    assert len(got) == len(expected) == 5
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
-
-
-def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
-    """A streaming worker killed (the OOM killer's SIGKILL) while the run goes: the batch it owed
-    is decoded here, new workers start where the data order stands, and every batch is the one a
-    run without the kill reads; torch's error never comes from elsewhere in the step."""
-    from operations.datasets import ImageStream, list_folder
-
-    listing = list_folder(str(mixed_jpegs))
-    steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
-                                                                              workers=2)
-    g_steady, g_killed = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for step in range(5):
-        expected = steady.train_batch(steady.sample(8, g_steady))
-        draws = killed.sample(8, g_killed)
-        if step == 2:
-            os.kill(killed.batches._workers[0].pid, signal.SIGKILL)
-            time.sleep(0.5)  # the SIGCHLD has arrived: nothing may raise outside the read
-        got = killed.train_batch(draws)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    killed.batches = None  # no worker left behind
-
-
-def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, tmp_path):
-    flags = ["--objective", "mae", "--dataset", "folder", "--data_dir", mixed_jpegs,
-             *STREAM_FLAGS, "--max_iters", "4", "--eval_interval", "2", "--workers", "2"]
-    code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
-    assert code == 0 and "streaming 180 training images from disk, 2 decoding processes" in out
-    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
-    assert code == 0 and "time limit reached at step 1" in out, out
-    code, out, parts = run_train("--resume", "--workers", "1", out_dir=tmp_path / "parts")
-    assert code == 0 and "resumed from" in out, out
-    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("whole", "parts"))
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
-    assert a["train"]["stream"] == "on" and a["train"]["crop_scale"] == 0.2
-
-
-def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_path):
-    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
-             *STREAM_FLAGS, "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2",
-             "--workers", "1"]
-    code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
-    assert code == 0 and "2 x 2 x 2" in out, out
-    code, out, single = run_train(*flags, out_dir=tmp_path / "one")
-    assert code == 0, out
-    a, b = train_losses(ddp), train_losses(single)
-    assert len(a) == 3 and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k])) for k in b), (a, b)
-
-
-def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, tmp_path):
-    """225 images at 16 px decode to 0.17 MB: within 0.1 GB decoded whole, over 0.0001 GB
-    streamed; what ran is what the checkpoint says."""
-    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
-             *TINY_IMAGE_FLAGS, "--max_iters", "1", "--batch_size", "8"]
-    for budget, streamed in (("0.1", False), ("0.0001", True)):
-        code, out, _ = run_train(*flags, "--memory_gb", budget, out_dir=tmp_path / budget)
-        assert code == 0 and ("streaming 180 training images" in out) == streamed, out
-        saved = torch.load(tmp_path / budget / "ckpt.pt", weights_only=True)["train"]
-        assert saved["stream"] == ("on" if streamed else "off")
-        assert saved["crop_scale"] == 0.08  # fine-tuning's, for cls
-    # a run saved before streaming existed decoded its images whole, and resumes so
-    ckpt = torch.load(tmp_path / "0.1" / "ckpt.pt", weights_only=True)
-    del ckpt["train"]["stream"], ckpt["train"]["crop_scale"]
-    torch.save(ckpt, tmp_path / "0.1" / "ckpt.pt")
-    code, out, _ = run_train("--resume", "--max_iters", "2", "--memory_gb", "0.0001",
-                             out_dir=tmp_path / "0.1")
-    assert code == 0 and "resumed from" in out and "streaming" not in out, out
-
-
-def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
-    import probe
-    from data import first_samples, held_out
-    from operations.datasets import ImageStream, eval_view, standardised
-
-    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
-             *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
-    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
-    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
-    data = held_out(Config.from_dict(ckpt["config"]), ckpt["train"])
-    assert isinstance(data, ImageStream) and data.device.type == "cpu"
-    first = torch.tensor(eval_view(data.files["test"][0][0], 16)).permute(2, 0, 1)[None]
-    assert torch.equal(first_samples(data, 1), standardised(first, data.mean, data.std))
-    logged = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
-    assert probe.main([str(tmp_path / "run" / "ckpt.pt"), "--samples", "64", "--json",
-                       str(tmp_path / "p.json")]) == 0
-    probed = json.loads((tmp_path / "p.json").read_text())
-    row = next(iter(probed.values())) if isinstance(probed, dict) else probed[0]
-    assert logged["layers"] and row
-
-
-@pytest.mark.parametrize("break_it, expected", [
-    ("unreadable", "cannot read image"),
-    ("empty class", "holds no image"),
-    ("no split", "no test/ or val/ folder in"),
-])
-def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
-    """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
-    file; an empty or mislaid folder is found before any work."""
-    import shutil
-
-    root = tmp_path / "data"
-    shutil.copytree(mixed_jpegs, root)
-    if break_it == "unreadable":
-        for path in (root / "train" / "cat").glob("*.jpg"):
-            path.write_bytes(b"not a jpeg")
-    elif break_it == "empty class":
-        shutil.rmtree(root / "val" / "fox")
-        (root / "val" / "fox").mkdir()
-    else:
-        shutil.rmtree(root / "val")
-    err = cli_error(capsys, "--objective", "mae", "--dataset", "folder", "--data_dir", str(root),
-                    *STREAM_FLAGS, "--max_iters", "2", "--workers", "1", "--out_dir",
-                    str(tmp_path / "o"))
-    assert expected in err
-    if break_it == "unreadable":
-        assert str(root / "train" / "cat") in err and "remove or replace" in err
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
-        mixed_jpegs, tmp_path, sig):
-    """Ctrl-C, or a scheduler's SIGTERM, reaches the workers too: the main process still finishes
-    its step and saves, with no traceback, and no worker outlives it."""
-    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
-             "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
-                             str(tmp_path), "--log_interval", "1"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and '"loss"' not in ((tmp_path / "log.jsonl").exists()
-                                                       and (tmp_path / "log.jsonl").read_text()
-                                                       or ""):
-        time.sleep(0.2)
-    os.killpg(proc.pid, sig)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):  # the whole process group is gone
-        os.killpg(proc.pid, 0)
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--dataset", "cifar10", "--stream", "on"], "--stream on reads an image folder"),
-    (["--workers", "-2"], "--workers -2 must be"),
-    (["--crop_scale", "1.5"], "--crop_scale 1.5 must be"),
-    (["--memory_gb", "-1"], "--memory_gb -1.0 must be"),
-])
-def test_bad_streaming_flags_are_one_line(capsys, tmp_path, flags, message):
-    err = cli_error(capsys, "--objective", "mae", "--data_dir", str(tmp_path / "d"), *flags,
-                    "--out_dir", str(tmp_path / "o"))
-    assert message in err
-
-
-def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
-    c = Config.from_preset("bamboo-b-224", objective="mae")
-    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
-    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
-    assert c.norm_pix_loss
-
-
-
-# ------------------------------------------------------------- feedback while a run goes, and after
 
 def test_the_settings_printed_are_those_that_apply(tiny_data, tmp_path):
     """An in-memory image run does not list the stream's crop scale; a stream flag given to it is
@@ -2482,8 +2459,6 @@ def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
     assert cfg.lr == 3e-4 * 128 / 256 and cfg.warmup == 480  # no preset: the scaled defaults
 
 
-# -------------------------------------------------------------- inputs and faults that were silent
-
 def test_resuming_on_renamed_reordered_or_fewer_class_folders_is_refused(capsys, tiny_data,
                                                                          tmp_path):
     import shutil
@@ -2524,14 +2499,6 @@ def test_resuming_on_a_folder_whose_files_changed_is_refused_and_a_moved_one_res
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--data_dir", str(moved), "--out_dir",
                     str(tmp_path / "run"))
     assert "are not the ones the run was trained on (files added, removed or renamed" in err
-
-
-def test_a_text_file_that_is_not_utf8_is_named(capsys, tiny_data, tmp_path):
-    (tmp_path / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)
-    (tmp_path / "val.txt").write_text("plain text " * 100)
-    err = cli_error(capsys, *text_flags(tiny_data, "next"), "--data_dir", str(tmp_path),
-                    "--cache_dir", str(tmp_path / "cache"), "--out_dir", str(tmp_path / "out"))
-    assert "train.txt is not UTF-8 text (byte 3 is 0xe9)" in err and "iconv" in err
 
 
 def test_overwrite_replaces_a_run_only_after_every_check_and_then_all_of_it(capsys, tiny_data,
@@ -2725,14 +2692,6 @@ def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_dat
     assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
 
 
-def test_bench_threads_must_be_positive(capsys):
-    import bench
-
-    assert bench.main(["cls:cifar-tiny", "--threads", "-1"]) == 2
-    err = capsys.readouterr().err
-    assert "--threads -1 must be at least 1" in err and "Traceback" not in err
-
-
 def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
     import train
 
@@ -2757,8 +2716,113 @@ def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, mon
 
 
 # ==================================================================================================
-# 5. The probe: every metric on regimes whose answer is known, and the probe command line
+# 5. probe.py: every metric on regimes whose answer is known, and its command line
 # ==================================================================================================
+
+def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_nothing(
+        capsys, tiny_data, tmp_path, monkeypatch):
+    """Over-smoothing as it forms: every evaluation record holds probe.py's per-layer metrics on
+    the first N held-out samples, equal to probe.py's own numbers for the checkpoint; a run with
+    them trains bit for bit as one without; look.py draws them for several runs."""
+    import shutil
+
+    import look
+    import probe
+
+    flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2")
+    code, out, logged = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
+    assert code == 0, out
+    evals = [r for r in logged if r.get("eval")]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(len(r["layers"]["abs_cos_centered"]) == 3 for r in evals)  # stem + 2 blocks
+    ckpt = str(tmp_path / "a" / "ckpt.pt")
+    assert probe.main([ckpt, "--samples", "8", "--json", str(tmp_path / "p.json")]) == 0
+    report = json.loads((tmp_path / "p.json").read_text())["metrics"]
+    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"):
+        ours, probes = evals[-1]["layers"][name], report[name][ckpt]
+        assert [v is None for v in ours] == [v is None for v in probes], name  # attn_entropy[0]
+        assert [v for v in ours if v is not None] == pytest.approx(
+            [v for v in probes if v is not None], rel=1e-5), name
+    code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
+    assert code == 0 and not any("layers" in r for r in plain)
+    assert train_losses(plain) == train_losses(logged)
+    weights = [torch.load(tmp_path / run / "ckpt.pt", weights_only=True)["model"] for run in "ab"]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    capsys.readouterr()
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    drawn, save_figure = [], look.save_figure
+    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
+                        save_figure(fig, path))
+    assert look.main(["smoothing", str(tmp_path / "a"), str(tmp_path / "c"), "--out",
+                      str(tmp_path / "s.png")]) == 0
+    labels = [ax.get_ylabel() for ax in drawn[0].axes]  # two heatmaps, the last layer, the bar
+    assert labels == ["layer (0 = embedding)"] * 2 + ["", "abs_cos_centered"]  # named once
+    printed = capsys.readouterr().out
+    assert "a: abs_cos_centered of the last layer at steps [2, 4]: " in printed
+    assert "\nc: abs_cos_centered of the last layer" in printed
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
+    assert "logged no per-layer metrics (trained with --probe_samples 0" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert look.main(["smoothing", str(tmp_path / "d"), "--out", str(tmp_path / "t.png")]) == 2
+    assert "has no evaluation yet" in capsys.readouterr().err
+    # what train.py writes when the probe met non-finite states ("layers": null), or a null value
+    records = (tmp_path / "c" / "log.jsonl").read_text().splitlines()
+    evals = [i for i, line in enumerate(records) if '"eval": true' in line]
+    first, last = json.loads(records[evals[0]]), json.loads(records[evals[-1]])
+    first["layers"], last["layers"]["abs_cos_centered"][-1] = None, None
+    records[evals[0]], records[evals[-1]] = json.dumps(first), json.dumps(last)
+    (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
+    assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
+    assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
+
+
+def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
+    import probe
+
+    code = probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                       str(tmp_path / "no-data"),
+                       "--json", str(tmp_path / "missing" / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "missing" in err and "--json" in err and err.count("\n") == 1
+    (tmp_path / "out").mkdir()
+    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                       str(tmp_path / "no-data"),
+                       "--plot", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
+
+
+def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,
+                                                                                   tiny_data,
+                                                                                   tmp_path,
+                                                                                   monkeypatch):
+    import json
+
+    import probe
+    from operations import probing
+
+    (tmp_path / "p.json").write_text("the previous report")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
+            str(tiny_data / "images"),
+            "--samples", "2", "--json", str(tmp_path / "p.json")]
+    monkeypatch.setattr(probing.json, "dumps", full_disk)
+    assert probe.main(argv) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
+    assert err.count("\n") == 1
+    # the temp file is gone, the old report kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    assert (tmp_path / "p.json").read_text() == "the previous report"
+    assert probe.main(argv) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
+
 
 def test_identical_tokens_are_fully_smoothed():
     from probe import token_metrics
@@ -2794,35 +2858,6 @@ def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     m = token_metrics(torch.randn(16, T, d) + 5.0)
     assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
     assert m["cos"] > 0.9
-
-
-def attention_stack(x, depth, residual, seed=0):
-    """Hidden states of a stack of softmax attention whose values are the identity (depth + 1
-    tensors).
-
-    residual=True:  x <- x + softmax(LN(x) W_Q (LN(x) W_K)^T / sqrt(d)) LN(x)
-    residual=False: x <- softmax(x W_Q (x W_K)^T / sqrt(d)) x   (Dong et al. 2021's pure attention)
-    Each output token is the previous tokens' convex combination (plus the token itself), so the
-    tokens contract towards a common vector.
-    """
-    g = torch.Generator().manual_seed(seed)
-    d = x.shape[-1]
-    hiddens = [x]
-    for _ in range(depth):
-        w_q, w_k = (torch.randn(d, d, generator=g, dtype=x.dtype) * 2 / math.sqrt(d)
-                    for _ in range(2))
-        z = F.layer_norm(x, (d,)) if residual else x
-        probs = torch.softmax((z @ w_q) @ (z @ w_k).transpose(1, 2) / math.sqrt(d), dim=-1)
-        x = x + probs @ z if residual else probs @ z
-        hiddens.append(x)
-    return hiddens
-
-
-def per_layer(hiddens):
-    from probe import token_metrics
-
-    layers = [token_metrics(h) for h in hiddens]
-    return {name: [m[name] for m in layers] for name in layers[0]}
 
 
 def test_residual_attention_stack_contracts_tokens_and_every_metric_says_so():
@@ -2933,20 +2968,6 @@ def test_metrics_in_batches_equal_one_sample_at_a_time():
                                       rel=1e-9)
 
 
-def hand_built_block(gain):
-    """A width-8, 2-head block whose per-head W_V W_O (gain folded in) is diag(eigs_h * gain_h)."""
-    from bamboo import Block
-
-    block = Block(8, 2)
-    eigs = torch.tensor([[3.0, -1.0, 0.5, 0.2], [-2.0, 1.0, 1.0, 1.0]])
-    with torch.no_grad():
-        block.attn.qkv.weight[16:] = torch.eye(8)  # W_V: head h reads channels 4h..4h+3
-        # W_O: head h writes them back, scaled
-        block.attn.proj.weight.copy_(torch.diag(eigs.flatten()))
-        block.ln1.weight.copy_(gain)
-    return block, eigs
-
-
 def test_vo_spectrum_of_a_hand_built_value_output_product():
     from probe import vo_spectrum
 
@@ -2994,29 +3015,6 @@ def test_beta_of_a_model_against_itself_is_one():
             block.attn.qkv.weight.mul_(2)
     qk, v = beta(scaled, model)
     assert qk == pytest.approx([4.0] * 3) and v == pytest.approx([2.0] * 3)
-
-
-# ---------------------------------------------------------------- probe.py: the command line
-
-@pytest.fixture(scope="module")
-def trained_checkpoints(tiny_data, tmp_path_factory):
-    """A tiny cls checkpoint and a tiny next-token checkpoint, trained for two steps."""
-    out = tmp_path_factory.mktemp("probe_ckpts")
-    trained_checkpoint(tiny_data, "cls", out / "cls", 2)
-    trained_checkpoint(tiny_data, "next", out / "next", 2)
-    return out
-
-
-def probe_cli(capsys, *argv):
-    """probe.py's command line in a scratch working folder: a foreign model's tokenized text is
-    cached under ./data/cache, which must not be the clone's."""
-    import contextlib
-
-    import probe
-
-    with contextlib.chdir(tempfile.mkdtemp()):
-        code = probe.main([str(a) for a in argv])
-    return code, capsys.readouterr()
 
 
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints,
@@ -3226,19 +3224,307 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         assert code == 2 and message in out.err and one_line, out.err
 
 
+# ==================================================================================================
+# 6. operations/fast.py: speedups keep results (compilation, CUDA graphs, AdamW, bf16)
+# ==================================================================================================
+
+def test_mlm_head_on_chosen_positions_equals_the_full_head():
+    torch.manual_seed(0)
+    model = Bamboo(tiny("mlm"))
+    x, _ = batch(model.config)
+    inputs, targets = model.mask_tokens(x)
+    logits, loss = model(inputs, targets)
+    h, _, _ = model.run_blocks(model.embed(inputs)[0])
+    full = model.token_logits(model.mlm_transform(model.ln_f(h))) + model.mlm_bias  # every position
+    reference = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert torch.allclose(logits, full[targets != -100], atol=1e-6)
 
 
-# --------------------------------------------- probe.py on timm and Hugging Face models (adapters)
+def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path():
+    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
+    indexing."""
+    model = Bamboo(tiny("mlm"))
+    x, _ = batch(model.config)
+    torch.manual_seed(0)
+    logits, loss = model(x)
+    assert logits.shape == (len(x) * model.config.num_chosen(x.shape[1]), model.config.vocab_size)
+    torch.manual_seed(0)  # the same draws: positions, then the 80/10/10 roll and the random ids
+    inputs, targets = model.mask_tokens(x)
+    reference_logits, reference = model(inputs, targets)
+    assert torch.allclose(logits, reference_logits, atol=1e-6) and torch.allclose(loss, reference,
+                                                                                  atol=1e-6)
 
-TIMM_VIT = ("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=3,embed_dim=48,"
-            "num_heads=3")
-HF_TINY = {  # random weights from a configuration: no network
-    "gpt2": "hf:gpt2,pretrained=0,n_layer=2,n_embd=32,n_head=2,vocab_size=300,n_positions=64",
-    "bert": "hf:bert,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
-            "intermediate_size=64,vocab_size=300,max_position_embeddings=64",
-    "opt": "hf:opt,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
-           "ffn_dim=64,vocab_size=300,max_position_embeddings=64,word_embed_proj_dim=32"}
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
+    import bamboo
+    from bamboo import ChunkedCrossEntropy
+
+    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
+    torch.manual_seed(0)
+    h = torch.randn(23, 16, requires_grad=True)
+    weight = torch.randn(64, 16, requires_grad=True)
+    targets = torch.randint(0, 64, (23,))
+    targets[[3, 11]] = -100
+    full = F.cross_entropy(h @ weight.T, targets, ignore_index=-100)  # fp32 reference
+    full_grads = torch.autograd.grad(3 * full, (h, weight))
+    with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+        chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
+    # the 3 checks the incoming gradient is applied
+    grads = torch.autograd.grad(3 * chunked, (h, weight))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(chunked.float(), full, rtol=tolerance)
+    for a, b in zip(grads, full_grads):
+        assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
+    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
+    # nothing to predict: no NaN
+    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0
+
+
+def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_gradients(monkeypatch):
+    """The model's one next-token loss, chunked, equals F.cross_entropy of token_logits in value and
+    gradients; without gradients (evaluation) it gives the same value from the logits alone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import bamboo
+
+    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next", depth=2))
+    x, _ = batch(model.config)
+    out, loss = model(x)
+    assert out is None
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    h, targets = model.next_token_features(x)
+    reference = F.cross_entropy(model.token_logits(h).flatten(0, 1), targets.flatten())
+    reference_grads = torch.autograd.grad(reference, list(model.parameters()))
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
+    with torch.no_grad(), FlopCounterMode(display=False) as flops:
+        held_out = model.next_token_loss(h, targets)
+    assert torch.allclose(held_out, reference, atol=1e-6)
+    rows, width = h.flatten(0, 1).shape  # without gradients: the logits' matmul alone
+    assert flops.get_total_flops() == 2 * rows * width * model.config.vocab_size
+
+
+def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
+    """Run one after another as written, the README's and the guide's commands never collide: each
+    new run has an out_dir of its own, and every checkpoint, run or output path they use lies in
+    an out_dir an earlier command made."""
+    made, shapes = [], {}  # shapes: out_dir -> (depth, heads) of the model trained there
+    commands = readme_commands("README.md", "docs/guide.md")
+    assert len(commands) > 10
+    for argv in commands:
+        flags = dict(zip(argv, argv[1:]))
+        if argv[0] == "mkdir":
+            made += argv[2:]
+            continue
+        if "train.py" in argv and "--resume" not in argv:
+            assert flags.get("--out_dir") not in made + [None], argv
+            if "--init_from" in argv:
+                assert os.path.dirname(flags["--init_from"]) in made, argv
+            made.append(flags["--out_dir"])
+            preset = {**Config().to_dict(), **PRESETS.get(flags.get("--preset"), {})}
+            depth = int(flags.get("--depth", preset["depth"]))
+            heads = int(flags.get("--heads", preset["heads"] or preset["width"] // 64))
+            shapes[flags["--out_dir"]] = (depth, heads)
+            continue
+        if "attention" in argv:  # every --layers and --heads within the model it looks at
+            depth, heads = shapes[os.path.dirname(argv[argv.index("attention") + 1])]
+            for flag, count in (("--layers", depth), ("--heads", heads)):
+                picked = [int(i) for i in flags.get(flag, "0").split(",")]
+                assert all(-count <= i < count for i in picked), (argv, count)
+        used = [a for a in argv if a.endswith("ckpt.pt")]
+        used += [os.path.dirname(flags[f]) + "/x" for f in ("--out", "--json", "--plot")
+                 if f in flags]
+        used += [flags["--out_dir"] + "/x"] if "--resume" in argv else []
+        listed = [a for a in ("curves", "smoothing") if a in argv]
+        rest = argv[argv.index(listed[0]) + 1:] if listed else []
+        used += [a + "/x" for i, a in enumerate(rest)
+                 if not a.startswith("-") and not (i and rest[i - 1].startswith("-"))]
+        assert all(os.path.dirname(path) in made for path in used), (argv, made)
+
+
+def test_every_fast_name_the_code_and_readme_cite_exists():
+    """A docstring or the README that names one of fast's functions names a real one."""
+    from operations import fast
+
+    texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
+    cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
+    assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
+
+
+def test_every_file_py_name_in_the_readme_and_guide_exists():
+    """The where-is table and the guide point at functions, classes and methods that exist."""
+    import ast
+
+    defined = {}
+    for path in [*os.listdir(REPO), *(f"operations/{n}" for n in os.listdir(f"{REPO}/operations"))]:
+        if path.endswith(".py"):
+            tree = ast.parse(open(os.path.join(REPO, path)).read())
+            names = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    names |= {f"{node.name}.{m.name}" for m in node.body
+                              if isinstance(m, ast.FunctionDef)}
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                if isinstance(node, ast.Assign):
+                    names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            defined[path] = names
+    text = "".join(open(os.path.join(REPO, p)).read() for p in ("README.md", "docs/guide.md"))
+    cited = re.findall(r"`((?:operations/)?\w+\.py):([\w.]+)`", text)
+    assert len(cited) > 20
+    assert [(f, n) for f, n in cited if n not in defined.get(f, ())] == []
+
+
+def test_fast_trains_the_model_itself_without_compilation():
+    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
+    loss."""
+    from operations import fast
+
+    for objective in ("mae", "cls", "mlm", "next"):
+        model = Bamboo(tiny(objective))
+        for device in ("cpu", "meta"):
+            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
+
+
+@pytest.mark.parametrize("objective", ["cls", "next"])
+def test_activation_checkpointing_gives_the_same_gradients(objective):
+    grads = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = Bamboo(tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1,
+                            checkpointing=flag))
+        x, y = batch(model.config)
+        torch.manual_seed(1)
+        model(x, y)[1].backward()
+        grads[flag] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
+
+
+@pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
+    ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
+    ("auto", "cuda", {}, False, "graphs", ""),
+    ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
+    ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
+    ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
+    ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
+    ("model", "cpu", {}, False, "model", ""),
+    ("off", "cuda", {}, False, "off", ""),
+])
+def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
+                                                                expected, why):
+    from operations import fast
+
+    mode, reason = fast.compile_plan(asked, torch.device(device),
+                                     tiny(options.pop("objective", "cls"), **options), ddp)
+    assert mode == expected and why in reason and (reason == "") == (why == "")
+    with pytest.raises(ValueError, match="choose one of"):
+        fast.compile_plan("fast", torch.device(device), tiny("cls"), ddp)
+
+
+@pytest.mark.parametrize("objective", ["cls", "mae", "next"])
+def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
+    """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
+    graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
+    from torch._dynamo.utils import counters
+
+    from operations import fast
+
+    graphs = {}
+    for depth in (3, 8):
+        torch.manual_seed(0)
+        model = Bamboo(tiny(objective, depth=depth, neutreno=0.6))
+        x, y = batch(model.config)
+        torch.manual_seed(1)
+        eager_out, eager_loss = model(x, y)
+        torch._dynamo.reset()
+        counters.clear()
+        fast.compile_blocks(model, backend="eager")  # the graph capture alone, no code generation
+        module = fast.CompiledNextToken(model, backend="eager") if objective == "next" else model
+        torch.manual_seed(1)
+        out, loss = module(x, y)
+        loss.backward()
+        assert torch.allclose(loss, eager_loss, atol=1e-6)
+        assert (out is eager_out is None) if objective == "next" else torch.allclose(
+            out, eager_out, atol=1e-6)
+        graphs[depth] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    # the decoder's blocks, or next's loss: one more
+    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")
+
+
+def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
+    """Regional compilation of next-token's loss (through AOTAutograd, as inductor compiles it)
+    keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
+    from torch._dynamo.utils import counters
+
+    from operations import fast
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("next", vocab_size=100))
+    x, _ = batch(model.config)
+    _, plain_loss = model(x)
+    plain_grads = torch.autograd.grad(plain_loss, list(model.parameters()))
+    torch._dynamo.reset()
+    counters.clear()
+    fast.compile_blocks(model, backend="aot_eager")
+    out, loss = fast.CompiledNextToken(model, backend="aot_eager")(x)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert out is None and breaks == {}
+    assert torch.allclose(loss, plain_loss, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
+
+
+def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_data):
+    """evaluate() must not compile (or, under graphs, capture) graphs for its own, smaller last
+    batch."""
+    from torch._dynamo.utils import counters
+
+    from operations import fast
+    from data import ImageData
+    from train import TrainConfig, evaluate
+
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", image_size=16))
+    data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
+    torch._dynamo.reset()
+    counters.clear()
+    fast.compile_blocks(model, backend="eager")
+    # 32 = 12 + 12 + 8
+    metrics = evaluate(model, data, TrainConfig(eval_samples=0), 12, torch.device("cpu"))
+    assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
+    torch._dynamo.reset()
+
+
+def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
+    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model
+    as None. The graphed callable returns the loss alone; out is kept beside it without gradient (a
+    graphed output that requires grad would get a zero gradient of its size at every step)."""
+    from operations import fast
+
+    model = Bamboo(tiny("mae"))
+    x, _ = batch(model.config)
+    wrapped = fast.LossOnly(model, (x, None))
+    torch.manual_seed(0)
+    loss = wrapped(x)
+    torch.manual_seed(0)
+    out, expected = model(x)
+    assert torch.equal(loss, expected) and loss.requires_grad
+    assert torch.equal(wrapped.out, out) and not wrapped.out.requires_grad
+    text = Bamboo(tiny("next"))  # no logits: out stays None
+    tokens, _ = batch(text.config)
+    wrapped = fast.LossOnly(text, (tokens, None))
+    assert wrapped(tokens).requires_grad and wrapped.out is None
+
+
+# ==================================================================================================
+# 7. operations/adapters.py and export.py: timm and Hugging Face models, both ways
+# ==================================================================================================
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
@@ -3427,10 +3713,6 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     assert constants.HF_HUB_OFFLINE  # the hub's own switch (monkeypatch restores it afterwards)
 
 
-HF_MAE = ("hf:vit_mae,pretrained=0,num_hidden_layers=2,hidden_size=32,num_attention_heads=2,"
-          "intermediate_size=64,image_size=16,patch_size=4")
-
-
 def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data, tmp_path):
     """Every patch, in order, by default (the library masks 75% unless told otherwise): the hooked
     hidden states equal the library's own; --mask keeps a quarter of the patches, the same ones in
@@ -3532,19 +3814,6 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     assert adapters.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
 
 
-def byte_level_tokenizer(folder):
-    """A Hugging Face tokenizer saved to a folder, made offline: one id per byte, no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
-    return folder
-
-
 def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatch):
     """Offline, tiktoken's gpt2 needs two files; r50k_base (GPT-2's ranks) needs one, which a
     TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
@@ -3592,20 +3861,42 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
     assert "could not load the Hugging Face tokenizer 'facebook/opt-125m' (We couldn't" in out.err
 
 
-# --------------------------------------------------------- look.py: looking at what a model does
+# ==================================================================================================
+# 8. look.py: looking at what a model does
+# ==================================================================================================
 
-def look_cli(capsys, *argv):
+def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
+    """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
+    draw an out_dir, named NAME."""
+    import shutil
+
     import look
 
-    code = look.main([str(a) for a in argv])
-    return code, capsys.readouterr()
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
+    assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
+    shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
+    capsys.readouterr()
+    assert look.main(["smoothing", str(tmp_path / "kept.jsonl"), "--out",
+                      str(tmp_path / "k.png")]) == 0
+    assert "kept: abs_cos_centered of the last layer at steps [1, 2]: " in capsys.readouterr().out
+    assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
+                      str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
 
 
-def png_size(path):
-    from PIL import Image
+def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
+                                                                              monkeypatch):
+    import look
 
-    with Image.open(path) as image:
-        return image.size
+    records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
+               for i in range(1, 17)]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn, save_figure = [], look.save_figure
+    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
+                        save_figure(fig, path))
+    assert look.main(["smoothing", str(tmp_path), "--out", str(tmp_path / "s.png")]) == 0
+    labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
+    assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
 def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
@@ -3754,201 +4045,26 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
 
 
 # ==================================================================================================
-# 6. Speedups keep results: operations/fast.py against the plain path, AdamW, bf16, bench.py
+# 9. bench.py: step time, MFU and memory
 # ==================================================================================================
 
-def test_mlm_head_on_chosen_positions_equals_the_full_head():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("mlm"))
-    x, _ = batch(model.config)
-    inputs, targets = model.mask_tokens(x)
-    logits, loss = model(inputs, targets)
-    h, _, _ = model.run_blocks(model.embed(inputs)[0])
-    full = model.token_logits(model.mlm_transform(model.ln_f(h))) + model.mlm_bias  # every position
-    reference = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    assert torch.allclose(loss, reference, atol=1e-6)
-    assert torch.allclose(logits, full[targets != -100], atol=1e-6)
+def test_bench_spec_booleans_are_strict(capsys):
+    import bench
+
+    assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
+    assert "checkpointing takes true or false" in capsys.readouterr().err
+    from operations.housekeeping import config_from_spec
+
+    assert config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
 
-def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path():
-    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
-    indexing."""
-    model = Bamboo(tiny("mlm"))
-    x, _ = batch(model.config)
-    torch.manual_seed(0)
-    logits, loss = model(x)
-    assert logits.shape == (len(x) * model.config.num_chosen(x.shape[1]), model.config.vocab_size)
-    torch.manual_seed(0)  # the same draws: positions, then the 80/10/10 roll and the random ids
-    inputs, targets = model.mask_tokens(x)
-    reference_logits, reference = model(inputs, targets)
-    assert torch.allclose(logits, reference_logits, atol=1e-6) and torch.allclose(loss, reference,
-                                                                                  atol=1e-6)
+def test_bench_threads_must_be_positive(capsys):
+    import bench
 
+    assert bench.main(["cls:cifar-tiny", "--threads", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads -1 must be at least 1" in err and "Traceback" not in err
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
-    import bamboo
-    from bamboo import ChunkedCrossEntropy
-
-    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
-    torch.manual_seed(0)
-    h = torch.randn(23, 16, requires_grad=True)
-    weight = torch.randn(64, 16, requires_grad=True)
-    targets = torch.randint(0, 64, (23,))
-    targets[[3, 11]] = -100
-    full = F.cross_entropy(h @ weight.T, targets, ignore_index=-100)  # fp32 reference
-    full_grads = torch.autograd.grad(3 * full, (h, weight))
-    with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
-        chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
-    # the 3 checks the incoming gradient is applied
-    grads = torch.autograd.grad(3 * chunked, (h, weight))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(chunked.float(), full, rtol=tolerance)
-    for a, b in zip(grads, full_grads):
-        assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
-    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
-    # nothing to predict: no NaN
-    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0
-
-
-def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_gradients(monkeypatch):
-    """The model's one next-token loss, chunked, equals F.cross_entropy of token_logits in value and
-    gradients; without gradients (evaluation) it gives the same value from the logits alone."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import bamboo
-
-    monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
-    torch.manual_seed(0)
-    model = Bamboo(tiny("next", depth=2))
-    x, _ = batch(model.config)
-    out, loss = model(x)
-    assert out is None
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    h, targets = model.next_token_features(x)
-    reference = F.cross_entropy(model.token_logits(h).flatten(0, 1), targets.flatten())
-    reference_grads = torch.autograd.grad(reference, list(model.parameters()))
-    assert torch.allclose(loss, reference, atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
-    with torch.no_grad(), FlopCounterMode(display=False) as flops:
-        held_out = model.next_token_loss(h, targets)
-    assert torch.allclose(held_out, reference, atol=1e-6)
-    rows, width = h.flatten(0, 1).shape  # without gradients: the logits' matmul alone
-    assert flops.get_total_flops() == 2 * rows * width * model.config.vocab_size
-
-
-def readme_commands(*pages):
-    """The train.py, torchrun, look.py and probe.py commands of the pages' bash blocks, in order,
-    continuation lines joined and comments dropped, as argument lists."""
-    commands = []
-    for page in pages:
-        text = open(os.path.join(REPO, page)).read()
-        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-            for line in block.replace("\\\n", " ").splitlines():
-                argv = line.split("#")[0].split()
-                if "train.py" in argv or argv[:2] in (["python", "look.py"], ["python", "probe.py"],
-                                                      ["mkdir", "-p"]):
-                    commands.append(argv)
-    return commands
-
-
-def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
-    """Run one after another as written, the README's and the guide's commands never collide: each
-    new run has an out_dir of its own, and every checkpoint, run or output path they use lies in
-    an out_dir an earlier command made."""
-    made, shapes = [], {}  # shapes: out_dir -> (depth, heads) of the model trained there
-    commands = readme_commands("README.md", "docs/guide.md")
-    assert len(commands) > 10
-    for argv in commands:
-        flags = dict(zip(argv, argv[1:]))
-        if argv[0] == "mkdir":
-            made += argv[2:]
-            continue
-        if "train.py" in argv and "--resume" not in argv:
-            assert flags.get("--out_dir") not in made + [None], argv
-            if "--init_from" in argv:
-                assert os.path.dirname(flags["--init_from"]) in made, argv
-            made.append(flags["--out_dir"])
-            preset = {**Config().to_dict(), **PRESETS.get(flags.get("--preset"), {})}
-            depth = int(flags.get("--depth", preset["depth"]))
-            heads = int(flags.get("--heads", preset["heads"] or preset["width"] // 64))
-            shapes[flags["--out_dir"]] = (depth, heads)
-            continue
-        if "attention" in argv:  # every --layers and --heads within the model it looks at
-            depth, heads = shapes[os.path.dirname(argv[argv.index("attention") + 1])]
-            for flag, count in (("--layers", depth), ("--heads", heads)):
-                picked = [int(i) for i in flags.get(flag, "0").split(",")]
-                assert all(-count <= i < count for i in picked), (argv, count)
-        used = [a for a in argv if a.endswith("ckpt.pt")]
-        used += [os.path.dirname(flags[f]) + "/x" for f in ("--out", "--json", "--plot")
-                 if f in flags]
-        used += [flags["--out_dir"] + "/x"] if "--resume" in argv else []
-        listed = [a for a in ("curves", "smoothing") if a in argv]
-        rest = argv[argv.index(listed[0]) + 1:] if listed else []
-        used += [a + "/x" for i, a in enumerate(rest)
-                 if not a.startswith("-") and not (i and rest[i - 1].startswith("-"))]
-        assert all(os.path.dirname(path) in made for path in used), (argv, made)
-
-
-def test_every_fast_name_the_code_and_readme_cite_exists():
-    """A docstring or the README that names one of fast's functions names a real one."""
-    from operations import fast
-
-    texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
-    cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
-    assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
-
-
-def test_every_file_py_name_in_the_readme_and_guide_exists():
-    """The where-is table and the guide point at functions, classes and methods that exist."""
-    import ast
-
-    defined = {}
-    for path in [*os.listdir(REPO), *(f"operations/{n}" for n in os.listdir(f"{REPO}/operations"))]:
-        if path.endswith(".py"):
-            tree = ast.parse(open(os.path.join(REPO, path)).read())
-            names = set()
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ClassDef):
-                    names |= {f"{node.name}.{m.name}" for m in node.body
-                              if isinstance(m, ast.FunctionDef)}
-                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                    names.add(node.name)
-                if isinstance(node, ast.Assign):
-                    names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-            defined[path] = names
-    text = "".join(open(os.path.join(REPO, p)).read() for p in ("README.md", "docs/guide.md"))
-    cited = re.findall(r"`((?:operations/)?\w+\.py):([\w.]+)`", text)
-    assert len(cited) > 20
-    assert [(f, n) for f, n in cited if n not in defined.get(f, ())] == []
-
-
-def test_fast_trains_the_model_itself_without_compilation():
-    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
-    loss."""
-    from operations import fast
-
-    for objective in ("mae", "cls", "mlm", "next"):
-        model = Bamboo(tiny(objective))
-        for device in ("cpu", "meta"):
-            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
-
-
-@pytest.mark.parametrize("objective", ["cls", "next"])
-def test_activation_checkpointing_gives_the_same_gradients(objective):
-    grads = {}
-    for flag in (False, True):
-        torch.manual_seed(0)
-        model = Bamboo(tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1,
-                            checkpointing=flag))
-        x, y = batch(model.config)
-        torch.manual_seed(1)
-        model(x, y)[1].backward()
-        grads[flag] = [p.grad.clone() for p in model.parameters()]
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
-
-
-# ---------------------------------------------------------------- bench.py
 
 def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     import bench
@@ -4095,142 +4211,9 @@ def test_bf16_autocast_tracks_fp32_training():
     assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
-# ------------------------------------------------- compilation and CUDA graphs (operations/fast.py)
-
-@pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
-    ("auto", "cpu", {}, False, "off", "auto compiles on CUDA only"),
-    ("auto", "cuda", {}, False, "graphs", ""),
-    ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
-    ("auto", "cuda", {}, True, "blocks", "not measured under DDP"),
-    ("auto", "cuda", {"objective": "mlm"}, False, "graphs", ""),
-    ("graphs", "cuda", {"checkpointing": True}, False, "blocks", "activation checkpointing"),
-    ("model", "cpu", {}, False, "model", ""),
-    ("off", "cuda", {}, False, "off", ""),
-])
-def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
-                                                                expected, why):
-    from operations import fast
-
-    mode, reason = fast.compile_plan(asked, torch.device(device),
-                                     tiny(options.pop("objective", "cls"), **options), ddp)
-    assert mode == expected and why in reason and (reason == "") == (why == "")
-    with pytest.raises(ValueError, match="choose one of"):
-        fast.compile_plan("fast", torch.device(device), tiny("cls"), ddp)
-
-
-@pytest.mark.parametrize("objective", ["cls", "mae", "next"])
-def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
-    """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
-    graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
-    from torch._dynamo.utils import counters
-
-    from operations import fast
-
-    graphs = {}
-    for depth in (3, 8):
-        torch.manual_seed(0)
-        model = Bamboo(tiny(objective, depth=depth, neutreno=0.6))
-        x, y = batch(model.config)
-        torch.manual_seed(1)
-        eager_out, eager_loss = model(x, y)
-        torch._dynamo.reset()
-        counters.clear()
-        fast.compile_blocks(model, backend="eager")  # the graph capture alone, no code generation
-        module = fast.CompiledNextToken(model, backend="eager") if objective == "next" else model
-        torch.manual_seed(1)
-        out, loss = module(x, y)
-        loss.backward()
-        assert torch.allclose(loss, eager_loss, atol=1e-6)
-        assert (out is eager_out is None) if objective == "next" else torch.allclose(
-            out, eager_out, atol=1e-6)
-        graphs[depth] = counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    # the decoder's blocks, or next's loss: one more
-    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")
-
-
-def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
-    """Regional compilation of next-token's loss (through AOTAutograd, as inductor compiles it)
-    keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
-    from torch._dynamo.utils import counters
-
-    from operations import fast
-
-    torch.manual_seed(0)
-    model = Bamboo(tiny("next", vocab_size=100))
-    x, _ = batch(model.config)
-    _, plain_loss = model(x)
-    plain_grads = torch.autograd.grad(plain_loss, list(model.parameters()))
-    torch._dynamo.reset()
-    counters.clear()
-    fast.compile_blocks(model, backend="aot_eager")
-    out, loss = fast.CompiledNextToken(model, backend="aot_eager")(x)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    breaks = dict(counters["graph_break"])
-    torch._dynamo.reset()
-    assert out is None and breaks == {}
-    assert torch.allclose(loss, plain_loss, atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
-
-
-def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_data):
-    """evaluate() must not compile (or, under graphs, capture) graphs for its own, smaller last
-    batch."""
-    from torch._dynamo.utils import counters
-
-    from operations import fast
-    from data import ImageData
-    from train import TrainConfig, evaluate
-
-    torch.manual_seed(0)
-    model = Bamboo(tiny("cls", image_size=16))
-    data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
-    torch._dynamo.reset()
-    counters.clear()
-    fast.compile_blocks(model, backend="eager")
-    # 32 = 12 + 12 + 8
-    metrics = evaluate(model, data, TrainConfig(eval_samples=0), 12, torch.device("cpu"))
-    assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
-    torch._dynamo.reset()
-
-
-def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
-    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model
-    as None. The graphed callable returns the loss alone; out is kept beside it without gradient (a
-    graphed output that requires grad would get a zero gradient of its size at every step)."""
-    from operations import fast
-
-    model = Bamboo(tiny("mae"))
-    x, _ = batch(model.config)
-    wrapped = fast.LossOnly(model, (x, None))
-    torch.manual_seed(0)
-    loss = wrapped(x)
-    torch.manual_seed(0)
-    out, expected = model(x)
-    assert torch.equal(loss, expected) and loss.requires_grad
-    assert torch.equal(wrapped.out, out) and not wrapped.out.requires_grad
-    text = Bamboo(tiny("next"))  # no logits: out stays None
-    tokens, _ = batch(text.config)
-    wrapped = fast.LossOnly(text, (tokens, None))
-    assert wrapped(tokens).requires_grad and wrapped.out is None
-
-
 # ==================================================================================================
-# 7. The code itself: what runs is what the reader reads, in the shape the user asked for
+# 10. The code itself: what runs is what the reader reads, in the shape the user asked for
 # ==================================================================================================
-
-REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
-                   "bench.py", "look.py", *sorted(f"operations/{name}" for name in
-                                                  os.listdir(os.path.join(REPO, "operations"))
-                                                  if name.endswith(".py")))
-
-
-def instance_attributes(model):
-    """Every module's own attributes (its __dict__, less PyTorch's registries), by module name."""
-    registries = {"_parameters", "_buffers", "_modules"}
-    return {name: {key: value for key, value in vars(module).items() if key not in registries}
-            for name, module in model.named_modules()}
-
 
 @pytest.mark.parametrize("compile_mode", ["off", "model", "blocks", "graphs", "auto"])
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
@@ -4270,11 +4253,6 @@ def test_measurement_tools_do_not_import_the_trainer():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
-
-
-TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
-PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
-OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "probing"}  # operations/
 
 
 def test_the_tutorial_imports_itself_the_named_packages_and_five_operations_modules():
@@ -4338,7 +4316,7 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
 
 
 # ==================================================================================================
-# 8. CUDA: compilation modes, the step as one CUDA graph with per-step randomness, next-token loss
+# 11. CUDA: compilation modes, the step as one CUDA graph with per-step randomness
 # ==================================================================================================
 
 # Defined only where a GPU is, so CPU runs and CI never collect them; results/gpu.sh runs them.

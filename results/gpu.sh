@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path, checked on any CUDA machine with one command; every output goes to results/gpu/.
-#   bash results/gpu.sh            the GPU issue's targets: the CUDA tests (test_all.py section 8), the bench tables of the
+#   bash results/gpu.sh            the GPU issue's targets: the CUDA tests (test_all.py's CUDA section), the bench tables of the
 #                                  targets, a short CIFAR-10 run and a probe of it; then results/gpu_targets.py
 #                                  fills the targets table from the steps that passed (results/gpu/targets.md)
 #   bash results/gpu.sh verify     the flagship path as a user runs it, in about 5 minutes: the CUDA tests,
