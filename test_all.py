@@ -1131,6 +1131,21 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_pipe_named_like_an_image_is_one_line_not_a_hang(tiny_data, tmp_path):
+    """A FIFO in a class folder would block the decoder for ever: the listing names it."""
+    import shutil
+
+    from data import DataError
+    from operations.datasets import list_folder
+
+    folder = tmp_path / "images"
+    shutil.copytree(tiny_data / "images", folder)
+    pipe = next((folder / "train").iterdir()) / "zz.png"
+    os.mkfifo(pipe)
+    with pytest.raises(DataError, match=f"{re.escape(str(pipe))} is not a file"):
+        list_folder(str(folder))
+
+
 def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
     import shutil
 
@@ -1679,6 +1694,13 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
                if r.get("eval"))
     assert code == 0 and f"evaluated {out / 'best.pt'} as trained: " in printed, printed
     assert f"top1 {best:.4g}" in printed and not (tmp_path / "score").exists()
+    subset = tmp_path / "subset"  # trained on a subset and a seed of its own: scored on them too
+    trained_checkpoint(tiny_data, "cls", subset, 2, "--train_samples", "10", "--seed", "7")
+    code, printed, _ = run_train("--eval_only", "--init_from", subset / "best.pt",
+                                 out_dir=tmp_path / "score")
+    logged = [r for r in map(json.loads, (subset / "log.jsonl").read_text().splitlines())
+              if r.get("eval")][-1]
+    assert code == 0 and f"val_loss {logged['val_loss']:.4g}" in printed, printed
     err = cli_error(capsys, "--eval_only", "--init_from", str(out / "best.pt"), "--objective",
                     "mae", "--depth", "1", "--out_dir", str(tmp_path / "score"))
     assert err.startswith(f"error: --eval_only --init_from {out / 'best.pt'} scores that "
@@ -2576,6 +2598,7 @@ def test_an_overwrite_run_drops_the_replaced_run_once_it_has_saved(tiny_data, tm
     assert run_train(*flags, out_dir=tmp_path)[0] == 0
     code, out, records = run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
     assert code == 0 and not (tmp_path / ".replaced").exists(), out
+    assert "so the run it replaced (--overwrite) is removed from" in out  # said
     assert records[0]["from_step"] == 0 and [r["step"] for r in records if r.get("eval")] == [1, 2]
 
 
@@ -2638,6 +2661,37 @@ def test_a_log_linked_out_of_out_dir_is_refused_not_appended_to(capsys, tiny_dat
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path / "run"))
     assert "log.jsonl is a link; a run writes only its own files in --out_dir" in err
     assert outside.read_text() == "the user's own\n"
+    (tmp_path / "run" / "log.jsonl").unlink()  # a planted .replaced or .replacing link
+    victim = tmp_path / "victim"
+    assert run_train(*flags, out_dir=victim)[0] == 0
+    kept = {p.name: p.read_bytes() for p in victim.iterdir()}
+    for name in (".replaced", ".replacing"):
+        (tmp_path / "run" / name).symlink_to(victim)
+        for args in (["--resume", "--max_iters", "3"], flags):
+            err = cli_error(capsys, *args, "--out_dir", str(tmp_path / "run"))
+            assert f"{name} is a link; a run writes only its own files" in err, err
+        assert {p.name: p.read_bytes() for p in victim.iterdir()} == kept  # not moved or removed
+        (tmp_path / "run" / name).unlink()
+
+
+def test_resume_without_a_checkpoint_says_where_the_replaced_run_waits(capsys, tmp_path):
+    """An --overwrite run killed before it saved leaves the run it replaced in .replaced: --resume
+    says so, and how to get it back, instead of 'no checkpoint'."""
+    (tmp_path / ".replaced").mkdir()
+    (tmp_path / ".replaced" / "ckpt.pt").write_bytes(b"the old run")
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path))
+    assert "the run --overwrite replaced waits in" in err and "without --resume" in err, err
+    assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
+
+
+def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    log = (tmp_path / "log.jsonl").read_text()
+    for line in ("[1]", '{"step": null}'):
+        (tmp_path / "log.jsonl").write_text(log + line + "\n")
+        err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
+        assert f"a log.jsonl line is not one of train.py's records ({line})" in err, err
 
 
 def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
@@ -2792,6 +2846,11 @@ def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
                        "--plot", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
+    (tmp_path / "out" / "best.pt").write_bytes(b"weights")  # an output never replaces a checkpoint
+    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                       str(tmp_path / "no-data"), "--json", str(tmp_path / "out" / "best.pt")]) == 2
+    assert "is a checkpoint; write the output elsewhere" in capsys.readouterr().err
+    assert (tmp_path / "out" / "best.pt").read_bytes() == b"weights"
 
 
 def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,

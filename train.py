@@ -125,7 +125,7 @@ def train(args, started=None):
                                       master and not cfg.eval_only), \
             housekeeping.process_group_left(ddp):
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
-        data, config = load_data(cfg, settings, device, rank, world)
+        data, config = load_data(cfg, settings, device, rank, world, resumed or pretrained)
 
         # the model: the same initial weights on every rank and for every arm of a comparison
         dtype = fast.pick_dtype(cfg.dtype, device)
@@ -323,8 +323,9 @@ RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eva
              "init_from")
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
                   "eval_only", "wandb_project", "memory_gb", "workers")
-# What --eval_only --init_from takes from the checkpoint besides its model: where its data is
-HELD_OUT = ("dataset", "data_dir", "tokenizer", "val_file", "cache_dir", "eval_samples", "stream")
+# What --eval_only --init_from takes from the checkpoint besides its model: its data, as drawn
+HELD_OUT = ("dataset", "data_dir", "tokenizer", "val_file", "cache_dir", "eval_samples", "stream",
+            "train_samples", "seed")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -410,14 +411,16 @@ def start_processes(cfg):
     return device, rank, world
 
 
-def load_data(cfg, settings, device, rank=0, world=1):
+def load_data(cfg, settings, device, rank=0, world=1, saved=None):
     """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
-    in which what the data dictates wins: classes, image size, vocabulary)."""
+    in which what the data dictates wins: classes, image size, vocabulary). A resumed or scored
+    checkpoint (saved) is seen with its own pixel statistics."""
     if cfg.dataset in IMAGE_DATASETS:
+        own = saved.get("statistics") if saved and (cfg.resume or cfg.eval_only) else None
         data = open_images(cfg.dataset, cfg.data_dir, device,
                            settings.get("image_size", Config.image_size),
                            train_samples=cfg.train_samples, stream=cfg.stream,
-                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
+                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir, statistics=own,
                            crop_scale=cfg.crop_scale,
                            workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
         # what the checkpoint keeps

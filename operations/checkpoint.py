@@ -36,6 +36,8 @@ def check_output_path(flag, path):
                          "write elsewhere")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+    if path.endswith(".pt") and os.path.exists(path):
+        raise ValueError(f"{flag} {path} is a checkpoint; write the output elsewhere")
 
 
 def unwritable(e):
@@ -131,6 +133,11 @@ def save(path, state):
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
     if not os.path.isfile(path):
+        aside = os.path.join(os.path.dirname(path), ".replaced", os.path.basename(path))
+        if os.path.isfile(aside):  # an --overwrite run killed before it saved
+            raise CheckpointError(f"no checkpoint at {path}: the run --overwrite replaced waits in "
+                                  f"{os.path.dirname(aside)} (its successor never saved); run "
+                                  "train.py without --resume in that --out_dir to put it back")
         raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes "
                               "OUT_DIR/ckpt.pt)")
     try:

@@ -25,11 +25,13 @@ import itertools
 import math
 import os
 import signal
+import stat
 import threading
 import time
 import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import numpy as np
 import torch
@@ -136,8 +138,16 @@ def _image_files(root):
         for folder, real_folder, files in sorted(found):
             for f in files:
                 path = os.path.join(folder, f)
-                key = (os.path.realpath(path) if os.path.islink(path)  # one lstat a file
-                       else os.path.join(real_folder, f))
+                mode = os.lstat(path).st_mode  # one lstat a file
+                if stat.S_ISLNK(mode):
+                    key = os.path.realpath(path)
+                    with suppress(OSError):  # a broken link: named when it is read
+                        mode = os.stat(path).st_mode
+                else:
+                    key = os.path.join(real_folder, f)
+                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # reading a pipe would hang
+                    raise DataError(f"{path} is not a file (a pipe, socket or device); remove it "
+                                    "from the image folder")
                 if key not in real:
                     real.add(key)
                     samples.append((path, label))

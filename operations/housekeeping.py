@@ -340,16 +340,17 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
                             f"fix its permissions")
     locks = lock_out_dir(out)
     try:
+        linked = [n for n in (*RUN_FILES, REPLACED, REPLACING)
+                  if os.path.islink(os.path.join(out, n))]
+        if linked:  # never read, appended to, moved or removed through a link out of out_dir
+            raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
+                                "own files in --out_dir; remove the link")
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
                   "it is back in place", file=sys.stderr, flush=True)
         for name in os.listdir(out):
             if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
                 os.remove(os.path.join(out, name))
-        linked = [n for n in RUN_FILES if os.path.islink(os.path.join(out, n))]
-        if linked:  # never read, appended to or replaced through a link out of out_dir
-            raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
-                                "own files in --out_dir; remove the link")
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
@@ -384,8 +385,13 @@ def set_aside_old_run(out):
 
 
 def forget_replaced_run(out):
-    """The new run has saved: the run it replaced goes (only the files a run writes)."""
+    """The new run has saved: the run it replaced goes (only the files a run writes); said."""
     aside = os.path.join(out, REPLACED)
+    if os.path.islink(aside):  # not ours: never followed
+        return
+    if os.path.isdir(aside):
+        print(f"note: this run has saved, so the run it replaced (--overwrite) is removed from "
+              f"{out}", flush=True)
     for name in RUN_FILES:
         with suppress(FileNotFoundError):
             os.remove(os.path.join(aside, name))
@@ -397,14 +403,15 @@ def put_back_replaced_run(out):
     """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
     the successor wrote and move the replaced run back, its checkpoint last; True if so. Where the
     successor saved, the replaced run goes. A set-aside cut short (out/.replacing) is undone."""
-    staging = os.path.join(out, REPLACING)
+    staging, aside = os.path.join(out, REPLACING), os.path.join(out, REPLACED)
+    if os.path.islink(staging) or os.path.islink(aside):  # not ours: never followed
+        return False
     if os.path.isdir(staging):  # nothing of a new run yet: every file goes back where it was
         for name in RUN_FILES:
             if os.path.exists(os.path.join(staging, name)):
                 os.replace(os.path.join(staging, name), os.path.join(out, name))
         with suppress(OSError):
             os.rmdir(staging)
-    aside = os.path.join(out, REPLACED)
     if not os.path.isdir(aside):
         return False
     if os.path.exists(os.path.join(out, "ckpt.pt")):
@@ -486,9 +493,15 @@ def process_group_left(ddp):
 def logged_step(line):
     """The step of a log.jsonl line; infinite for a line a kill cut short (never kept)."""
     try:
-        return json.loads(line).get("step", 0)
+        record = json.loads(line)
     except ValueError:
         return math.inf
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    if not isinstance(step, (int, float)):
+        raise TrainingError(f"a log.jsonl line is not one of train.py's records "
+                            f"({line.strip()[:60]}); the log is damaged: remove that line, or the "
+                            "log, and --resume")
+    return step
 
 
 def forget_unsaved_steps(log_path, step):
