@@ -1631,6 +1631,10 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     code, _, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval",
                                        "5", "--overwrite"), out_dir=out)
     assert code == 0 and torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
+    (tmp_path / "copy").mkdir()  # best.pt copied to ckpt.pt is no run to resume: said so
+    shutil.copy(out / "best.pt", tmp_path / "copy" / "ckpt.pt")
+    code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "copy")
+    assert code == 2 and "holds weights only (as best.pt does)" in printed, printed
 
 
 def test_best_pt_is_never_ahead_of_the_checkpoint_and_catches_up_on_resume(tiny_data, tmp_path):

@@ -176,6 +176,9 @@ def model_from_checkpoint(path, **options):
 def load_states(ckpt, path, model, optimizer, scaler):
     """Put the checkpoint's weights, optimizer and scaler state back, or one line; (its step, its
     best evaluation)."""
+    if "optimizer" not in ckpt:  # best.pt, or an export of it: weights only
+        raise CheckpointError(f"{path} holds weights only (as best.pt does), not a run to resume; "
+                              "fine-tune or score it with --init_from")
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
