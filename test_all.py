@@ -2688,6 +2688,23 @@ def test_resume_without_a_checkpoint_says_where_the_replaced_run_waits(capsys, t
     assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
 
 
+def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
+    """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
+    create) a file outside out_dir: both refused."""
+    from operations.housekeeping import TrainingError, out_dir_claimed
+
+    os.mkfifo(tmp_path / ".lock")
+    with pytest.raises(TrainingError, match=r"\.lock is not a file; remove it"):
+        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+            pass
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").symlink_to(tmp_path.parent / "elsewhere.lock")
+    with pytest.raises(TrainingError, match=r"\.lock is a link; remove it"):
+        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+            pass
+    assert not (tmp_path.parent / "elsewhere.lock").exists()
+
+
 def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
     assert run_train(*flags, out_dir=tmp_path)[0] == 0

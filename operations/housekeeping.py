@@ -439,8 +439,10 @@ def lock_out_dir(out):
         import fcntl
     except ImportError:  # Windows: no lock
         return []
-    if os.path.islink(os.path.join(out, ".lock")):
-        raise TrainingError(f"{os.path.join(out, '.lock')} is a link; remove it")
+    lock = os.path.join(out, ".lock")
+    if os.path.islink(lock) or (os.path.lexists(lock) and not os.path.isfile(lock)):
+        kind = "a link" if os.path.islink(lock) else "not a file"  # a pipe would block the open
+        raise TrainingError(f"{lock} is {kind}; remove it")
     held = []
     try:  # the folder first: a busy one stops here, before any file is made in it
         held.append(os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
