@@ -995,6 +995,10 @@ def test_error_missing_data_directory(capsys, tmp_path):
     err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "nope"),
                     "--out_dir", str(tmp_path))
     assert "does not exist" in err and "--data_dir" in err
+    (tmp_path / "a_file").write_text("not a folder")
+    err = cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path / "a_file"),
+                    "--out_dir", str(tmp_path / "out"))
+    assert "a_file is a file, not a folder; point --data_dir at an image folder" in err, err
 
 
 def test_error_download_without_network(capsys, tmp_path, monkeypatch):
@@ -2713,6 +2717,9 @@ def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
         (tmp_path / "log.jsonl").write_text(log + line + "\n")
         err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
         assert f"a log.jsonl line is not one of train.py's records ({line})" in err, err
+    (tmp_path / "log.jsonl").write_bytes(log.encode() + b"\xff\n")
+    err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
+    assert f"{tmp_path / 'log.jsonl'} is not UTF-8 text; the log is damaged" in err, err
 
 
 def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):

@@ -58,7 +58,8 @@ def list_folder(data_dir, train=True, train_samples=0):
     [...]}, class names). train_samples > 0 keeps a fixed subset of train; the test split comes in
     one fixed shuffle, since ImageFolder lists class by class and "the first N" must be fair."""
     if not os.path.isdir(data_dir):
-        raise DataError(f"data directory {data_dir} does not exist; point --data_dir at an image "
+        what = "is a file, not a folder" if os.path.exists(data_dir) else "does not exist"
+        raise DataError(f"data directory {data_dir} {what}; point --data_dir at an image "
                         "folder tree with train/ and test/ inside")
     files, classes = {}, {}
     wanted = {"test": ("test", "val"), "train": ("train",)} if train else {"test": ("test", "val")}

@@ -511,8 +511,12 @@ def forget_unsaved_steps(log_path, step):
     killed run's log would otherwise hold them twice."""
     if not os.path.exists(log_path):
         return
-    with open(log_path, encoding="utf-8") as f:
-        lines = f.readlines()
+    try:
+        with open(log_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise TrainingError(f"{log_path} is not UTF-8 text; the log is damaged: remove it, or the "
+                            "line that is not one of train.py's records, and --resume") from None
     kept = [line for line in lines if logged_step(line) <= step]
     if len(kept) < len(lines):
         checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
