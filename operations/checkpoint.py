@@ -133,11 +133,6 @@ def save(path, state):
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
     if not os.path.isfile(path):
-        aside = os.path.join(os.path.dirname(path), ".replaced", os.path.basename(path))
-        if os.path.isfile(aside):  # an --overwrite run killed before it saved
-            raise CheckpointError(f"no checkpoint at {path}: the run --overwrite replaced waits in "
-                                  f"{os.path.dirname(aside)} (its successor never saved); run "
-                                  "train.py without --resume in that --out_dir to put it back")
         raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes "
                               "OUT_DIR/ckpt.pt)")
     try:

@@ -221,7 +221,13 @@ def check_recipe_fits(preset, dataset, text_preset):
 def resumed_settings(args, train_config, model_config, resumable, per_invocation):
     """(the saved run's train_config with the `resumable` flags given now, the checkpoint); any
     other flag given must agree with the saved run."""
-    path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
+    out = getattr(args, "out_dir", train_config.out_dir)
+    path, aside = os.path.join(out, "ckpt.pt"), os.path.join(out, REPLACED)
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(aside, "ckpt.pt")):
+        raise checkpoint.CheckpointError(
+            f"no checkpoint at {path}: the run --overwrite replaced waits in {aside} (its "
+            "successor never saved); run train.py without --resume in that --out_dir to put it "
+            "back")
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
     if isinstance(saved, dict):  # runs saved before streaming existed decoded their images whole
