@@ -677,7 +677,7 @@ class Bamboo(nn.Module):
 
     # ---- optimisation ----
 
-    def configure_optimizer(self, lr, weight_decay, beta2, layer_decay=1.0, fused=False):
+    def configure_optimizer(self, lr, weight_decay, beta2, layer_decay=1.0):
         """AdamW (0.9, beta2), as nanoGPT and MAE: matrices decay, everything else does not; each
         group carries lr_scale = layer_decay^(depth + 1 - layer), the layer-wise decay of MAE's and
         BEiT's fine-tuning (the trainer multiplies the step's rate by it)."""
@@ -691,6 +691,7 @@ class Bamboo(nn.Module):
             group = groups.setdefault((decay, lr_scale), {
                 "params": [], "lr_scale": lr_scale, "weight_decay": weight_decay if decay else 0.0})
             group["params"].append(p)
+        fused = self.pos_embed.device.type in ("cuda", "cpu")  # the faster kernel, where it exists
         return torch.optim.AdamW(list(groups.values()), lr=lr, betas=(0.9, beta2), fused=fused)
 
     # ---- bookkeeping ----

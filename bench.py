@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from operations import fast
 from bamboo import Bamboo, Config, training_flops
 from operations.checkpoint import atomic_write, check_output_path
-from operations.fast import fused_adamw, gpu_peak_tflops, pick_device, pick_dtype
+from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
 from operations.housekeeping import config_from_spec, one_line_errors
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
@@ -138,7 +138,7 @@ class Runner:
         self.model = model.to(device).train()
         if reference:  # the library model compiled whole, as its users would
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE,
-                                               fused=fused_adamw(device))
+                                               fused=device.type in ("cuda", "cpu"))
             self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
             kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
             compiled = self.compiled != "off"
@@ -146,8 +146,7 @@ class Runner:
             self.attention = "library"
         else:  # exactly as train.py does
             self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05,
-                                                            beta2=0.95,
-                                                            fused=fused_adamw(device))
+                                                            beta2=0.95)
             self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype,
                                                                compile_mode)
             self.attention = "explicit" if explicit else "sdpa"

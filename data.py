@@ -287,8 +287,9 @@ class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
     def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len,
-                 train=True):
-        """train=False reads the validation file only (the probe needs nothing else)."""
+                 train=True, device="cpu"):
+        """train=False reads the validation file only (the probe needs nothing else); training
+        batches are made on the CPU and handed to `device`."""
         from operations import datasets  # downloads, and the tokenized files' cache
 
         self.tokenizer = get_tokenizer(tokenizer)
@@ -306,8 +307,7 @@ class TextData:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
-        self.vocab_size = self.tokenizer.n_vocab
-        self.seq_len = seq_len
+        self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
             if len(tokens) <= seq_len:
                 raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of "
@@ -319,11 +319,11 @@ class TextData:
         return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
 
     def train_batch(self, draws):
-        """Windows of seq_len tokens (int64) for (a shard of) a sampled batch; text has no
-        labels."""
-        starts = draws["start"].tolist()
-        return torch.from_numpy(np.stack([self.train[s: s + self.seq_len]
-                                          for s in starts]).astype(np.int64)), None
+        """Windows of seq_len tokens (int64, on the device) for (a shard of) a sampled batch; text
+        has no labels."""
+        windows = np.stack([self.train[s: s + self.seq_len] for s in draws["start"].tolist()])
+        x = torch.from_numpy(windows.astype(np.int64))
+        return to_device(x, torch.device(self.device)), None
 
     def num_train(self):
         return len(self.train) - self.seq_len + 1

@@ -1811,7 +1811,7 @@ def test_fused_adamw_matches_the_reference_adamw():
     reference.load_state_dict(model.state_dict())
     start = model.head.weight.detach().clone()
     cfg = train.schedule_defaults(train.TrainConfig(), depth=2)
-    fused = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, fused=True)
+    fused = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2)  # on the CPU: fused
     # decay / no decay, nothing else
     assert fused.defaults["fused"] and len(fused.param_groups) == 2
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
@@ -2413,14 +2413,16 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
             peer_gone()
 
 
-def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys,
-                                                                               monkeypatch):
+def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(
+        capsys, monkeypatch, tiny_data, tmp_path):
     from operations import housekeeping
     import train
 
     before = torch.get_num_threads()
     try:
-        train.start_processes(train.TrainConfig(threads=1, device="cpu"))
+        code, out, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--threads",
+                                             "1", "--device", "cpu"), out_dir=tmp_path / "t")
+        assert code == 0, out
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -6,9 +6,9 @@ it top to bottom: the settings, the learning rate, then train(), which holds a r
 as its local variables: set-up, then the loop with the whole step. The step's path:
 
   main -> train -> resolve_settings (which setting wins; the peak rate: schedule_defaults)
-       -> load_data (data.py) -> Bamboo and Bamboo.configure_optimizer (bamboo.py)
-       -> fast.for_training (what module(x, y) is: the model itself unless compiled)
-       -> the loop: get_lr, data.sample, shard, data.train_batch, module(x, y), optimizer.step
+       -> open_images or TextData (data.py) -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
+       -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
+          model's own forward and loss, compiled or not), optimizer.step
 
 What surrounds a run (the out_dir's lock, signals, progress lines, one-line errors), the checkpoint
 files and the speedups are in operations/, called by module name where they happen.
@@ -31,8 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from operations import checkpoint, datasets, fast, housekeeping
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import (IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard,
-                  to_device)
+from data import IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard
 from probe import logged_metrics
 
 
@@ -111,8 +110,21 @@ def train(args, started=None):
     run's state, then the loop. Its state is the local variables below."""
     t_begin = time.time() if started is None else started  # --time_limit counts from here
     cfg, resumed, pretrained, settings, sources = resolve_settings(args)
-    device, rank, world = start_processes(cfg)
+    # the processes: one, or this one of a torchrun DDP group (torchrun sets the three variables)
+    if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
+        torch.set_num_threads(cfg.threads)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = ((int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])) if world > 1
+                        else (0, 0))
     master, ddp = rank == 0, world > 1
+    device = fast.pick_device(cfg.device, local_rank)  # auto: cuda, then mps, then cpu
+    if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
 
     def say(*lines):  # rank 0 speaks for the run
         if master:
@@ -124,8 +136,25 @@ def train(args, started=None):
     with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
                                       master and not cfg.eval_only), \
             housekeeping.process_group_left(ddp):
+        # the data, decoded or tokenized once; what it dictates wins (classes, image size, vocab)
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
-        data, config = load_data(cfg, settings, device, rank, world, resumed or pretrained)
+        if cfg.dataset in IMAGE_DATASETS:
+            saved = resumed or (pretrained if cfg.eval_only else None)  # seen as it was trained
+            data = open_images(cfg.dataset, cfg.data_dir, device,
+                               settings.get("image_size", Config.image_size),
+                               train_samples=cfg.train_samples, stream=cfg.stream,
+                               memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
+                               statistics=saved and saved.get("statistics"),
+                               crop_scale=cfg.crop_scale, workers=cfg.workers, rank=rank,
+                               world=world, grad_accum=cfg.grad_accum)
+            cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"  # kept
+            config = Config.from_dict({**settings, "image_size": data.image_size,
+                                       "channels": data.channels, "num_classes": data.num_classes})
+        else:
+            data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
+                            cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device)
+            housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
+            config = Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
         # the model: the same initial weights on every rank and for every arm of a comparison
         dtype = fast.pick_dtype(cfg.dtype, device)
@@ -141,8 +170,7 @@ def train(args, started=None):
             init_hash["loaded_trunk"] = checkpoint.weights_hash(model)["trunk"]
 
         # the optimizer and the data order, then a resumed run's state over all of it
-        optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay,
-                                              fused=fast.fused_adamw(device))
+        optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay)
         params = list(model.parameters())  # clipped as one vector each step
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         generator = torch.Generator().manual_seed(cfg.seed)  # data order: the same on every rank
@@ -158,7 +186,8 @@ def train(args, started=None):
                 housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples, log_path)
             say(f"resumed from {ckpt_path} at step {step}")
 
-        # what the step calls: the model in operations/fast.py's wrapper for this machine, then DDP
+        # what the step calls: the model itself, or the same forward and loss compiled (--compile
+        # auto: CUDA graphs on one GPU, compiled blocks under DDP, the model itself on a CPU)
         module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp)
         say(note)
         if ddp:
@@ -213,8 +242,7 @@ def train(args, started=None):
                 loss_sum = torch.zeros((), device=device)  # mean over micro-batches and ranks
                 for k in range(cfg.grad_accum):
                     part = shard(draws, rank, world, cfg.grad_accum, k)  # this rank's slice
-                    x, y = data.train_batch(part)
-                    x = to_device(x, device)
+                    x, y = data.train_batch(part)  # on the device
                     # DDP averages the gradients over ranks on the last micro-batch only
                     with module.no_sync() if ddp and k < cfg.grad_accum - 1 else nullcontext():
                         with autocast:
@@ -390,52 +418,6 @@ def schedule_defaults(cfg, depth):
         return replace(cfg, warmup=warmup)
     lr = cfg.base_lr * cfg.batch_size / 256
     return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
-
-
-def start_processes(cfg):
-    """(device, rank, world): one process, or this rank of a torchrun DDP group."""
-    if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
-        torch.set_num_threads(cfg.threads)
-    rank, world, local_rank = 0, 1, 0
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ["LOCAL_RANK"])
-    device = fast.pick_device(cfg.device, local_rank)
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
-                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
-    return device, rank, world
-
-
-def load_data(cfg, settings, device, rank=0, world=1, saved=None):
-    """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
-    in which what the data dictates wins: classes, image size, vocabulary). A resumed or scored
-    checkpoint (saved) is seen with its own pixel statistics."""
-    if cfg.dataset in IMAGE_DATASETS:
-        own = saved.get("statistics") if saved and (cfg.resume or cfg.eval_only) else None
-        data = open_images(cfg.dataset, cfg.data_dir, device,
-                           settings.get("image_size", Config.image_size),
-                           train_samples=cfg.train_samples, stream=cfg.stream,
-                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir, statistics=own,
-                           crop_scale=cfg.crop_scale,
-                           workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
-        # what the checkpoint keeps
-        cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
-        return data, Config.from_dict({**settings, "image_size": data.image_size,
-                                       "channels": data.channels,
-                                       "num_classes": data.num_classes})
-    data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
-                    cfg.cache_dir, settings.get("seq_len", Config.seq_len))
-    asked = settings.get("vocab_size", data.vocab_size)
-    if asked != data.vocab_size:
-        raise housekeeping.TrainingError(f"--vocab_size {asked} differs from the tokenizer's "
-                                         f"{data.vocab_size} ids; drop --vocab_size (--tokenizer "
-                                         "sets it)")
-    return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
 
 @torch.no_grad()

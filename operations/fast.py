@@ -91,11 +91,6 @@ def gpu_peak_tflops(device):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def fused_adamw(device):
-    """The fused AdamW kernel exists on CUDA and CPU, and is the faster one on both."""
-    return device.type in ("cuda", "cpu")
-
-
 def use_explicit_attention(asked, device, dtype, config):
     """Whether to build the model with explicit matmul-softmax-matmul attention: `asked` is
     bench.py's --attention (train.py asks auto); under auto, on CPU in bf16/fp16 for short

@@ -208,6 +208,13 @@ def check_dataset_fits(objective, dataset, image_objectives):
                             f"({', '.join(wanted)}), not --dataset {dataset}")
 
 
+def check_vocab_size(asked, tokenizer_ids):
+    """--vocab_size, if given, must be the tokenizer's number of ids."""
+    if asked is not None and asked != tokenizer_ids:
+        raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's {tokenizer_ids} "
+                            "ids; drop --vocab_size (--tokenizer sets it)")
+
+
 def check_recipe_fits(preset, dataset, text_preset):
     """A laptop preset carries a recipe for one modality: a text preset's on images, or the other
     way round, would train with the wrong recipe."""
