@@ -24,6 +24,7 @@ Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.
      'cache', 128).vocab_size)"
 """
 import os
+import zlib
 
 import numpy as np
 import torch
@@ -121,6 +122,8 @@ class ImageData:
             _load_split(name, data_dir, "train", image_size, files, train_samples, cache_dir)
             if train
             else (self.test_x[:0], self.test_y[:0], None))
+        # a checksum of the training pixels, which a resume compares with the run's
+        self.pixels = zlib.crc32(self.train_x.contiguous().numpy()) if train else None
         self.classes = list(classes or test_classes)  # folder names, in label order
         self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)

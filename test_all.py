@@ -1053,11 +1053,19 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
     where = [str(p) for p, _ in datasets.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
+    Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(changed)
+    data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    kept = os.stat(changed)  # painted again at the same size, its time set back: decoded again
+    Image.fromarray(np.full((16, 16, 3), 128, np.uint8)).save(changed)
+    assert os.path.getsize(changed) == kept.st_size
+    os.utime(changed, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    repainted = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    assert repainted.test_x[where].min() == 128 and len(decodes) == 96
     for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
         damaged.write_bytes(b"not an array")
     assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
                                       cache_dir=str(cache)).train_x, decoded.train_x)
-    assert len(decodes) == 32 + 32 + 96
+    assert len(decodes) == 32 * 4 + 96
     listing = datasets.list_folder(str(folder))[0]  # the two files in use now hold arrays again
     keys = [datasets.folder_key(listing[s], 16) for s in ("train", "test")]
     assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
@@ -1151,8 +1159,7 @@ def test_a_pipe_named_like_an_image_is_one_line_not_a_hang(tiny_data, tmp_path):
 
 
 def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
-    import shutil
-
+    from data import DataError
     from operations.datasets import list_folder
 
     images = tmp_path / "images"
@@ -1165,6 +1172,14 @@ def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_
     (red / "zz-same.png").symlink_to(first)  # one image under a second name
     linked = list_folder(str(images))[0]
     assert len(linked["train"]) == len(plain["train"]) and linked["test"] == plain["test"]
+    for target in ("b.png", "nosuch.png"):  # a loop of two links, then a broken one: one line
+        for name in ("a.png", "b.png"):
+            (red / name).unlink(missing_ok=True)
+        (red / "a.png").symlink_to(red / target)
+        if target == "b.png":
+            (red / "b.png").symlink_to(red / "a.png")
+        with pytest.raises(DataError, match=r"a\.png is a link that reaches no file \("):
+            list_folder(str(images))
 
 
 def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
@@ -2531,6 +2546,13 @@ def test_resuming_on_a_folder_whose_files_changed_is_refused_and_a_moved_one_res
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--data_dir", str(moved), "--out_dir",
                     str(tmp_path / "run"))
     assert "are not the ones the run was trained on (files added, removed or renamed" in err
+    (moved / "train" / "red" / "added.png").unlink()
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(extra)  # the same file, other pixels
+    code, out, _ = run_train("--resume", "--max_iters", "3", "--data_dir", moved,
+                             out_dir=tmp_path / "run")
+    assert code == 0 and "are the run's files, but their pixels differ" in out, out
 
 
 def test_overwrite_replaces_a_run_only_after_every_check_and_then_all_of_it(capsys, tiny_data,
@@ -2694,6 +2716,30 @@ def test_resume_without_a_checkpoint_says_where_the_replaced_run_waits(capsys, t
     assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
 
 
+def test_files_of_someone_else_where_a_replaced_run_waits_are_named_and_kept(capsys, tmp_path):
+    """Only a run's own files move through .replacing and .replaced: anything else found there is
+    one line and stays; a replaced run whose successor saved is removed with a word that says so."""
+    from operations.housekeeping import TrainingError, out_dir_claimed
+
+    for name in (".replacing", ".replaced"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+        with pytest.raises(TrainingError, match=rf"{name} holds files no run wrote \(notes\.txt\)"):
+            with out_dir_claimed(str(tmp_path), resume=False, overwrite=True):
+                pass
+        assert (tmp_path / name / "notes.txt").read_text() == "mine"
+        shutil.rmtree(tmp_path / name)
+    (tmp_path / ".replaced").mkdir()  # a successor saved, then was killed before forgetting it
+    (tmp_path / ".replaced" / "ckpt.pt").write_bytes(b"the old run")
+    (tmp_path / "ckpt.pt").write_bytes(b"the new run")
+    capsys.readouterr()
+    with out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
+        pass
+    assert "the run --overwrite started here has saved, so the run it replaced" in (
+        capsys.readouterr().out)
+    assert not (tmp_path / ".replaced").exists() and (tmp_path / "ckpt.pt").exists()
+
+
 def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
     """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
     create) a file outside out_dir: both refused."""
@@ -2736,6 +2782,10 @@ def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
     assert code == 0 and "--probe_samples 100000 is more than the " in out, out
     err = cli_error(capsys, *text_flags(tiny_data, "next", "--stream", "on"), "--out_dir",
                     str(tmp_path / "s"))
+    assert "--stream 'on' reads image files; --dataset text is text" in err
+    scored = trained_checkpoint(tiny_data, "next", tmp_path / "next", 1)
+    err = cli_error(capsys, "--init_from", str(scored), "--eval_only", "--stream", "on",
+                    "--out_dir", str(tmp_path / "e"))  # the text comes from the checkpoint
     assert "--stream 'on' reads image files; --dataset text is text" in err
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 1)
     run = tmp_path / "ft"

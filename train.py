@@ -177,7 +177,7 @@ def train(args, started=None):
         torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
         step, best, saved_step = 0, None, None  # saved_step: what ckpt.pt holds (None: nothing)
         if resumed is not None:
-            housekeeping.check_same_data(resumed, data, cfg.data_dir)
+            housekeeping.check_same_data(resumed, data, cfg.data_dir, master)
             step, best = checkpoint.load_states(resumed, ckpt_path, model, optimizer, scaler)
             checkpoint.restore_random_states(resumed, ckpt_path, generator, rank, world, device)
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
@@ -308,6 +308,7 @@ def train(args, started=None):
                              "scaler": scaler.state_dict(), "step": step, "best": best,
                              "rng": rng, "classes": getattr(data, "classes", None),
                              "listing": getattr(data, "listing", None),  # a folder's files
+                             "pixels": getattr(data, "pixels", None),  # a checksum of them
                              "statistics": ((data.mean.cpu(), data.std.cpu()) if config.is_image
                                             else None),  # the pixels' normalisation
                              "init_hash": init_hash, "made_by": made_by}

@@ -31,7 +31,6 @@ import time
 import urllib.request
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 
 import numpy as np
 import torch
@@ -142,8 +141,11 @@ def _image_files(root):
                 mode = os.lstat(path).st_mode  # one lstat a file
                 if stat.S_ISLNK(mode):
                     key = os.path.realpath(path)
-                    with suppress(OSError):  # a broken link: named when it is read
+                    try:
                         mode = os.stat(path).st_mode
+                    except OSError as e:  # broken, or a loop of links
+                        raise DataError(f"{path} is a link that reaches no file ({e.strerror}); "
+                                        "remove it or point it at an image") from None
                 else:
                     key = os.path.join(real_folder, f)
                 if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # reading a pipe would hang
@@ -160,7 +162,7 @@ def _image_files(root):
 
 def decode_folder(files, size, cache_dir=None):
     """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
-    cache_dir, later runs load the saved array, keyed by every file's path, size and time, the
+    cache_dir, later runs load the saved array, keyed by every file's path, size and times, the
     image size and DECODING, so that a changed folder (or decoder) is decoded again."""
     cache = cache_dir and os.path.join(cache_dir, folder_key(files, size))
     if cache and os.path.exists(cache):
@@ -194,7 +196,8 @@ def folder_key(files, size):
     key = hashlib.sha1(f"{DECODING}|{size}".encode())
     for path, _ in files:
         stat = os.stat(path)
-        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|"
+                   f"{stat.st_ctime_ns}\n".encode())  # ctime: no edit can set it back
     return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
 
 

@@ -178,8 +178,8 @@ def check_settings(cfg):
          "8)"),
         ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
          "(MAE's for the objective)"),
-        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS or cfg.resume
-         or cfg.eval_only, f"reads image files; --dataset {cfg.dataset} is text, tokenized once "
+        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS or cfg.resume,
+         f"reads image files; --dataset {cfg.dataset} is text, tokenized once "
          "(drop --stream)"),
     ]
     for name, ok, why in checks:
@@ -272,10 +272,11 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
             from None
 
 
-def check_same_data(resumed, data, data_dir):
+def check_same_data(resumed, data, data_dir, master=True):
     """A resumed image run must see the class folders it was trained on, in the same order (labels
     are class indices: renamed or reordered folders would train on permuted labels), and a folder
-    the same files (added or removed ones would change the data order silently)."""
+    the same files (added or removed ones would change the data order silently). Other pixels in the
+    same files (edited, or decoded by another PIL) are said, not refused."""
     saved, now = resumed.get("classes"), getattr(data, "classes", None)
     if saved is not None and now is not None and list(saved) != list(now):
         raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
@@ -286,6 +287,11 @@ def check_same_data(resumed, data, data_dir):
         raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
                             "was trained on (files added, removed or renamed since); put the "
                             "folder back as it was, or start a new run on it")
+    saved, now = resumed.get("pixels"), getattr(data, "pixels", None)
+    if master and saved is not None and now is not None and saved != now:
+        print(f"note: --resume: the training images in {data_dir} are the run's files, but their "
+              "pixels differ (edited since, or decoded by another PIL version); training goes on "
+              "with the pixels as they are now", flush=True)
 
 
 def check_scored_as_trained(path, ckpt, settings):
@@ -361,6 +367,7 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
                   "it is back in place", file=sys.stderr, flush=True)
+        check_no_strays(out)
         for name in os.listdir(out):
             if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
                 os.remove(os.path.join(out, name))
@@ -397,19 +404,30 @@ def set_aside_old_run(out):
     os.replace(staging, os.path.join(out, REPLACED))
 
 
-def forget_replaced_run(out):
+def forget_replaced_run(out, why="this run has saved"):
     """The new run has saved: the run it replaced goes (only the files a run writes); said."""
     aside = os.path.join(out, REPLACED)
-    if os.path.islink(aside):  # not ours: never followed
+    if os.path.islink(aside) or not os.path.isdir(aside):  # a link is not ours: never followed
         return
-    if os.path.isdir(aside):
-        print(f"note: this run has saved, so the run it replaced (--overwrite) is removed from "
-              f"{out}", flush=True)
-    for name in RUN_FILES:
-        with suppress(FileNotFoundError):
-            os.remove(os.path.join(aside, name))
-    with suppress(OSError):  # absent, or holding something that is not ours
+    removed = [name for name in RUN_FILES if os.path.exists(os.path.join(aside, name))]
+    for name in removed:
+        os.remove(os.path.join(aside, name))
+    if removed:
+        print(f"note: {why}, so the run it replaced (--overwrite) is removed from {out}",
+              flush=True)
+    with suppress(OSError):  # holding something that is not ours: check_no_strays names it
         os.rmdir(aside)
+
+
+def check_no_strays(out):
+    """After put_back_replaced_run, out/.replacing and out/.replaced hold nothing of a run: what is
+    left there was put there by someone else, and is never moved or removed."""
+    for name in (REPLACING, REPLACED):
+        path = os.path.join(out, name)
+        stray = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        if stray:
+            raise TrainingError(f"{path} holds files no run wrote ({', '.join(stray[:3])}); move "
+                                "them out of it (train.py keeps a replaced run there)")
 
 
 def put_back_replaced_run(out):
@@ -428,7 +446,7 @@ def put_back_replaced_run(out):
     if not os.path.isdir(aside):
         return False
     if os.path.exists(os.path.join(out, "ckpt.pt")):
-        forget_replaced_run(out)
+        forget_replaced_run(out, "the run --overwrite started here has saved")
         return False
     for name in sorted(RUN_FILES, key=lambda name: name == "ckpt.pt"):  # ckpt.pt last
         with suppress(FileNotFoundError):
