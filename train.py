@@ -6,7 +6,7 @@ it top to bottom: the settings, the learning rate, then train(), which holds a r
 as its local variables: set-up, then the loop with the whole step. The step's path:
 
   main -> train -> resolve_settings (which setting wins; the peak rate: schedule_defaults)
-       -> open_images or TextData (data.py) -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
+       -> start_processes -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
           model's own forward and loss, compiled or not), optimizer.step
 
@@ -110,21 +110,8 @@ def train(args, started=None):
     run's state, then the loop. Its state is the local variables below."""
     t_begin = time.time() if started is None else started  # --time_limit counts from here
     cfg, resumed, pretrained, settings, sources = resolve_settings(args)
-    # the processes: one, or this one of a torchrun DDP group (torchrun sets the three variables)
-    if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
-        torch.set_num_threads(cfg.threads)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = ((int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])) if world > 1
-                        else (0, 0))
+    device, rank, world = start_processes(cfg)
     master, ddp = rank == 0, world > 1
-    device = fast.pick_device(cfg.device, local_rank)  # auto: cuda, then mps, then cpu
-    if ddp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
-                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
 
     def say(*lines):  # rank 0 speaks for the run
         if master:
@@ -136,25 +123,8 @@ def train(args, started=None):
     with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
                                       master and not cfg.eval_only), \
             housekeeping.process_group_left(ddp):
-        # the data, decoded or tokenized once; what it dictates wins (classes, image size, vocab)
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
-        if cfg.dataset in IMAGE_DATASETS:
-            saved = resumed or (pretrained if cfg.eval_only else None)  # seen as it was trained
-            data = open_images(cfg.dataset, cfg.data_dir, device,
-                               settings.get("image_size", Config.image_size),
-                               train_samples=cfg.train_samples, stream=cfg.stream,
-                               memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
-                               statistics=saved and saved.get("statistics"),
-                               crop_scale=cfg.crop_scale, workers=cfg.workers, rank=rank,
-                               world=world, grad_accum=cfg.grad_accum)
-            cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"  # kept
-            config = Config.from_dict({**settings, "image_size": data.image_size,
-                                       "channels": data.channels, "num_classes": data.num_classes})
-        else:
-            data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
-                            cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device)
-            housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
-            config = Config.from_dict({**settings, "vocab_size": data.vocab_size})
+        data, config = load_data(cfg, settings, device, rank, world, resumed or pretrained)
 
         # the model: the same initial weights on every rank and for every arm of a comparison
         dtype = fast.pick_dtype(cfg.dtype, device)
@@ -419,6 +389,48 @@ def schedule_defaults(cfg, depth):
         return replace(cfg, warmup=warmup)
     lr = cfg.base_lr * cfg.batch_size / 256
     return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
+
+
+def start_processes(cfg):
+    """(device, rank, world): one process, or this rank of a torchrun DDP group."""
+    if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
+        torch.set_num_threads(cfg.threads)
+    rank, world, local_rank = 0, 1, 0
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+    device = fast.pick_device(cfg.device, local_rank)
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
+    return device, rank, world
+
+
+def load_data(cfg, settings, device, rank=0, world=1, saved=None):
+    """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
+    in which what the data dictates wins: classes, image size, vocabulary). A resumed or scored
+    checkpoint (saved) is seen with its own pixel statistics."""
+    if cfg.dataset in IMAGE_DATASETS:
+        own = saved.get("statistics") if saved and (cfg.resume or cfg.eval_only) else None
+        data = open_images(cfg.dataset, cfg.data_dir, device,
+                           settings.get("image_size", Config.image_size),
+                           train_samples=cfg.train_samples, stream=cfg.stream,
+                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir, statistics=own,
+                           crop_scale=cfg.crop_scale,
+                           workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
+        # what the checkpoint keeps
+        cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
+        return data, Config.from_dict({**settings, "image_size": data.image_size,
+                                       "channels": data.channels,
+                                       "num_classes": data.num_classes})
+    data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
+                    cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device)
+    housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
+    return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
 
 @torch.no_grad()
