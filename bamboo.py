@@ -660,12 +660,11 @@ class Bamboo(nn.Module):
     def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Continue tokens (B, T) by max_new_tokens sampled ids, as nanoGPT's generate: each new id
         from softmax(logits / temperature), over the top_k most likely ids if top_k is given; the
-        context is cropped to the last seq_len - 1 tokens, the positions a training window of
-        seq_len tokens trains (its last token is only a target). A next-token model only."""
+        context is cropped to the last seq_len tokens. A next-token model only."""
         if self.config.objective != "next":
             raise ValueError(f"generate needs a next-token model, not {self.config.objective}")
         for _ in range(max_new_tokens):
-            context = tokens[:, -(self.config.seq_len - 1):]
+            context = tokens[:, -self.config.seq_len:]
             h, _, _ = self.run_blocks(self.embed(context)[0])
             logits = self.token_logits(self.ln_f(h[:, -1])).float() / temperature  # (B, vocab)
             if top_k is not None:

@@ -1,20 +1,11 @@
 """Benchmark training steps of any configs side by side, on synthetic data, in one run.
 
-Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed in the same process,
-round-robin over --rounds rounds, so every ratio in the table comes from one run on the same
-machine state. The fastest round counts, as with timeit: on a shared machine, noise only ever
-adds time. Per config it prints step time, samples/s, tokens/s, achieved TFLOP/s (from
-Bamboo.flops_per_sample), MFU against the device's peak for the dtype (a table of GPUs; on
-CPU a GEMM measured at startup), peak memory (CUDA max allocated, or the max RSS of a child
-process that runs the same steps) and the time of the first step, which holds
-torch.compile's compilation.
-
---against adds, for each spec, the implementation a user would otherwise pick, at the same
-depth, width, heads, patch size and sequence length: timm's VisionTransformer (cls), Hugging
-Face GPT2LMHeadModel (next) and BertForMaskedLM (mlm), and vit-pytorch's MAE (mae). They are
-not dependencies of bamboo: install them in a scratch venv to compare. --compile, --dtype and
---attention (operations/fast.py's choice, the fused kernel or explicit matmul-softmax-matmul)
-take comma lists of what to compare in the same run.
+Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed round-robin in one process,
+so every ratio comes from one machine state; the fastest round counts, as with timeit. Per config:
+step time, samples/s, tokens/s, TFLOP/s, MFU, peak memory and the first step (compilation).
+--against adds what a user would otherwise pick at the same shape: timm's VisionTransformer (cls),
+Hugging Face GPT-2 (next) and BERT (mlm), vit-pytorch's MAE (mae); --compile, --dtype and
+--attention take comma lists to compare in the same run.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks

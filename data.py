@@ -225,8 +225,10 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
 
 
 def first_samples(data, n):
-    """The first n held-out samples of ImageData or TextData, in order, un-augmented: (n, ...)."""
-    return torch.cat([x for x, _ in data.eval_batches(n, n)])
+    """The first n held-out samples of ImageData or TextData, in order, un-augmented, as the model
+    reads them (a next-token window without its last token, which is only a target): (n, ...)."""
+    x = torch.cat([x for x, _ in data.eval_batches(n, n)])
+    return x[:, :data.seq_len] if x.dim() == 2 else x
 
 
 def channel_statistics(images, one_pass_bytes=2 ** 30):
@@ -290,9 +292,10 @@ class TextData:
     """Train and validation token streams, with random training windows and fixed eval windows."""
 
     def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len,
-                 train=True, device="cpu"):
+                 train=True, device="cpu", next_token=False):
         """train=False reads the validation file only (the probe needs nothing else); training
-        batches are made on the CPU and handed to `device`."""
+        batches are made on the CPU and handed to `device`. next_token: windows of seq_len + 1
+        tokens, the last only a target (nanoGPT's block_size + 1), so every position trains."""
         from operations import datasets  # downloads, and the tokenized files' cache
 
         self.tokenizer = get_tokenizer(tokenizer)
@@ -311,34 +314,36 @@ class TextData:
             tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
+        self.window = seq_len + 1 if next_token else seq_len
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
-            if len(tokens) <= seq_len:
-                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of "
-                                f"seq_len={seq_len}; "
-                                "use more text or a smaller --seq_len")
+            if len(tokens) <= self.window:
+                raise DataError(f"{split} text has {len(tokens)} tokens, too few for one window of "
+                                f"{self.window} (--seq_len {seq_len}); use more text or a smaller "
+                                "--seq_len")
 
     def sample(self, n, generator):
         """The random draws of one global batch: where each window starts."""
         return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
 
     def train_batch(self, draws):
-        """Windows of seq_len tokens (int64, on the device) for (a shard of) a sampled batch; text
-        has no labels."""
-        windows = np.stack([self.train[s: s + self.seq_len] for s in draws["start"].tolist()])
+        """Windows of tokens (int64, on the device) for (a shard of) a sampled batch; text has no
+        labels."""
+        windows = np.stack([self.train[s: s + self.window] for s in draws["start"].tolist()])
         x = torch.from_numpy(windows.astype(np.int64))
         return to_device(x, torch.device(self.device)), None
 
     def num_train(self):
-        return len(self.train) - self.seq_len + 1
+        return len(self.train) - self.window + 1
 
     def num_held_out(self):
         """Whole validation windows."""
         return (len(self.val) - 1) // self.seq_len
 
     def eval_batches(self, batch_size, limit=None):
-        """Consecutive non-overlapping validation windows, in order: the same every time."""
+        """Consecutive validation windows, seq_len apart, in order: the same every time (next
+        token: each overlaps the next by the one token that is only its target)."""
         n = self.num_held_out() if limit is None else min(self.num_held_out(), limit)
         for i in range(0, n, batch_size):
-            rows = [self.val[k * self.seq_len: (k + 1) * self.seq_len]
+            rows = [self.val[k * self.seq_len: k * self.seq_len + self.window]
                     for k in range(i, min(i + batch_size, n))]
             yield torch.from_numpy(np.stack(rows).astype(np.int64)), None

@@ -1104,9 +1104,31 @@ def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_dat
     assert not torch.equal(first_samples(images, 8), first_samples(older, 8))  # test statistics
     cfg = {"dataset": "text", "data_dir": str(tiny_data / "text"), "tokenizer": "bytes",
            "val_file": "val.txt", "cache_dir": str(tmp_path)}
-    text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32)
+    text = TextData("text", cfg["data_dir"], "bytes", "train.txt", "val.txt", str(tmp_path), 32,
+                    next_token=True)  # as train.py reads a next-token run's text
     loaded = held_out(Config(objective="next", vocab_size=256, seq_len=32), cfg)
     assert torch.equal(first_samples(text, 8), first_samples(loaded, 8))
+
+
+def test_next_token_windows_train_every_position_and_predict_each_held_out_token_once(tiny_data,
+                                                                                      tmp_path):
+    """As nanoGPT's block_size + 1: a window holds seq_len inputs and one more token that is only
+    a target, so the last position embedding trains too; held-out windows overlap by that token."""
+    from data import TextData, first_samples
+
+    text = TextData("text", str(tiny_data / "text"), "bytes", "train.txt", "val.txt",
+                    str(tmp_path), 32, next_token=True)
+    x, _ = text.train_batch(text.sample(4, torch.Generator().manual_seed(0)))
+    assert x.shape == (4, 33) and first_samples(text, 2).shape == (2, 32)
+    model = Bamboo(tiny("next", seq_len=32, vocab_size=256))
+    model(x)[1].backward()
+    assert model.pos_embed.grad[0, -1].abs().sum() > 0  # the last position learns
+    (a, _), = text.eval_batches(2, 2)
+    assert torch.equal(a[0, -1], a[1, 0]) and torch.equal(a[0, 1:], torch.from_numpy(
+        text.val[1:33].astype(np.int64)))
+    mlm = TextData("text", str(tiny_data / "text"), "bytes", "train.txt", "val.txt",
+                   str(tmp_path), 32)
+    assert mlm.train_batch(mlm.sample(4, torch.Generator()))[0].shape == (4, 32)
 
 
 def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
@@ -4042,8 +4064,8 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
     prompt = torch.randint(0, 64, (2, 5))
     out = model.generate(prompt, 20, temperature=0.7, top_k=1)  # longer than seq_len 16: cropped
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
-    for t in range(5, 25):  # a context of at most 15 tokens: the positions training windows train
-        h, _ = model.next_token_features(out[:, max(0, t - 15):t + 1])
+    for t in range(5, 25):  # a context of at most seq_len tokens
+        h, _ = model.next_token_features(out[:, max(0, t - 16):t + 1])
         assert torch.equal(out[:, t], model.token_logits(h)[:, -1].argmax(-1))
     draws = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(seed))
              for seed in (1, 1, 2)]

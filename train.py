@@ -428,7 +428,8 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
-                    cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device)
+                    cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,
+                    next_token=settings.get("objective", Config.objective) == "next")
     housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 

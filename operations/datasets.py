@@ -1,20 +1,7 @@
 """How data reaches the machine: image folders listed as ImageFolder does, decoded once and cached
-(list_folder, decode_folder), or streamed from disk as training goes; and what a user with internet
-downloads.
-
-Image folders too large to decode whole (ImageNet-1k at 224: 190 GB of uint8), with MAE's
-augmentation: data.open_images picks ImageStream over data.ImageData where a folder's decoded
-splits would not fit --memory_gb, or with --stream on.
-
-  ImageStream    what train.py reads: the data order of the run's generator, decoded ahead by
-                 DataLoader workers (StreamReplay), each DDP rank only its slice
-  train_view     MAE's training view: RandomResizedCrop (resized_crop_box) and a flip
-  eval_view      MAE's evaluation view: the shorter side resized, then the centre crop
-Every uint8 pixel of both views equals torchvision's for the same seed.
-
-Downloads (CIFAR, WikiText's text, Hugging Face tokenizers): data.py calls them only when a dataset
-or tokenizer is asked for and absent; without the network each fails with one line (DataError)
-that says what to put where instead.
+(list_folder, decode_folder), or streamed from disk as training goes (ImageStream, with MAE's
+train_view and eval_view, pixel for pixel torchvision's); and what a user with internet downloads
+(CIFAR, WikiText, Hugging Face tokenizers), each failing offline with one line (DataError).
 
 Run: python -c "from operations import datasets;
      print(datasets.ImageStream(datasets.list_folder('DIR'), 'cpu', 224).num_train())"

@@ -1,27 +1,10 @@
 """What depends on the hardware: the device, the dtype, and speedups that pay only on some of it.
 
-bamboo.py, neutreno.py and train.py read as plain PyTorch: scaled_dot_product_attention, one
-cross-entropy per objective, AdamW. What was measured to pay on particular hardware lives here:
-train.py and bench.py build the model with its options (Bamboo(config, explicit_attention=...)),
-then call for_training(model, device, dtype, compile), which returns the model itself or the model
-inside wrappers that run its own forward and loss; its one change to the model is nn.Module.compile
-on each Block (compile_blocks).
-
-  device and dtype         pick_device (cuda, then mps, then cpu) and pick_dtype (bf16 where the
-                           hardware computes it natively)
-  explicit attention       CPU, bf16/fp16, short sequences: matmul-softmax-matmul beats the
-                           fused CPU kernel there (use_explicit_attention; a build option)
-  compilation              --compile model: torch.compile of the whole training module;
-                           blocks: each transformer Block compiled once and reused by every
-                           identical Block (regional compilation, nn.Module.compile: the
-                           Block's own forward, compiled), so compile time does not grow with
-                           depth, and the model's next-token loss as one more region
-                           (CompiledNextToken); graphs: blocks compiled, then the whole forward
-                           and backward captured as one CUDA graph and replayed (CUDAGraphed).
-                           auto: graphs on CUDA where they are safe, else blocks; off on CPU.
-
-The measurements, their machine and their commands are in results/bench/README.md (CPU) and
-results/gpu/README.md (GPU).
+bamboo.py, neutreno.py and train.py read as plain PyTorch. What was measured to pay on particular
+hardware lives here: explicit attention on CPUs in bf16 (use_explicit_attention, a build option),
+and the compiled or CUDA-graphed module that train.py and bench.py call (for_training: its
+docstring's table says what each --compile mode runs; every mode runs the model's own forward and
+loss). Measurements: results/bench/README.md (CPU) and results/gpu/README.md (GPU).
 
 Run: python -c "import torch, bamboo; from operations import fast; print(fast.for_training(
      bamboo.Bamboo(bamboo.Config(objective='next')), torch.device('cpu'), torch.bfloat16))"
@@ -185,18 +168,12 @@ class CompiledNextToken(nn.Module):
 
 
 class CUDAGraphed(nn.Module):
-    """module's forward and backward captured as CUDA graphs on the first call, then replayed.
-
-    One replay launches the whole step's kernels at once: deep-and-narrow models spend most of
-    an eager step launching small kernels. torch.cuda.make_graphed_callables warms up on a side
-    stream (compiling the blocks there), captures, and returns a callable that autograd
-    differentiates with the captured backward. Random draws (MAE masks, dropout) come from the
-    CUDA generator, whose offset advances at every replay: new masks every step. The optimizer,
-    gradient clipping and the data pipeline stay outside the graph. A replay reuses the captured
-    shapes, so every call must have the first call's shapes; a replay overwrites the previous
-    outputs, so consume them (the loss) before the next call. Only the loss is differentiated:
-    out comes back without gradient, because a graphed output that requires grad gets a gradient at
-    every step, zeros when unused: a tensor of out's size made, copied and added in every backward.
+    """module's forward and backward captured as CUDA graphs on the first call, then replayed: one
+    replay launches the whole step's kernels at once (a deep, narrow model spends an eager step
+    launching small ones). Random draws come from the CUDA generator, whose offset advances at
+    every replay. Every call must have the first call's shapes, and a replay overwrites the last
+    outputs. Only the loss is differentiated: a graphed output that requires grad would get a
+    gradient of its size, zeros, in every backward. The optimizer and clipping stay outside.
     """
 
     def __init__(self, module):
