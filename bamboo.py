@@ -690,7 +690,7 @@ class Bamboo(nn.Module):
             group = groups.setdefault((decay, lr_scale), {
                 "params": [], "lr_scale": lr_scale, "weight_decay": weight_decay if decay else 0.0})
             group["params"].append(p)
-        fused = self.pos_embed.device.type in ("cuda", "cpu")  # the faster kernel, where it exists
+        fused = next(self.parameters()).device.type in ("cuda", "cpu")  # faster, where it exists
         return torch.optim.AdamW(list(groups.values()), lr=lr, betas=(0.9, beta2), fused=fused)
 
     # ---- bookkeeping ----

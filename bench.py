@@ -43,14 +43,15 @@ def parse_spec(spec):
     return config
 
 
-def synthetic_batch(config, batch_size, device, generator):
-    """Random images and labels, or random tokens, with the config's shapes."""
+def synthetic_batch(config, batch_size, device, generator, extra_token=False):
+    """Random images and labels, or random tokens, with the config's shapes (extra_token: windows
+    of seq_len + 1 tokens, as train.py reads a next-token run's text)."""
     if config.is_image:
         x = torch.randn(batch_size, config.channels, config.image_size, config.image_size,
                         generator=generator)
         y = torch.randint(0, config.num_classes, (batch_size,), generator=generator)
         return x.to(device), y.to(device)
-    return torch.randint(0, config.vocab_size, (batch_size, config.seq_len),
+    return torch.randint(0, config.vocab_size, (batch_size, config.seq_len + extra_token),
                          generator=generator).to(device), None
 
 
@@ -142,7 +143,8 @@ class Runner:
                                                                compile_mode)
             self.attention = "explicit" if explicit else "sdpa"
         self.batch = synthetic_batch(config, args.batch_size, device,
-                                     torch.Generator().manual_seed(0))
+                                     torch.Generator().manual_seed(0),
+                                     extra_token=config.objective == "next" and not reference)
         self.autocast = torch.autocast(device.type, dtype=dtype,
                                        cache_enabled=self.compiled != "graphs") \
             if dtype != torch.float32 else nullcontext()

@@ -316,9 +316,9 @@ class TextData:
         self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
         self.window = seq_len + 1 if next_token else seq_len
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
-            if len(tokens) <= self.window:
-                raise DataError(f"{split} text has {len(tokens)} tokens, too few for one window of "
-                                f"{self.window} (--seq_len {seq_len}); use more text or a smaller "
+            if len(tokens) <= seq_len:  # one window and the token after it
+                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of "
+                                f"seq_len={seq_len} and its target; use more text or a smaller "
                                 "--seq_len")
 
     def sample(self, n, generator):

@@ -1131,6 +1131,27 @@ def test_next_token_windows_train_every_position_and_predict_each_held_out_token
     assert mlm.train_batch(mlm.sample(4, torch.Generator()))[0].shape == (4, 32)
 
 
+def test_a_next_token_run_saved_before_windows_of_seq_len_plus_one_goes_on_with_its_own(
+        tiny_data, tmp_path):
+    """Its resume (or its scoring) reads the windows it was trained on, so that it goes on exactly
+    and its evaluations stay comparable; a new run, fine-tuning included, reads seq_len + 1."""
+    import train
+
+    ckpt = torch.load(trained_checkpoint(tiny_data, "next", tmp_path / "run", 1),
+                      weights_only=True)
+    assert ckpt["window"] == 33  # --seq_len 32
+    resumed = train.TrainConfig(**{**ckpt["train"], "resume": True})
+    windows = {}
+    for name, saved, cfg in (("new", ckpt, resumed), ("old", {**ckpt, "window": None}, resumed),
+                             ("fresh", {**ckpt, "window": None}, train.TrainConfig(
+                                 **{**ckpt["train"], "init_from": "x"}))):
+        if saved["window"] is None:
+            del saved["window"]
+        data, _ = train.load_data(cfg, ckpt["config"], torch.device("cpu"), saved=saved)
+        windows[name] = data.window
+    assert windows == {"new": 33, "old": 32, "fresh": 33}
+
+
 def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
     from data import channel_statistics
 
@@ -2741,14 +2762,22 @@ def test_files_of_someone_else_where_a_replaced_run_waits_are_named_and_kept(cap
     one line and stays; a replaced run whose successor saved is removed with a word that says so."""
     from operations.housekeeping import TrainingError, out_dir_claimed
 
+    (tmp_path / "log.jsonl").write_text("a run's log\n")  # beside them: nothing moves
     for name in (".replacing", ".replaced"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "notes.txt").write_text("mine")
+        (tmp_path / name / "log.jsonl").write_text("the replaced run's log\n")
+        capsys.readouterr()
         with pytest.raises(TrainingError, match=rf"{name} holds files no run wrote \(notes\.txt\)"):
             with out_dir_claimed(str(tmp_path), resume=False, overwrite=True):
                 pass
+        said = capsys.readouterr()
+        assert said.out == said.err == ""  # the error alone: no note of a run put back
         assert (tmp_path / name / "notes.txt").read_text() == "mine"
+        assert (tmp_path / name / "log.jsonl").read_text() == "the replaced run's log\n"
+        assert (tmp_path / "log.jsonl").read_text() == "a run's log\n"
         shutil.rmtree(tmp_path / name)
+    (tmp_path / "log.jsonl").unlink()
     (tmp_path / ".replaced").mkdir()  # a successor saved, then was killed before forgetting it
     (tmp_path / ".replaced" / "ckpt.pt").write_bytes(b"the old run")
     (tmp_path / "ckpt.pt").write_bytes(b"the new run")

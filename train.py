@@ -169,14 +169,13 @@ def train(args, started=None):
                                       cache_enabled=compile_mode != "graphs")
         micro_batch = cfg.batch_size // (world * cfg.grad_accum)  # samples per forward, this rank
         eval_batch = micro_batch * cfg.grad_accum
-        probe_x = None  # the held-out samples probed at every evaluation (probe.py's)
-        if master and cfg.probe_samples:
-            probe_x = first_samples(data, cfg.probe_samples)
+        # the held-out samples probed at every evaluation (probe.py's)
+        probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
         if master and cfg.overwrite:  # only now that every check has passed; back if no save
             housekeeping.set_aside_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{model.num_params() / 1e6:.2f}M params, "
-            f"{model.flops_per_sample() / 1e9:.3f} GFLOPs/sample, "
+            f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
+            "GFLOPs/sample, "
             f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
             f"{world} x {cfg.grad_accum} x {micro_batch}, peak lr {cfg.lr:.3g}, warmup "
             f"{cfg.warmup} steps")
@@ -279,6 +278,7 @@ def train(args, started=None):
                              "rng": rng, "classes": getattr(data, "classes", None),
                              "listing": getattr(data, "listing", None),  # a folder's files
                              "pixels": getattr(data, "pixels", None),  # a checksum of them
+                             "window": getattr(data, "window", None),  # tokens per text window
                              "statistics": ((data.mean.cpu(), data.std.cpu()) if config.is_image
                                             else None),  # the pixels' normalisation
                              "init_hash": init_hash, "made_by": made_by}
@@ -427,9 +427,12 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
+    next_token = settings.get("objective", Config.objective) == "next"
+    if next_token and saved and (cfg.resume or cfg.eval_only) and "window" not in saved:
+        next_token = False  # a run saved before windows of seq_len + 1 goes on with its own
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,
-                    next_token=settings.get("objective", Config.objective) == "next")
+                    next_token=next_token)
     housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 

@@ -135,7 +135,7 @@ def _image_files(root):
                                         "remove it or point it at an image") from None
                 else:
                     key = os.path.join(real_folder, f)
-                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # reading a pipe would hang
+                if not stat.S_ISREG(mode):  # reading a pipe would hang
                     raise DataError(f"{path} is not a file (a pipe, socket or device); remove it "
                                     "from the image folder")
                 if key not in real:

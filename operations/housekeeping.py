@@ -357,17 +357,17 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
     if not os.access(out, os.W_OK | os.X_OK):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
-    locks = lock_out_dir(out)
+    locks, claimed = lock_out_dir(out), False  # claimed: every check passed, the run began
     try:
         linked = [n for n in (*RUN_FILES, REPLACED, REPLACING)
                   if os.path.islink(os.path.join(out, n))]
         if linked:  # never read, appended to, moved or removed through a link out of out_dir
             raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
                                 "own files in --out_dir; remove the link")
+        check_no_strays(out)  # before anything there moves
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
                   "it is back in place", file=sys.stderr, flush=True)
-        check_no_strays(out)
         for name in os.listdir(out):
             if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
                 os.remove(os.path.join(out, name))
@@ -376,10 +376,11 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
                                 f"continue it with --resume, "
                                 "choose another --out_dir, or pass --overwrite to replace it")
+        claimed = True
         yield
     finally:
         try:
-            if put_back_replaced_run(out):
+            if claimed and put_back_replaced_run(out):
                 print(f"note: this run ended before its first checkpoint, so the run it replaced "
                       f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
         except OSError:  # a folder gone read-only: the error that ended the run is the one to say
@@ -420,14 +421,15 @@ def forget_replaced_run(out, why="this run has saved"):
 
 
 def check_no_strays(out):
-    """After put_back_replaced_run, out/.replacing and out/.replaced hold nothing of a run: what is
-    left there was put there by someone else, and is never moved or removed."""
+    """out/.replacing and out/.replaced hold only a run's own files: anything else there was put
+    there by someone else, and nothing in them is moved or removed until it is gone."""
     for name in (REPLACING, REPLACED):
         path = os.path.join(out, name)
-        stray = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        stray = sorted(set(os.listdir(path)) - set(RUN_FILES)) if os.path.isdir(path) else []
         if stray:
-            raise TrainingError(f"{path} holds files no run wrote ({', '.join(stray[:3])}); move "
-                                "them out of it (train.py keeps a replaced run there)")
+            more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
+            raise TrainingError(f"{path} holds files no run wrote ({', '.join(stray[:3])}{more}); "
+                                "move them out of it (train.py keeps a replaced run there)")
 
 
 def put_back_replaced_run(out):
@@ -444,6 +446,10 @@ def put_back_replaced_run(out):
         with suppress(OSError):
             os.rmdir(staging)
     if not os.path.isdir(aside):
+        return False
+    if not any(os.path.exists(os.path.join(aside, name)) for name in RUN_FILES):
+        with suppress(OSError):
+            os.rmdir(aside)
         return False
     if os.path.exists(os.path.join(out, "ckpt.pt")):
         forget_replaced_run(out, "the run --overwrite started here has saved")
