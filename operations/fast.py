@@ -95,11 +95,12 @@ def for_training(model, device, dtype, compile="off", ddp=False):
     says which compilation was chosen and why. Every choice runs the model's own forward and loss
     (the compile tests of test_all.py check loss and gradients against the plain model):
 
-      --compile off, or auto on CPU    model itself
-      model                            torch.compile(model)
+      --compile off, or auto on CPU    model itself: every loss eager, as bamboo.py reads
+      model                            torch.compile(model): the same forward and loss, compiled
       blocks (auto under DDP)          model with its Blocks compiled in place (compile_blocks);
-                                       next: CompiledNextToken(model), its loss one more region
-      graphs (auto on one GPU)         CUDAGraphed(the module of blocks)
+                                       next: CompiledNextToken(model), model.next_token_loss
+                                       (ChunkedCrossEntropy) compiled as one more region
+      graphs (auto on one GPU)         CUDAGraphed(the module of blocks): that, as one CUDA graph
 
     Under graphs, run the module under autocast with cache_enabled=False (the autocast cache would
     hold tensors from outside the graph) and feed it batches of one shape."""
