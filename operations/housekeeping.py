@@ -265,11 +265,7 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
                                              "damaged; train again")
     settings.update({name: getattr(train_config, name) for name in per_invocation})
     settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
-    try:
-        return train_config(**settings), ckpt
-    except TypeError as e:
-        raise checkpoint.CheckpointError(f"{path}: its training settings are damaged ({e})") \
-            from None
+    return train_config(**settings), ckpt  # every field, of its type: checked above
 
 
 def check_same_data(resumed, data, data_dir, master=True):
@@ -790,18 +786,13 @@ def log_file(path, cfg, master, made_by, from_step):
             log.wandb.finish()
 
 
-@contextmanager
 def progress_bar(total, initial, master=True):
     """A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation
-    lines. Closed on the way out, before any error line."""
+    lines. As a context manager (tqdm's own), closed on the way out, before any error line."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=initial, disable=not (master and sys.stderr.isatty()),
-               dynamic_ncols=True, mininterval=1.0)
-    try:
-        yield bar
-    finally:
-        bar.close()
+    return tqdm(total=total, initial=initial, disable=not (master and sys.stderr.isatty()),
+                dynamic_ncols=True, mininterval=1.0)
 
 
 class LogAlsoToWandb:
