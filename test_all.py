@@ -2619,13 +2619,14 @@ def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(ti
                                                                              tmp_path):
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
     assert run_train(*flags, out_dir=tmp_path)[0] == 0
-    left = [".ckpt.pt.k1l2.tmp", ".log.jsonl.a1.tmp", ".eval_correct.npy.b2.tmp"]
-    for name in [*left, ".notes.x.tmp", "ckpt.pt.tmp"]:
+    left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
+    others = [".notes.x.tmp", "ckpt.pt.tmp", ".ckpt.pt.mine.tmp"]  # not atomic_write's names
+    for name in [*left, *others]:
         (tmp_path / name).write_bytes(b"x" * 100)
     code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
     assert code == 0, out
     assert not [n for n in left if (tmp_path / n).exists()]
-    assert (tmp_path / ".notes.x.tmp").exists() and (tmp_path / "ckpt.pt.tmp").exists()
+    assert all((tmp_path / n).exists() for n in others)
 
 
 @pytest.mark.parametrize("how", ["diverged", "killed", "killed while setting aside"])
@@ -2787,6 +2788,25 @@ def test_files_of_someone_else_where_a_replaced_run_waits_are_named_and_kept(cap
     assert "the run --overwrite started here has saved, so the run it replaced" in (
         capsys.readouterr().out)
     assert not (tmp_path / ".replaced").exists() and (tmp_path / "ckpt.pt").exists()
+
+
+def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
+    """Only atomic_write's temporary names are cleaned up, and .lock is removed only while empty
+    (as a run leaves it): a user's .lock, or .tmp files of other names, stay as they are."""
+    from operations.housekeeping import out_dir_claimed
+
+    mine = {".lock": "mine", ".ckpt.pt.mine.tmp": "mine", ".log.jsonl.draft.tmp": "mine"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / ".ckpt.pt.ab12cd_4.tmp").write_bytes(b"half a checkpoint")  # a cut-off write
+    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+        pass
+    assert {name: (tmp_path / name).read_text() for name in mine} == mine
+    assert not (tmp_path / ".ckpt.pt.ab12cd_4.tmp").exists()
+    (tmp_path / ".lock").write_text("")  # left by a run killed before its end
+    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+        pass
+    assert not (tmp_path / ".lock").exists()
 
 
 def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
@@ -3798,8 +3818,22 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_in_one_line(tmp_path,
     checkpoint.save(str(tmp_path / "n.pt"), {"config": model.config.to_dict(),
                                              "model": model.state_dict()})
     (tmp_path / "file").write_text("the user's own")
-    assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "file")]) == 2
-    assert "a Hugging Face model is a folder" in capsys.readouterr().err
+    for out in ("file", "gpt.safetensors"):  # a next-token model is a folder, never a file
+        assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / out)]) == 2
+        assert "exports as a Hugging Face folder" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "the user's own"
+    assert not (tmp_path / "gpt.safetensors").exists()
+    assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "hf")]) == 0
+    cls = Bamboo(tiny("cls"))
+    checkpoint.save(str(tmp_path / "c.pt"), {"config": cls.config.to_dict(),
+                                             "model": cls.state_dict()})
+    (tmp_path / "vit.safetensors").write_text("the user's own")
+    for ckpt, out, said in (("n.pt", "hf", "already holds a model (config.json"),
+                            ("c.pt", "vit.safetensors", "vit.safetensors exists; remove it")):
+        capsys.readouterr()
+        assert export.main([str(tmp_path / ckpt), "--out", str(tmp_path / out)]) == 2
+        assert said in capsys.readouterr().err  # nothing written over
+    assert (tmp_path / "vit.safetensors").read_text() == "the user's own"
 
 
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():

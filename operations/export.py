@@ -118,9 +118,14 @@ def export(path, out):
     if c.objective == "next":
         from transformers import GPT2LMHeadModel
 
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise ValueError(f"--out {out} is a file; a Hugging Face model is a folder: give a "
-                             "folder's path")
+        if (os.path.exists(out) and not os.path.isdir(out)) or out.endswith(".safetensors"):
+            raise ValueError(f"--out {out}: a next-token model exports as a Hugging Face folder; "
+                             "give --out a folder's path (not a file's)")
+        written = [f for f in ("config.json", "model.safetensors", "generation_config.json")
+                   if os.path.exists(os.path.join(out, f))]
+        if written:
+            raise ValueError(f"--out {out} already holds a model ({', '.join(written)}); remove "
+                             "it or export to another folder")
         hf = GPT2LMHeadModel(gpt2_config(c))
         hf.load_state_dict(to_gpt2(model))
         hf.save_pretrained(out)
@@ -128,6 +133,8 @@ def export(path, out):
     from safetensors.torch import save_file
 
     check_output_path("--out", out)
+    if os.path.exists(out):
+        raise ValueError(f"--out {out} exists; remove it or export to another file")
     save_file({k: v.contiguous() for k, v in to_timm(model).items()}, out)
     return (f"wrote {out}: VisionTransformer(**{timm_kwargs(c)!r}, norm_layer=partial("
             f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."

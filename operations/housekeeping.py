@@ -364,8 +364,10 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
                   "it is back in place", file=sys.stderr, flush=True)
-        for name in os.listdir(out):
-            if name.endswith(".tmp") and name.startswith(tuple(f".{f}." for f in RUN_FILES)):
+        names = "|".join(re.escape(f".{f}.") for f in RUN_FILES)
+        ours = re.compile(f"(?:{names})[a-z0-9_]{{8}}\\.tmp")
+        for name in os.listdir(out):  # atomic_write's temporary names (mkstemp's), only
+            if ours.fullmatch(name):
                 os.remove(os.path.join(out, name))
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
@@ -504,13 +506,15 @@ def drop_inherited_locks():
 
 
 def release_out_dir(out, locks, created):
-    """Drop the locks, and remove out_dir again if this run created it and left only its lock."""
+    """Drop the locks; remove .lock if empty (a run's: one with something in it is not ours), and
+    out_dir if this run made it and left it empty."""
+    lock = os.path.join(out, ".lock")
     for fd in locks:
         LOCKS.remove(fd)
         os.close(fd)
     with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
-        if locks:  # stopped the run is the one to report
-            os.remove(os.path.join(out, ".lock"))
+        if locks and os.path.getsize(lock) == 0:  # stopped the run is the one to report
+            os.remove(lock)
         if created and not os.listdir(out):
             os.rmdir(out)
 
