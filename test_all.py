@@ -2629,6 +2629,21 @@ def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(ti
     assert all((tmp_path / n).exists() for n in others)
 
 
+def test_the_replaced_run_stays_until_its_successor_finishes(capsys, tiny_data, tmp_path):
+    """A successor that saved but stopped early (a time limit, Ctrl-C, a later divergence) may be
+    the wrong run: the one it replaced stays in .replaced, said, until the successor finishes."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
+    assert run_train(*flags, out_dir=tmp_path)[0] == 0
+    old = (tmp_path / "ckpt.pt").read_bytes()
+    code, out, _ = run_train(*flags, "--overwrite", "--max_iters", "50", "--time_limit", "0.001",
+                             out_dir=tmp_path)  # saved at step 1, then stopped
+    assert code == 0 and "stays in" in out and "until this run finishes" in out, out
+    assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == old
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path)
+    assert code == 0 and "this run has finished, so the run it replaced" in out, out
+    assert not (tmp_path / ".replaced").exists()
+
+
 @pytest.mark.parametrize("how", ["diverged", "killed", "killed while setting aside"])
 def test_an_overwrite_run_that_ends_before_saving_puts_the_replaced_run_back(capsys, tiny_data,
                                                                             tmp_path, how):
@@ -2779,15 +2794,20 @@ def test_files_of_someone_else_where_a_replaced_run_waits_are_named_and_kept(cap
         assert (tmp_path / "log.jsonl").read_text() == "a run's log\n"
         shutil.rmtree(tmp_path / name)
     (tmp_path / "log.jsonl").unlink()
-    (tmp_path / ".replaced").mkdir()  # a successor saved, then was killed before forgetting it
+    (tmp_path / ".replaced").mkdir()  # a successor saved, then was killed before it finished
     (tmp_path / ".replaced" / "ckpt.pt").write_bytes(b"the old run")
     (tmp_path / "ckpt.pt").write_bytes(b"the new run")
     capsys.readouterr()
     with out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
         pass
-    assert "the run --overwrite started here has saved, so the run it replaced" in (
-        capsys.readouterr().out)
-    assert not (tmp_path / ".replaced").exists() and (tmp_path / "ckpt.pt").exists()
+    assert "holds the run an earlier --overwrite replaced; it goes when the run in" in (
+        capsys.readouterr().err)
+    assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
+    with pytest.raises(TrainingError, match="has not finished: --resume that one, or move one"):
+        with out_dir_claimed(str(tmp_path), resume=False, overwrite=True):
+            pass
+    assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the new run"
 
 
 def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):

@@ -286,14 +286,14 @@ def train(args, started=None):
                     checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
-                    if saved_step is None:  # the run --overwrite replaced can go now
-                        housekeeping.forget_replaced_run(cfg.out_dir)
                     saved_step, clock.save_s = step, time.time() - t_save
                 if stopping:
                     if master:
                         bar.write(housekeeping.how_to_resume(stop.reason, step, world, cfg.out_dir))
                     break
         say(clock.summary(model, metrics, best, stop.reason, device))
+        if master and step >= cfg.max_iters:  # finished: the run --overwrite replaced can go
+            housekeeping.forget_replaced_run(cfg.out_dir)
     return 130 if stop.reason == "interrupted" else 0
 
 

@@ -364,6 +364,14 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
         if put_back_replaced_run(out):  # a run killed before its first checkpoint
             print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
                   "it is back in place", file=sys.stderr, flush=True)
+        aside = os.path.join(out, REPLACED)
+        if os.path.isdir(aside) and overwrite:  # two replaced runs would not fit in one place
+            raise TrainingError(f"{aside} holds the run an earlier --overwrite replaced, and the "
+                                f"run in {out} has not finished: --resume that one, or move one "
+                                "of the two out first")
+        if os.path.isdir(aside):
+            print(f"note: {aside} holds the run an earlier --overwrite replaced; it goes when the "
+                  f"run in {out} finishes", file=sys.stderr, flush=True)
         names = "|".join(re.escape(f".{f}.") for f in RUN_FILES)
         ours = re.compile(f"(?:{names})[a-z0-9_]{{8}}\\.tmp")
         for name in os.listdir(out):  # atomic_write's temporary names (mkstemp's), only
@@ -381,6 +389,11 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
             if claimed and put_back_replaced_run(out):
                 print(f"note: this run ended before its first checkpoint, so the run it replaced "
                       f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
+            elif claimed and os.path.isdir(os.path.join(out, REPLACED)):
+                print(f"note: the run --overwrite replaced stays in {out}/{REPLACED} until this "
+                      f"run finishes (--resume it); to go back to that one instead, remove this "
+                      f"run's files and move those in {REPLACED} back", file=sys.stderr,
+                      flush=True)
         except OSError:  # a folder gone read-only: the error that ended the run is the one to say
             pass
         finally:
@@ -389,10 +402,10 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
 
 def set_aside_old_run(out):
     """--overwrite, once the new run has passed every check: the old run's files move into
-    out/.replaced, kept until the new run's first checkpoint (forget_replaced_run); a run that ends
-    before that, however it ends, gets them back (put_back_replaced_run, at its end or at the next
-    start). They move through out/.replacing, renamed only when all are there, so that a kill
-    mid-way loses nothing."""
+    out/.replaced, kept until the new run finishes (forget_replaced_run); a run that ends before
+    its first checkpoint, however it ends, gets them back (put_back_replaced_run, at its end or at
+    the next start); one that ends after it leaves them there, and says so. They move through
+    out/.replacing, renamed only when all are there, so that a kill mid-way loses nothing."""
     old = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
     if not old:
         return
@@ -403,8 +416,8 @@ def set_aside_old_run(out):
     os.replace(staging, os.path.join(out, REPLACED))
 
 
-def forget_replaced_run(out, why="this run has saved"):
-    """The new run has saved: the run it replaced goes (only the files a run writes); said."""
+def forget_replaced_run(out, why="this run has finished"):
+    """The new run has finished: the run it replaced goes (only the files a run writes); said."""
     aside = os.path.join(out, REPLACED)
     if os.path.islink(aside) or not os.path.isdir(aside):  # a link is not ours: never followed
         return
@@ -433,7 +446,7 @@ def check_no_strays(out):
 def put_back_replaced_run(out):
     """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
     the successor wrote and move the replaced run back, its checkpoint last; True if so. Where the
-    successor saved, the replaced run goes. A set-aside cut short (out/.replacing) is undone."""
+    successor saved, both stay. A set-aside cut short (out/.replacing) is undone."""
     staging, aside = os.path.join(out, REPLACING), os.path.join(out, REPLACED)
     if os.path.islink(staging) or os.path.islink(aside):  # not ours: never followed
         return False
@@ -449,8 +462,7 @@ def put_back_replaced_run(out):
         with suppress(OSError):
             os.rmdir(aside)
         return False
-    if os.path.exists(os.path.join(out, "ckpt.pt")):
-        forget_replaced_run(out, "the run --overwrite started here has saved")
+    if os.path.exists(os.path.join(out, "ckpt.pt")):  # the successor saved: kept until it finishes
         return False
     for name in sorted(RUN_FILES, key=lambda name: name == "ckpt.pt"):  # ckpt.pt last
         with suppress(FileNotFoundError):
