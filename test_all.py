@@ -1812,6 +1812,16 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
                     str(tmp_path / "other"))
     assert "the wandb package fails to import (AttributeError: no attr x)" in err
 
+    def not_logged_in(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=not_logged_in))
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--wandb_project", "p"), "--out_dir",
+                    str(tmp_path / "login"))
+    assert err.startswith("error: --wandb_project: wandb.init failed (RuntimeError: api_key not "
+                          "configured (no-tty)); run `wandb login`")  # one line: cli_error
+    assert not (tmp_path / "login" / "log.jsonl").exists()  # nothing left to refuse a next run
+
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)

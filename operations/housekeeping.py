@@ -791,15 +791,27 @@ def log_file(path, cfg, master, made_by, from_step):
     if not master:
         yield None
         return
+    run = start_wandb(cfg) if cfg.wandb_project else None  # before the log: a failure leaves none
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     flags |= os.O_APPEND if cfg.resume else os.O_TRUNC
     with os.fdopen(os.open(path, flags, 0o644), "a" if cfg.resume else "w", buffering=1) as log:
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
-        if cfg.wandb_project:
-            log = LogAlsoToWandb(log, cfg)
-        yield log
-        if isinstance(log, LogAlsoToWandb):
-            log.wandb.finish()
+        yield LogAlsoToWandb(log, run) if run else log
+        if run:
+            run.finish()
+
+
+def start_wandb(cfg):
+    """A Weights & Biases run for --wandb_project; one line where wandb cannot start one."""
+    import wandb
+
+    try:
+        return wandb.init(project=cfg.wandb_project, config=vars(cfg),
+                          name=os.path.basename(os.path.abspath(cfg.out_dir)))
+    except Exception as e:  # not logged in, offline, a bad project name: wandb's own errors
+        raise TrainingError(f"--wandb_project: wandb.init failed ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); run `wandb "
+                            "login`, set WANDB_MODE=offline, or drop the flag") from None
 
 
 def progress_bar(total, initial, master=True):
@@ -815,12 +827,8 @@ class LogAlsoToWandb:
     """log.jsonl whose step and evaluation records also go to Weights & Biases, as nanoGPT's
     wandb_log does: the numbers only (per-layer metrics stay in the file)."""
 
-    def __init__(self, log, cfg):
-        import wandb
-
-        self.log = log
-        self.wandb = wandb.init(project=cfg.wandb_project, config=vars(cfg),
-                                name=os.path.basename(os.path.abspath(cfg.out_dir)))
+    def __init__(self, log, run):
+        self.log, self.wandb = log, run
 
     def write(self, line):
         self.log.write(line)
