@@ -236,16 +236,39 @@ def read_log(out_dir):
         raise ValueError(f"no log at {path}; give the --out_dir of a train.py run or its log")
     train, evals = [], []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
-            if "run" not in record:  # an invocation's first record says what made it
-                (evals if record.get("eval") else train).append(record)
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a log train.py wrote (not UTF-8 text)") from None
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
+        if not is_record(record):
+            raise ValueError(f"{path} line {n} is not a record train.py writes; the log is "
+                             "damaged, or another program's")
+        if "run" not in record:  # an invocation's first record says what made it
+            (evals if record.get("eval") else train).append(record)
     if not train and not evals:
         raise ValueError(f"{path} holds no step yet; look again once the run has logged")
     return train, evals
+
+
+def is_record(record):
+    """A log record as train.py writes it: an invocation's first record, or an integer step with
+    numbers (NaN included), hashes, and per-layer metrics as lists of numbers or nulls."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(record, dict) or "run" in record:
+        return isinstance(record, dict)
+    layers = record.get("layers", {}) or {}
+    return (isinstance(record.get("step"), int) and isinstance(layers, dict)
+            and all(isinstance(v, list) and all(x is None or number(x) for x in v)
+                    for v in layers.values())
+            and all(number(v) or k == "eval" or (k.endswith("sha256") and isinstance(v, str))
+                    for k, v in record.items() if k not in ("step", "layers")))
 
 
 def run_label(out_dir):

@@ -3009,6 +3009,16 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
     assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
+    (tmp_path / "e").mkdir()  # records train.py never writes, and a log that is not text
+    for bad in ('"layers": [1, 2]', '"layers": 5', '"val_loss": null', '"val_loss": "NaN"'):
+        (tmp_path / "e" / "log.jsonl").write_text('{"step": 2, "eval": true, ' + bad + '}\n')
+        for command in ("smoothing", "curves"):
+            assert look.main([command, str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
+            err = capsys.readouterr().err
+            assert "line 1 is not a record train.py writes" in err and err.count("\n") == 1, err
+    (tmp_path / "e" / "log.jsonl").write_bytes(b"\x80\x81 not text")
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
+    assert "is not a log train.py wrote (not UTF-8 text)" in capsys.readouterr().err
 
 
 def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
