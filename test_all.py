@@ -1152,6 +1152,30 @@ def test_a_next_token_run_saved_before_windows_of_seq_len_plus_one_goes_on_with_
     assert windows == {"new": 33, "old": 32, "fresh": 33}
 
 
+def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_path, capsys):
+    """An edit that keeps a text file's size and mtime is tokenized again (ctime is in the key);
+    a --cache_dir that cannot be written leaves the tokens in memory, with a note."""
+    from data import TextData
+
+    (tmp_path / "text").mkdir()
+    for name in ("train.txt", "val.txt"):
+        (tmp_path / "text" / name).write_text("abcdefgh" * 40)
+    cache = str(tmp_path / "cache")
+    first = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
+    train = tmp_path / "text" / "train.txt"
+    kept = os.stat(train)
+    train.write_text("zyxwvuts" * 40)  # the same size, its times set back
+    os.utime(train, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    again = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
+    assert first.train[0] == ord("a") and again.train[0] == ord("z")
+    (tmp_path / "a-file").write_text("not a folder")
+    capsys.readouterr()
+    text = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt",
+                    str(tmp_path / "a-file"), 16)
+    assert text.train[0] == ord("z") and "note: tokens not cached (" in capsys.readouterr().out
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+
+
 def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
     from data import channel_statistics
 

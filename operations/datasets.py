@@ -202,17 +202,24 @@ def read_text(path):
 
 
 def tokenize_cached(path, tokenizer, cache_dir):
-    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir."""
+    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir (keyed by the
+    file's path, size and times: no edit can set its ctime back)."""
     stat = os.stat(path)
-    fingerprint = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.name}"
+    fingerprint = (f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
+                   f"|{tokenizer.name}")
     key = hashlib.sha1(fingerprint.encode())
     dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
     cache = os.path.join(cache_dir,
                          f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
     if not os.path.exists(cache):
-        os.makedirs(cache_dir, exist_ok=True)
-        ids = tokenizer.encode_ordinary(read_text(path))
-        atomic_write(cache, lambda f: f.write(np.asarray(ids, dtype=dtype).tobytes()))
+        ids = np.asarray(tokenizer.encode_ordinary(read_text(path)), dtype=dtype)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            atomic_write(cache, lambda f: f.write(ids.tobytes()))
+        except OSError as e:  # the run goes on with the tokens in memory; the next tokenizes again
+            print(f"note: tokens not cached ({e.strerror}: {e.filename or cache_dir}); set "
+                  "--cache_dir to a writable folder to load them at once next time", flush=True)
+            return ids
     return np.memmap(cache, dtype=dtype, mode="r")
 
 
