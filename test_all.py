@@ -2901,8 +2901,15 @@ def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
                              out_dir=tmp_path / "w")
     assert code == 0 and "--warmup 5 is not shorter than --max_iters 2" in out
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--probe_samples",
-                                          "100000"), out_dir=tmp_path / "p")
+                                          "100000", "--train_samples", "100000", "--mlm_prob",
+                                          "0.3", "--seq_len", "64", "--num_classes", "7"),
+                             out_dir=tmp_path / "p")
     assert code == 0 and "--probe_samples 100000 is more than the " in out, out
+    assert "--train_samples 100000 is more than the 96 training images" in out, out
+    assert "--decoder_heads --mlm_prob --seq_len do nothing for --objective cls" in out
+    assert "--num_classes is the data's 2 here: the data sets it" in out
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"), out_dir=tmp_path / "p")
+    assert code == 0 and "--eval_only without --resume or --init_from scores freshly" in out
     err = cli_error(capsys, *text_flags(tiny_data, "next", "--stream", "on"), "--out_dir",
                     str(tmp_path / "s"))
     assert "--stream 'on' reads image files; --dataset text is text" in err

@@ -855,9 +855,29 @@ def record_evaluation(log, bar, record, model, init_hash, correct, out_dir):
                        for k, v in record.items() if not isinstance(v, dict)))
 
 
+# Flags that only some objectives read: given to another, they would do nothing unsaid
+APPLIES_TO = {**dict.fromkeys(("mask_ratio", "decoder_depth", "decoder_width", "decoder_heads",
+                               "norm_pix_loss"), ("mae",)),
+              "mlm_prob": ("mlm",), "pool": ("cls",), "label_smoothing": ("cls",),
+              **dict.fromkeys(("image_size", "patch_size", "train_samples"), ("mae", "cls")),
+              **dict.fromkeys(("seq_len", "tokenizer", "train_file", "val_file"), ("mlm", "next"))}
+
+
 def settings_lines(cfg, config, data, sources):
-    """What streaming does, then every setting by where it came from."""
+    """What streaming does, then every setting by where it came from; a note for each flag given
+    that does nothing here."""
     lines = []
+    ignored = [f"--{k}" for k, objectives in APPLIES_TO.items()
+               if sources.get(k) == "flags" and config.objective not in objectives]
+    if ignored:
+        lines.append(f"note: {' '.join(ignored)} do nothing for --objective {config.objective}; "
+                     "this run ignores them")
+    if cfg.eval_only and not cfg.resume and not cfg.init_from:
+        lines.append("note: --eval_only without --resume or --init_from scores freshly "
+                     f"initialised weights; add --resume to score the run in {cfg.out_dir}")
+    if config.is_image and cfg.train_samples > data.num_train():
+        lines.append(f"note: --train_samples {cfg.train_samples} is more than the "
+                     f"{data.num_train()} training images; the run takes those")
     if isinstance(data, ImageStream):
         workers = data.workers
         lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
@@ -874,6 +894,10 @@ def settings_lines(cfg, config, data, sources):
         lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "
                      f"{data.num_held_out()} held-out samples; the probe takes those")
     dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
+    overruled = [f"--{k} is the data's {getattr(config, k)}" for k in dictated
+                 if sources.get(k) == "flags"]
+    if overruled:
+        lines.append(f"note: {', '.join(overruled)} here: the data sets it")
     sources.update(dict.fromkeys(dictated, "the data"))
     lines += settings_block({**vars(cfg), **config.to_dict()}, sources)
     if cfg.warmup >= cfg.max_iters:
