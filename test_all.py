@@ -2888,6 +2888,13 @@ def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
         (tmp_path / "log.jsonl").write_text(log + line + "\n")
         err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
         assert f"a log.jsonl line is not one of train.py's records ({line})" in err, err
+    err = cli_error(capsys, "--seed", "99999999999999999999999", "--out_dir", str(tmp_path / "s"))
+    assert "--seed 99999999999999999999999 must fit in 64 bits" in err
+    lines = log.splitlines(keepends=True)  # cut short: the last line only, never one before it
+    (tmp_path / "log.jsonl").write_text("".join(lines[:2]) + '{"step": 1, "lo\n' + "".join(
+        lines[2:]))
+    err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
+    assert 'a log.jsonl line is not one of train.py\'s records ({"step": 1, "lo)' in err, err
     (tmp_path / "log.jsonl").write_bytes(log.encode() + b"\xff\n")
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
     assert f"{tmp_path / 'log.jsonl'} is not UTF-8 text; the log is damaged" in err, err

@@ -173,6 +173,7 @@ def check_settings(cfg):
         ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
          "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
+        ("seed", -2 ** 63 <= cfg.seed < 2 ** 63 - 1024, "must fit in 64 bits (at most 18 digits)"),
         ("memory_gb", cfg.memory_gb >= 0, "must be >= 0 (0 streams every image folder)"),
         ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one, at most "
          "8)"),
@@ -541,12 +542,15 @@ def process_group_left(ddp):
             dist.destroy_process_group()
 
 
-def logged_step(line):
-    """The step of a log.jsonl line; infinite for a line a kill cut short (never kept)."""
+def logged_step(line, last=True):
+    """The step of a log.jsonl line; infinite for the last line, if a kill cut it short (never
+    kept). Only the last line can be cut short: any other that is not a record is damage."""
     try:
         record = json.loads(line)
     except ValueError:
-        return math.inf
+        if last:
+            return math.inf
+        record = None
     step = record.get("step", 0) if isinstance(record, dict) else None
     if not isinstance(step, (int, float)):
         raise TrainingError(f"a log.jsonl line is not one of train.py's records "
@@ -566,7 +570,7 @@ def forget_unsaved_steps(log_path, step):
     except UnicodeDecodeError:
         raise TrainingError(f"{log_path} is not UTF-8 text; the log is damaged: remove it, or the "
                             "line that is not one of train.py's records, and --resume") from None
-    kept = [line for line in lines if logged_step(line) <= step]
+    kept = [line for n, line in enumerate(lines, 1) if logged_step(line, n == len(lines)) <= step]
     if len(kept) < len(lines):
         checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
 
