@@ -122,8 +122,9 @@ class ImageData:
             _load_split(name, data_dir, "train", image_size, files, train_samples, cache_dir)
             if train
             else (self.test_x[:0], self.test_y[:0], None))
-        # a checksum of the training pixels, which a resume compares with the run's
-        self.pixels = zlib.crc32(self.train_x.contiguous().numpy()) if train else None
+        # a checksum of both splits' pixels, which a resume compares with the run's
+        train_crc = zlib.crc32(self.train_x.contiguous().numpy())
+        self.checksum = zlib.crc32(self.test_x.contiguous().numpy(), train_crc) if train else None
         self.classes = list(classes or test_classes)  # folder names, in label order
         self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
@@ -313,6 +314,7 @@ class TextData:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
+        self.checksum = zlib.crc32(self.val, zlib.crc32(self.train)) if train else None
         self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
         self.window = seq_len + 1 if next_token else seq_len
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:

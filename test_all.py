@@ -2627,7 +2627,22 @@ def test_resuming_on_a_folder_whose_files_changed_is_refused_and_a_moved_one_res
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(extra)  # the same file, other pixels
     code, out, _ = run_train("--resume", "--max_iters", "3", "--data_dir", moved,
                              out_dir=tmp_path / "run")
-    assert code == 0 and "are the run's files, but their pixels differ" in out, out
+    assert code == 0 and f"the data in {moved} differ from the run's (edited" in out, out
+
+
+def test_resuming_on_other_text_in_the_same_files_is_said(tiny_data, tmp_path):
+    text = tmp_path / "text"
+    shutil.copytree(tiny_data / "text", text)
+    flags = text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval", "1",
+                       "--cache_dir", tmp_path / "cache")
+    flags[flags.index("--data_dir") + 1] = str(text)
+    assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "run")
+    assert code == 0 and "differ from the run's" not in out, out
+    val = (text / "val.txt").read_text()
+    (text / "val.txt").write_text(val[::-1])  # the same length, other text
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path / "run")
+    assert code == 0 and f"the data in {text} differ from the run's (edited" in out, out
 
 
 def test_overwrite_replaces_a_run_only_after_every_check_and_then_all_of_it(capsys, tiny_data,

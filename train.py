@@ -277,7 +277,7 @@ def train(args, started=None):
                              "scaler": scaler.state_dict(), "step": step, "best": best,
                              "rng": rng, "classes": getattr(data, "classes", None),
                              "listing": getattr(data, "listing", None),  # a folder's files
-                             "pixels": getattr(data, "pixels", None),  # a checksum of them
+                             "checksum": getattr(data, "checksum", None),  # of the data's
                              "window": getattr(data, "window", None),  # tokens per text window
                              "statistics": ((data.mean.cpu(), data.std.cpu()) if config.is_image
                                             else None),  # the pixels' normalisation

@@ -272,8 +272,8 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
 def check_same_data(resumed, data, data_dir, master=True):
     """A resumed image run must see the class folders it was trained on, in the same order (labels
     are class indices: renamed or reordered folders would train on permuted labels), and a folder
-    the same files (added or removed ones would change the data order silently). Other pixels in the
-    same files (edited, or decoded by another PIL) are said, not refused."""
+    the same files (added or removed ones would change the data order silently). Other data in the
+    same files (edited, or decoded by another PIL) is said, not refused."""
     saved, now = resumed.get("classes"), getattr(data, "classes", None)
     if saved is not None and now is not None and list(saved) != list(now):
         raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
@@ -284,11 +284,11 @@ def check_same_data(resumed, data, data_dir, master=True):
         raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
                             "was trained on (files added, removed or renamed since); put the "
                             "folder back as it was, or start a new run on it")
-    saved, now = resumed.get("pixels"), getattr(data, "pixels", None)
+    saved, now = resumed.get("checksum"), getattr(data, "checksum", None)
     if master and saved is not None and now is not None and saved != now:
-        print(f"note: --resume: the training images in {data_dir} are the run's files, but their "
-              "pixels differ (edited since, or decoded by another PIL version); training goes on "
-              "with the pixels as they are now", flush=True)
+        print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, or "
+              "decoded by another PIL version): training goes on with them as they are now, and "
+              "'best' compares evaluations on both", flush=True)
 
 
 def check_scored_as_trained(path, ckpt, settings):
