@@ -308,8 +308,9 @@ class TextData:
         for file, flag in wanted + ((val_file, "--val_file"),):
             path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
-                raise DataError(f"missing text file {path}; put it there, or point --data_dir "
-                                f"and {flag} elsewhere")
+                what = "is not a file (a folder, a pipe)" if os.path.exists(path) else "is missing"
+                raise DataError(f"text file {path} {what}; put the text there, or point "
+                                f"--data_dir and {flag} elsewhere")
             if os.path.getsize(path) == 0:
                 raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
             tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))

@@ -2630,12 +2630,16 @@ def test_resuming_on_a_folder_whose_files_changed_is_refused_and_a_moved_one_res
     assert code == 0 and f"the data in {moved} differ from the run's (edited" in out, out
 
 
-def test_resuming_on_other_text_in_the_same_files_is_said(tiny_data, tmp_path):
+def test_resuming_on_other_text_in_the_same_files_is_said(capsys, tiny_data, tmp_path):
     text = tmp_path / "text"
     shutil.copytree(tiny_data / "text", text)
-    flags = text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval", "1",
-                       "--cache_dir", tmp_path / "cache")
+    flags = [str(f) for f in text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval",
+                                        "1", "--cache_dir", tmp_path / "cache")]
     flags[flags.index("--data_dir") + 1] = str(text)
+    (text / "folder.txt").mkdir()
+    for name, said in (("nosuch.txt", "is missing"), ("folder.txt", "is not a file (a folder")):
+        err = cli_error(capsys, *flags, "--val_file", name, "--out_dir", str(tmp_path / "bad"))
+        assert f"text file {text / name} {said}" in err and "point --data_dir and --val" in err
     assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
     code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "run")
     assert code == 0 and "differ from the run's" not in out, out

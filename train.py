@@ -270,8 +270,7 @@ def train(args, started=None):
                     best = metrics[name] if improved else best
                     record = {"step": step, "train_loss": train_loss, **metrics,
                               "elapsed_s": time.time() - t_start}
-                    housekeeping.record_evaluation(log, bar, record, model, init_hash, correct,
-                                                   cfg.out_dir)
+                    housekeeping.record_evaluation(log, bar, record, model, init_hash)
                     state = {"config": config.to_dict(), "train": asdict(cfg),
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": step, "best": best,
@@ -284,6 +283,7 @@ def train(args, started=None):
                              "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
                     checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it
+                    housekeeping.save_correct(correct, cfg.out_dir)  # nor is eval_correct.npy
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
                     saved_step, clock.save_s = step, time.time() - t_save

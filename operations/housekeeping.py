@@ -843,20 +843,23 @@ class LogAlsoToWandb:
             self.wandb.log(numbers, step=record["step"])
 
 
-def record_evaluation(log, bar, record, model, init_hash, correct, out_dir):
-    """Log and print the evaluation record with the trunk's hashes; a classifier's per-image
-    correctness to eval_correct.npy."""
+def record_evaluation(log, bar, record, model, init_hash):
+    """Log and print the evaluation record with the trunk's hashes."""
     hashes = {"init_trunk_sha256": init_hash["trunk"],  # the seed's initial trunk
               "trunk_sha256": checkpoint.weights_hash(model, trunk_only=True)["trunk"]}
     if "loaded_trunk" in init_hash:  # --init_from: the pretrained trunk training started from
         hashes["loaded_trunk_sha256"] = init_hash["loaded_trunk"]
     log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")
+    bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in record.items() if not isinstance(v, dict)))
+
+
+def save_correct(correct, out_dir):
+    """A classifier's per-image correctness at the evaluation ckpt.pt holds: eval_correct.npy."""
     if correct:
         flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
         path = os.path.join(out_dir, "eval_correct.npy")
         checkpoint.atomic_write(path, lambda f: np.save(f, flags))
-    bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in record.items() if not isinstance(v, dict)))
 
 
 # Flags that only some objectives read: given to another, they would do nothing unsaid
