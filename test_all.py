@@ -1499,6 +1499,14 @@ def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, t
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 4
     assert a["train"]["stream"] == "on" and a["train"]["crop_scale"] == 0.2
+    images = tmp_path / "images"  # an image edited in place: the stream says so on --resume
+    shutil.copytree(mixed_jpegs, images)
+    flags[flags.index("--data_dir") + 1] = images
+    assert run_train(*flags, "--max_iters", "2", out_dir=tmp_path / "edited")[0] == 0
+    edited = sorted((images / "train").rglob("*.jpg"))[0]
+    edited.write_bytes(edited.read_bytes() + b"\0")
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path / "edited")
+    assert code == 0 and f"the data in {images} differ from the run's" in out, out
 
 
 def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_path):
@@ -3066,6 +3074,11 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     (tmp_path / "c" / "log.jsonl").write_text("\n".join(records) + "\n")
     assert look.main(["smoothing", str(tmp_path / "c"), "--out", str(tmp_path / "u.png")]) == 0
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
+
+
+def test_look_refuses_logs_train_py_never_writes_in_one_line(capsys, tmp_path):
+    import look
+
     (tmp_path / "e").mkdir()  # records train.py never writes, and a log that is not text
     for bad in ('"layers": [1, 2]', '"layers": 5', '"val_loss": null', '"val_loss": "NaN"'):
         (tmp_path / "e" / "log.jsonl").write_text('{"step": 2, "eval": true, ' + bad + '}\n')

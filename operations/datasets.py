@@ -93,6 +93,17 @@ def listing_fingerprint(samples):
     return key.hexdigest()[:16]
 
 
+def stat_checksum(files):
+    """A short sha1 of every listed file's size and modification time, split by split: a streamed
+    folder's stand-in for a checksum of its pixels, which a resume compares."""
+    key = hashlib.sha1()
+    for split in sorted(files):
+        for path, _ in files[split]:
+            stat = os.stat(path)
+            key.update(f"{split}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return key.hexdigest()[:16]
+
+
 def _image_files(root):
     """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
     torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
@@ -234,6 +245,7 @@ class ImageStream:
                  grad_accum=1):
         self.files, classes = listing
         self.listing = listing_fingerprint(self.files.get("train", ()))  # checked on resume
+        self.checksum = stat_checksum(self.files)  # not the pixels: too many to read at start
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8

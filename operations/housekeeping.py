@@ -286,9 +286,9 @@ def check_same_data(resumed, data, data_dir, master=True):
                             "folder back as it was, or start a new run on it")
     saved, now = resumed.get("checksum"), getattr(data, "checksum", None)
     if master and saved is not None and now is not None and saved != now:
-        print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, or "
-              "decoded by another PIL version): training goes on with them as they are now, and "
-              "'best' compares evaluations on both", flush=True)
+        print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, copied "
+              "without their times, or decoded by another PIL version): training goes on with "
+              "them as they are now, and 'best' compares evaluations on both", flush=True)
 
 
 def check_scored_as_trained(path, ckpt, settings):
@@ -361,18 +361,7 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
         if linked:  # never read, appended to, moved or removed through a link out of out_dir
             raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
                                 "own files in --out_dir; remove the link")
-        check_no_strays(out)  # before anything there moves
-        if put_back_replaced_run(out):  # a run killed before its first checkpoint
-            print(f"note: {out} held a run replaced by --overwrite whose successor never saved; "
-                  "it is back in place", file=sys.stderr, flush=True)
-        aside = os.path.join(out, REPLACED)
-        if os.path.isdir(aside) and overwrite:  # two replaced runs would not fit in one place
-            raise TrainingError(f"{aside} holds the run an earlier --overwrite replaced, and the "
-                                f"run in {out} has not finished: --resume that one, or move one "
-                                "of the two out first")
-        if os.path.isdir(aside):
-            print(f"note: {aside} holds the run an earlier --overwrite replaced; it goes when the "
-                  f"run in {out} finishes", file=sys.stderr, flush=True)
+        replaced_run_at_start(out, overwrite)
         names = "|".join(re.escape(f".{f}.") for f in RUN_FILES)
         ours = re.compile(f"(?:{names})[a-z0-9_]{{8}}\\.tmp")
         for name in os.listdir(out):  # atomic_write's temporary names (mkstemp's), only
@@ -399,6 +388,23 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
             pass
         finally:
             release_out_dir(out, locks, created)
+
+
+def replaced_run_at_start(out, overwrite):
+    """What an earlier --overwrite left: a replaced run whose successor never saved goes back; one
+    whose successor saved stays until that finishes (said; a second --overwrite is refused)."""
+    check_no_strays(out)  # before anything there moves
+    if put_back_replaced_run(out):  # a run killed before its first checkpoint
+        print(f"note: {out} held a run replaced by --overwrite whose successor never saved; it is "
+              "back in place", file=sys.stderr, flush=True)
+    aside = os.path.join(out, REPLACED)
+    if os.path.isdir(aside) and overwrite:  # two replaced runs would not fit in one place
+        raise TrainingError(f"{aside} holds the run an earlier --overwrite replaced, and the run "
+                            f"in {out} has not finished: --resume that one, or move one of the "
+                            "two out first")
+    if os.path.isdir(aside):
+        print(f"note: {aside} holds the run an earlier --overwrite replaced; it goes when the run "
+              f"in {out} finishes", file=sys.stderr, flush=True)
 
 
 def set_aside_old_run(out):
