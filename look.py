@@ -244,6 +244,10 @@ def read_log(out_dir):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            if n == len(lines) and not line.endswith("\n"):  # a run killed mid-write
+                print(f"note: {path}'s last line was cut short (a run stopped mid-write); left "
+                      "out", file=sys.stderr)
+                continue
             raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
         if not is_record(record):
             raise ValueError(f"{path} line {n} is not a record train.py writes; the log is "
@@ -304,7 +308,8 @@ def curves_figure(logs):
         for colour, (out_dir, (train, evals)) in enumerate(logs.items()):  # a run: one colour
             if kind is not None and loss_kind(evals) != kind:
                 continue
-            points = [(r["step"], r[key]) for r in (train if key == "loss" else evals) if key in r]
+            points = [(r["step"], r[key]) for r in (train if key == "loss" else evals)
+                      if key in r and math.isfinite(r[key])]  # a diverged step has no point
             if points:
                 label = run_label(out_dir)
                 dense = key == "loss" and len(points) > 2  # a few points: marked, or unseen

@@ -1854,6 +1854,16 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
                           "configured (no-tty)); run `wandb login`")  # one line: cli_error
     assert not (tmp_path / "login" / "log.jsonl").exists()  # nothing left to refuse a next run
 
+    def gone(numbers, step):  # wandb's service lost mid-run: the run goes on without it
+        raise ConnectionError("wandb backend went away")
+
+    run = types.SimpleNamespace(log=gone, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run))
+    code, out, records = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2",
+                                                "--wandb_project", "p"), out_dir=tmp_path / "gone")
+    assert code == 0 and "note: wandb.log failed at step 1 (ConnectionError: wandb" in out, out
+    assert out.count("wandb.log failed") == 1 and len(train_losses(records)) == 2
+
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)
@@ -2869,6 +2879,17 @@ def test_files_of_someone_else_where_a_replaced_run_waits_are_named_and_kept(cap
             pass
     assert (tmp_path / ".replaced" / "ckpt.pt").read_bytes() == b"the old run"
     assert (tmp_path / "ckpt.pt").read_bytes() == b"the new run"
+    with pytest.raises(TrainingError) as refused:  # a plain run: the hint offers what works
+        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+            pass
+    assert "continue it with --resume or choose another" in str(refused.value)
+    assert "--overwrite" not in str(refused.value)
+    shutil.rmtree(tmp_path / ".replaced")
+    (tmp_path / ".replacing").write_text("a user's file")
+    with pytest.raises(TrainingError, match=r"\.replacing is a file train.py did not make"):
+        with out_dir_claimed(str(tmp_path), resume=False, overwrite=True):
+            pass
+    assert (tmp_path / ".replacing").read_text() == "a user's file"
 
 
 def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
@@ -3086,6 +3107,9 @@ def test_look_refuses_logs_train_py_never_writes_in_one_line(capsys, tmp_path):
             assert look.main([command, str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
             err = capsys.readouterr().err
             assert "line 1 is not a record train.py writes" in err and err.count("\n") == 1, err
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    assert "last line was cut short (a run stopped mid-write); left out" in capsys.readouterr().err
     (tmp_path / "e" / "log.jsonl").write_bytes(b"\x80\x81 not text")
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
     assert "is not a log train.py wrote (not UTF-8 text)" in capsys.readouterr().err
@@ -3944,6 +3968,11 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_in_one_line(tmp_path,
         assert export.main([str(tmp_path / ckpt), "--out", str(tmp_path / out)]) == 2
         assert said in capsys.readouterr().err  # nothing written over
     assert (tmp_path / "vit.safetensors").read_text() == "the user's own"
+    (tmp_path / "shards").mkdir()  # a sharded model: transformers' clean-up would delete it
+    (tmp_path / "shards" / "model-00001-of-00002.safetensors").write_text("a shard")
+    assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "shards")]) == 2
+    assert "already holds a model (model-00001-of-00002.safetensors)" in capsys.readouterr().err
+    assert (tmp_path / "shards" / "model-00001-of-00002.safetensors").read_text() == "a shard"
 
 
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():

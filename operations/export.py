@@ -121,8 +121,9 @@ def export(path, out):
         if (os.path.exists(out) and not os.path.isdir(out)) or out.endswith(".safetensors"):
             raise ValueError(f"--out {out}: a next-token model exports as a Hugging Face folder; "
                              "give --out a folder's path (not a file's)")
-        written = [f for f in ("config.json", "model.safetensors", "generation_config.json")
-                   if os.path.exists(os.path.join(out, f))]
+        written = sorted(f for f in (os.listdir(out) if os.path.isdir(out) else ())
+                         if f in ("config.json", "generation_config.json")
+                         or f.startswith(("model", "pytorch_model")) or f.endswith(".index.json"))
         if written:
             raise ValueError(f"--out {out} already holds a model ({', '.join(written)}); remove "
                              "it or export to another folder")

@@ -369,9 +369,11 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
                 os.remove(os.path.join(out, name))
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
+            pending = os.path.isdir(os.path.join(out, REPLACED))  # --overwrite is refused then
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
-                                f"continue it with --resume, "
-                                "choose another --out_dir, or pass --overwrite to replace it")
+                                "continue it with --resume" + (" or choose another --out_dir"
+                                if pending else ", choose another --out_dir, or pass --overwrite "
+                                "to replace it"))
         claimed = True
         yield
     finally:
@@ -443,6 +445,9 @@ def check_no_strays(out):
     there by someone else, and nothing in them is moved or removed until it is gone."""
     for name in (REPLACING, REPLACED):
         path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise TrainingError(f"{path} is a file train.py did not make (it keeps a replaced run "
+                                "in a folder of that name); move it away")
         stray = sorted(set(os.listdir(path)) - set(RUN_FILES)) if os.path.isdir(path) else []
         if stray:
             more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
@@ -808,7 +813,8 @@ def log_file(path, cfg, master, made_by, from_step):
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
         yield LogAlsoToWandb(log, run) if run else log
         if run:
-            run.finish()
+            with suppress(Exception):  # what was logged is in log.jsonl whatever wandb says
+                run.finish()
 
 
 def start_wandb(cfg):
@@ -845,8 +851,13 @@ class LogAlsoToWandb:
         record = json.loads(line)
         numbers = {k: v for k, v in record.items() if k != "step"
                    and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if "step" in record and numbers:
-            self.wandb.log(numbers, step=record["step"])
+        if "step" in record and numbers and self.wandb is not None:
+            try:
+                self.wandb.log(numbers, step=record["step"])
+            except Exception as e:  # the network, wandb's service: the run goes on without it
+                print(f"note: wandb.log failed at step {record['step']} ({type(e).__name__}: "
+                      f"{str(e)[:100]}); the run goes on, logging to log.jsonl only", flush=True)
+                self.wandb = None
 
 
 def record_evaluation(log, bar, record, model, init_hash):
