@@ -241,6 +241,8 @@ def read_log(out_dir):
         except UnicodeDecodeError:
             raise ValueError(f"{path} is not a log train.py wrote (not UTF-8 text)") from None
     for n, line in enumerate(lines, 1):
+        if not line.strip():  # no record, nothing to leave out
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -308,8 +310,11 @@ def curves_figure(logs):
         for colour, (out_dir, (train, evals)) in enumerate(logs.items()):  # a run: one colour
             if kind is not None and loss_kind(evals) != kind:
                 continue
-            points = [(r["step"], r[key]) for r in (train if key == "loss" else evals)
-                      if key in r and math.isfinite(r[key])]  # a diverged step has no point
+            records = [r for r in (train if key == "loss" else evals) if key in r]
+            points = [(r["step"], r[key]) for r in records if math.isfinite(r[key])]
+            if records and not points:  # a diverged step has no point: said when none is left
+                print(f"note: {run_label(out_dir)}: every {key} is non-finite (diverged); nothing "
+                      "to draw for it", file=sys.stderr)
             if points:
                 label = run_label(out_dir)
                 dense = key == "loss" and len(points) > 2  # a few points: marked, or unseen
@@ -319,7 +324,8 @@ def curves_figure(logs):
         ax.set(title=title, xlabel="step", ylabel=title)
         least_visible_range(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a panel whose runs all diverged has none
+            ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -1864,6 +1864,14 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
     assert code == 0 and "note: wandb.log failed at step 1 (ConnectionError: wandb" in out, out
     assert out.count("wandb.log failed") == 1 and len(train_losses(records)) == 2
 
+    def unsynced():
+        raise ConnectionError("could not sync")
+
+    run = types.SimpleNamespace(log=lambda numbers, step: None, finish=unsynced)
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--wandb_project",
+                                          "p"), out_dir=tmp_path / "unsynced")
+    assert code == 0 and "note: wandb.finish failed (ConnectionError: could not sync)" in out, out
+
 
 def test_init_from_mae_loads_the_encoder(tiny_data, tmp_path):
     trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 3)
@@ -3110,6 +3118,10 @@ def test_look_refuses_logs_train_py_never_writes_in_one_line(capsys, tmp_path):
     (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
     assert "last line was cut short (a run stopped mid-write); left out" in capsys.readouterr().err
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
+                                              '"val_loss": Infinity}\n\n')  # a blank line too
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
     (tmp_path / "e" / "log.jsonl").write_bytes(b"\x80\x81 not text")
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
     assert "is not a log train.py wrote (not UTF-8 text)" in capsys.readouterr().err
@@ -3973,6 +3985,10 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_in_one_line(tmp_path,
     assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "shards")]) == 2
     assert "already holds a model (model-00001-of-00002.safetensors)" in capsys.readouterr().err
     assert (tmp_path / "shards" / "model-00001-of-00002.safetensors").read_text() == "a shard"
+    (tmp_path / "card").mkdir()  # a folder with files of its own, none a model's: written into
+    (tmp_path / "card" / "model_card.md").write_text("notes")
+    assert export.main([str(tmp_path / "n.pt"), "--out", str(tmp_path / "card")]) == 0
+    assert (tmp_path / "card" / "model_card.md").read_text() == "notes"
 
 
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():

@@ -123,7 +123,9 @@ def export(path, out):
                              "give --out a folder's path (not a file's)")
         written = sorted(f for f in (os.listdir(out) if os.path.isdir(out) else ())
                          if f in ("config.json", "generation_config.json")
-                         or f.startswith(("model", "pytorch_model")) or f.endswith(".index.json"))
+                         or (f.startswith(("model", "pytorch_model"))
+                             and f.endswith((".safetensors", ".bin")))
+                         or f.endswith(".index.json"))
         if written:
             raise ValueError(f"--out {out} already holds a model ({', '.join(written)}); remove "
                              "it or export to another folder")

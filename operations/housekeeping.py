@@ -813,8 +813,11 @@ def log_file(path, cfg, master, made_by, from_step):
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
         yield LogAlsoToWandb(log, run) if run else log
         if run:
-            with suppress(Exception):  # what was logged is in log.jsonl whatever wandb says
+            try:
                 run.finish()
+            except Exception as e:  # what was logged is in log.jsonl whatever wandb says
+                print(f"note: wandb.finish failed ({type(e).__name__}: {str(e)[:100]}); "
+                      "log.jsonl holds every record", flush=True)
 
 
 def start_wandb(cfg):
