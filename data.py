@@ -122,8 +122,7 @@ class ImageData:
             _load_split(name, data_dir, "train", image_size, files, train_samples, cache_dir)
             if train
             else (self.test_x[:0], self.test_y[:0], None))
-        # a checksum of both splits' pixels, which a resume compares with the run's
-        train_crc = zlib.crc32(self.train_x.contiguous().numpy())
+        train_crc = zlib.crc32(self.train_x.contiguous().numpy())  # a resume compares both splits'
         self.checksum = zlib.crc32(self.test_x.contiguous().numpy(), train_crc) if train else None
         self.classes = list(classes or test_classes)  # folder names, in label order
         self.num_classes = len(self.classes)

@@ -3,15 +3,15 @@
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
 it top to bottom: the settings, the learning rate, then train(), which holds a run's whole state
-as its local variables: set-up, then the loop with the whole step. The step's path:
+as its local variables: set-up, then the loop with the whole step. The step's path (which setting
+wins, resolve_settings, and the processes, start_processes, can wait for a second reading):
 
-  main -> train -> resolve_settings (which setting wins; the peak rate: schedule_defaults)
-       -> start_processes -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
+  main -> train -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
           model's own forward and loss, compiled or not), optimizer.step
 
-What surrounds a run (the out_dir's lock, signals, progress lines, one-line errors), the checkpoint
-files and the speedups are in operations/, called by module name where they happen.
+What surrounds a run (the out_dir's lock, signals, progress, one-line errors), the checkpoint files
+and the speedups are in operations/, called by module name where they happen.
 
 Run: python train.py --objective mae --depth 48 --width 384
 """
@@ -96,7 +96,8 @@ RECIPES = {
 # ----------------------------------------------------------------------------- the learning rate
 
 def get_lr(it, cfg):
-    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters."""
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.max_iters. Unless given, the
+    peak cfg.lr is base_lr x batch / 256 and the warmup max(100, 10 x depth) (schedule_defaults)."""
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
     progress = min(1.0, (it - cfg.warmup) / max(1, cfg.max_iters - cfg.warmup))
