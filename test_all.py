@@ -1844,6 +1844,12 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
                     str(tmp_path / "other"))
     assert "the wandb package fails to import (AttributeError: no attr x)" in err
 
+
+def test_a_wandb_that_fails_to_start_log_or_finish_is_one_line_or_a_note(capsys, tiny_data,
+                                                                          tmp_path, monkeypatch):
+    """Not logged in: one line, before log.jsonl exists; the service lost mid-run or at the end:
+    a note, and the run goes on with log.jsonl."""
+
     def not_logged_in(**kwargs):
         raise RuntimeError("api_key not configured (no-tty)")
 
