@@ -414,14 +414,14 @@ def start_processes(cfg):
 def load_data(cfg, settings, device, rank=0, world=1, saved=None):
     """(the dataset, decoded or tokenized once, images on the device as uint8; the final Config,
     in which what the data dictates wins: classes, image size, vocabulary). A resumed or scored
-    checkpoint (saved) is seen with its own pixel statistics."""
+    checkpoint (saved) is seen as it was trained: its pixel statistics, its text windows."""
+    saved = saved if cfg.resume or cfg.eval_only else None  # fine-tuning reads the data afresh
     if cfg.dataset in IMAGE_DATASETS:
-        own = saved.get("statistics") if saved and (cfg.resume or cfg.eval_only) else None
         data = open_images(cfg.dataset, cfg.data_dir, device,
                            settings.get("image_size", Config.image_size),
                            train_samples=cfg.train_samples, stream=cfg.stream,
-                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir, statistics=own,
-                           crop_scale=cfg.crop_scale,
+                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
+                           statistics=saved and saved.get("statistics"), crop_scale=cfg.crop_scale,
                            workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
         # what the checkpoint keeps
         cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
@@ -429,7 +429,7 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
                                        "channels": data.channels,
                                        "num_classes": data.num_classes})
     next_token = settings.get("objective", Config.objective) == "next"
-    if next_token and saved and (cfg.resume or cfg.eval_only) and "window" not in saved:
+    if next_token and saved and "window" not in saved:
         next_token = False  # a run saved before windows of seq_len + 1 goes on with its own
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,

@@ -6,6 +6,7 @@ train_view and eval_view, pixel for pixel torchvision's); and what a user with i
 Run: python -c "from operations import datasets;
      print(datasets.ImageStream(datasets.list_folder('DIR'), 'cpu', 224).num_train())"
 """
+import functools
 import hashlib
 import io
 import itertools
@@ -189,13 +190,18 @@ def decode_folder(files, size, cache_dir=None):
 DECODING = "RGB, bicubic resize, uint8 (N, 3, H, W)"  # change it when _decode changes
 
 
+def file_stamp(path):
+    """A file's path, size and times, as a cache key sees it: ctime too, which no edit can set
+    back (an edit that keeps size and mtime still changes the key)."""
+    s = os.stat(path)
+    return f"{os.path.abspath(path)}|{s.st_size}|{s.st_mtime_ns}|{s.st_ctime_ns}"
+
+
 def folder_key(files, size):
     """The cache file's name for these files decoded at this size."""
     key = hashlib.sha1(f"{DECODING}|{size}".encode())
     for path, _ in files:
-        stat = os.stat(path)
-        key.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|"
-                   f"{stat.st_ctime_ns}\n".encode())  # ctime: no edit can set it back
+        key.update(f"{file_stamp(path)}\n".encode())
     return f"images.{len(files)}x{size}px.{key.hexdigest()[:16]}.npy"
 
 
@@ -213,12 +219,9 @@ def read_text(path):
 
 
 def tokenize_cached(path, tokenizer, cache_dir):
-    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir (keyed by the
-    file's path, size and times: no edit can set its ctime back)."""
-    stat = os.stat(path)
-    fingerprint = (f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
-                   f"|{tokenizer.name}")
-    key = hashlib.sha1(fingerprint.encode())
+    """Token ids of a text file, tokenized once and then memory-mapped from cache_dir (keyed by
+    file_stamp and the tokenizer)."""
+    key = hashlib.sha1(f"{file_stamp(path)}|{tokenizer.name}".encode())
     dtype = np.uint16 if tokenizer.n_vocab <= 2 ** 16 else np.uint32
     cache = os.path.join(cache_dir,
                          f"{os.path.basename(path)}.{tokenizer.name}.{key.hexdigest()[:12]}.bin")
@@ -245,7 +248,6 @@ class ImageStream:
                  grad_accum=1):
         self.files, classes = listing
         self.listing = listing_fingerprint(self.files.get("train", ()))  # checked on resume
-        self.checksum = stat_checksum(self.files)  # not the pixels: too many to read at start
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8
@@ -258,6 +260,11 @@ class ImageStream:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
         self.replay = self.batches = None  # what the workers decode, and their micro-batches
+
+    @functools.cached_property
+    def checksum(self):
+        """Sizes and times, not pixels (too many to read): on demand, by rank 0 only."""
+        return stat_checksum(self.files)
 
     def num_train(self):
         return len(self.files.get("train", ()))

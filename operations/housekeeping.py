@@ -284,8 +284,9 @@ def check_same_data(resumed, data, data_dir, master=True):
         raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
                             "was trained on (files added, removed or renamed since); put the "
                             "folder back as it was, or start a new run on it")
-    saved, now = resumed.get("checksum"), getattr(data, "checksum", None)
-    if master and saved is not None and now is not None and saved != now:
+    saved = resumed.get("checksum")  # read on rank 0 only: a stream's walks the whole folder
+    now = getattr(data, "checksum", None) if master and saved is not None else None
+    if now is not None and saved != now:
         print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, copied "
               "without their times, or decoded by another PIL version): training goes on with "
               "them as they are now, and 'best' compares evaluations on both", flush=True)
@@ -425,7 +426,7 @@ def set_aside_old_run(out):
     os.replace(staging, os.path.join(out, REPLACED))
 
 
-def forget_replaced_run(out, why="this run has finished"):
+def forget_replaced_run(out):
     """The new run has finished: the run it replaced goes (only the files a run writes); said."""
     aside = os.path.join(out, REPLACED)
     if os.path.islink(aside) or not os.path.isdir(aside):  # a link is not ours: never followed
@@ -434,8 +435,8 @@ def forget_replaced_run(out, why="this run has finished"):
     for name in removed:
         os.remove(os.path.join(aside, name))
     if removed:
-        print(f"note: {why}, so the run it replaced (--overwrite) is removed from {out}",
-              flush=True)
+        print(f"note: this run has finished, so the run it replaced (--overwrite) is removed from "
+              f"{out}", flush=True)
     with suppress(OSError):  # holding something that is not ours: check_no_strays names it
         os.rmdir(aside)
 
