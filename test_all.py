@@ -7,7 +7,7 @@ README's order, each with its bad input and faults; the shared helpers first.
   11. CUDA (defined only where a GPU is; results/gpu.sh runs them)
 
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
-Run: python -m pytest -q test_all.py results
+Run: python -m pytest -q -n auto --dist worksteal test_all.py results   (one worker per core)
 """
 import io
 import json
