@@ -388,6 +388,51 @@ def readme_commands(*pages):
     return commands
 
 
+def source_spans(path):
+    """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method')
+    and module-level names; '' is its docstring, 'train.loop' train()'s loop."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    spans = {}
+    if ast.get_docstring(tree) is not None:
+        spans[""] = (tree.body[0].lineno, tree.body[0].end_lineno)
+
+    def visit(body, prefix):
+        for node in body:
+            names = [prefix + node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+                prefix + t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                if isinstance(t, ast.Name)]
+            spans.update(dict.fromkeys(names, (node.lineno, node.end_lineno)))
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{node.name}.")
+            if isinstance(node, ast.FunctionDef) and node.name == "train":
+                loop = next(n for n in ast.walk(node) if isinstance(n, ast.While))
+                spans["train.loop"] = (loop.lineno, loop.end_lineno)
+
+    visit(tree.body, "")
+    return spans
+
+
+README_LINK = r"\[([^\[\]]+)\]\(((?:operations/)?\w+\.py)#L(\d+)-L(\d+)\)"
+POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
+
+
+def linked_name(text):
+    """What a README link's text names: 'Class.method', '' for a file's docstring, 'train.loop'."""
+    named = re.fullmatch(POINTER, text)
+    return named.group(2) if named else {"its loop": "train.loop"}.get(text, "")
+
+
+def relink_readme(path=os.path.join(REPO, "README.md")):
+    """After an edit moved code: README.md's links set to the lines their names have now.
+    Run: python -c "import test_all; test_all.relink_readme()" """
+    spans = lambda file, text: source_spans(file)[linked_name(text)]  # noqa: E731
+    text = re.sub(README_LINK, lambda m: "[{0}]({1}#L{2}-L{3})".format(
+        m[1], m[2], *spans(m[2], m[1])), open(path).read())
+    open(path, "w").write(text)
+
+
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
                    "bench.py", "look.py", *sorted(f"operations/{name}" for name in
                                                   os.listdir(os.path.join(REPO, "operations"))
@@ -3715,73 +3760,6 @@ def test_every_fast_name_the_code_and_readme_cite_exists():
     assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
 
 
-def source_spans(path):
-    """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method')
-    and module-level names; '' is its docstring, 'train.loop' train()'s loop."""
-    import ast
-
-    tree = ast.parse(open(os.path.join(REPO, path)).read())
-    spans = {}
-    if ast.get_docstring(tree) is not None:
-        spans[""] = (tree.body[0].lineno, tree.body[0].end_lineno)
-
-    def visit(body, prefix):
-        for node in body:
-            names = [prefix + node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
-                prefix + t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
-                if isinstance(t, ast.Name)]
-            spans.update(dict.fromkeys(names, (node.lineno, node.end_lineno)))
-            if isinstance(node, ast.ClassDef):
-                visit(node.body, f"{node.name}.")
-            if isinstance(node, ast.FunctionDef) and node.name == "train":
-                loop = next(n for n in ast.walk(node) if isinstance(n, ast.While))
-                spans["train.loop"] = (loop.lineno, loop.end_lineno)
-
-    visit(tree.body, "")
-    return spans
-
-
-README_LINK = r"\[([^\[\]]+)\]\(((?:operations/)?\w+\.py)#L(\d+)-L(\d+)\)"
-POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
-
-
-def linked_name(text):
-    """What a README link's text names: 'Class.method', '' for a file's docstring, 'train.loop'."""
-    named = re.fullmatch(POINTER, text)
-    return named.group(2) if named else {"its loop": "train.loop"}.get(text, "")
-
-
-def relink_readme(path=os.path.join(REPO, "README.md")):
-    """After an edit moved code: README.md's links set to the lines their names have now.
-    Run: python -c "import test_all; test_all.relink_readme()" """
-    spans = lambda file, text: source_spans(file)[linked_name(text)]  # noqa: E731
-    text = re.sub(README_LINK, lambda m: "[{0}]({1}#L{2}-L{3})".format(
-        m[1], m[2], *spans(m[2], m[1])), open(path).read())
-    open(path, "w").write(text)
-
-
-def test_the_readme_links_each_name_to_its_lines(tmp_path):
-    """Every `file.py:name` in the README is a link to exactly that name's lines (a file's
-    docstring and train()'s loop too): a reader on GitHub lands on what is meant, and no more."""
-    paths = [p for p in [*os.listdir(REPO), *(f"operations/{n}" for n in
-                                              os.listdir(f"{REPO}/operations"))]
-             if p.endswith(".py")]
-    spans = {path: source_spans(path) for path in paths}
-    readme = open(os.path.join(REPO, "README.md")).read()
-    assert re.findall(r"(?<!\[)" + POINTER + r"(?!\])", readme) == []  # each one a link
-    wrong, links = [], re.findall(README_LINK, readme)
-    for text, path, first, last in links:
-        if spans[path].get(linked_name(text)) != (int(first), int(last)):
-            wrong.append(f"{text}: L{first}-L{last}, {spans[path].get(linked_name(text))} now")
-    stale = tmp_path / "README.md"  # what an edit that moved code leaves, mended by one call
-    stale.write_text(re.sub(r"#L(\d+)-", lambda m: f"#L{int(m[1]) + 1}-", readme))
-    relink_readme(stale)
-    assert stale.read_text() == readme or wrong
-    assert len(links) > 40 and wrong == [], ("README.md's links are stale (python -c \"import "
-                                             "test_all; test_all.relink_readme()\"): "
-                                             + "; ".join(wrong))
-
-
 def test_fast_trains_the_model_itself_without_compilation():
     """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
     loss."""
@@ -4714,6 +4692,28 @@ def test_reference_code_passes_ruff_at_100_columns():
         done = subprocess.run([*ruff, "--select", select, *files], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_readme_links_each_name_to_its_lines(tmp_path):
+    """Every `file.py:name` in the README is a link to exactly that name's lines (a file's
+    docstring and train()'s loop too): a reader on GitHub lands on what is meant, and no more."""
+    paths = [p for p in [*os.listdir(REPO), *(f"operations/{n}" for n in
+                                              os.listdir(f"{REPO}/operations"))]
+             if p.endswith(".py")]
+    spans = {path: source_spans(path) for path in paths}
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert re.findall(r"(?<!\[)" + POINTER + r"(?!\])", readme) == []  # each one a link
+    wrong, links = [], re.findall(README_LINK, readme)
+    for text, path, first, last in links:
+        if spans[path].get(linked_name(text)) != (int(first), int(last)):
+            wrong.append(f"{text}: L{first}-L{last}, {spans[path].get(linked_name(text))} now")
+    stale = tmp_path / "README.md"  # what an edit that moved code leaves, mended by one call
+    stale.write_text(re.sub(r"#L(\d+)-", lambda m: f"#L{int(m[1]) + 1}-", readme))
+    relink_readme(stale)
+    assert stale.read_text() == readme or wrong
+    assert len(links) > 40 and wrong == [], ("README.md's links are stale (python -c \"import "
+                                             "test_all; test_all.relink_readme()\"): "
+                                             + "; ".join(wrong))
 
 
 def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
