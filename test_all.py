@@ -40,8 +40,10 @@ from bamboo import (
 from neutreno import Attention, explicit_attention
 
 # The suite's models are tiny: splitting their ops over two threads costs more in hand-offs than it
-# saves on a 2-core machine, and one thread leaves the other core to the subprocesses of the tests.
+# saves on a 2-core machine, and one thread leaves the other core to the subprocesses of the tests
+# (which take one too, as the other test processes run beside them).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # ==================================================================================================
@@ -389,8 +391,8 @@ def readme_commands(*pages):
 
 
 def source_spans(path):
-    """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method')
-    and module-level names; '' is its docstring, 'train.loop' train()'s loop."""
+    """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method'),
+    decorators included, and its module-level names; '' is its docstring, 'train.loop' the loop."""
     import ast
 
     tree = ast.parse(open(os.path.join(REPO, path)).read())
@@ -403,12 +405,15 @@ def source_spans(path):
             names = [prefix + node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
                 prefix + t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
                 if isinstance(t, ast.Name)]
-            spans.update(dict.fromkeys(names, (node.lineno, node.end_lineno)))
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            spans.update(dict.fromkeys(names, (first, node.end_lineno)))
             if isinstance(node, ast.ClassDef):
-                visit(node.body, f"{node.name}.")
-            if isinstance(node, ast.FunctionDef) and node.name == "train":
-                loop = next(n for n in ast.walk(node) if isinstance(n, ast.While))
-                spans["train.loop"] = (loop.lineno, loop.end_lineno)
+                visit(node.body, f"{prefix}{node.name}.")
+            if isinstance(node, ast.FunctionDef) and prefix + node.name == "train":
+                spans["train.loop"] = next(((n.lineno, n.end_lineno) for n in ast.walk(node)
+                                            if isinstance(n, ast.While)
+                                            and "step < cfg.max_iters" in ast.unparse(n.test)),
+                                           None)
 
     visit(tree.body, "")
     return spans
@@ -418,18 +423,25 @@ README_LINK = r"\[([^\[\]]+)\]\(((?:operations/)?\w+\.py)#L(\d+)-L(\d+)\)"
 POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
 
 
-def linked_name(text):
-    """What a README link's text names: 'Class.method', '' for a file's docstring, 'train.loop'."""
+def linked_name(text, path):
+    """What a README link's text names in the file it links to: 'Class.method', '' for the file's
+    docstring, 'train.loop'; None where the text names another file or nothing known."""
     named = re.fullmatch(POINTER, text)
-    return named.group(2) if named else {"its loop": "train.loop"}.get(text, "")
+    if named:
+        return named[2] if named[1] == path else None
+    return {f"`{path}`'s docstring": "", "its loop": "train.loop"}.get(text)
 
 
 def relink_readme(path=os.path.join(REPO, "README.md")):
     """After an edit moved code: README.md's links set to the lines their names have now.
     Run: python -c "import test_all; test_all.relink_readme()" """
-    spans = lambda file, text: source_spans(file)[linked_name(text)]  # noqa: E731
-    text = re.sub(README_LINK, lambda m: "[{0}]({1}#L{2}-L{3})".format(
-        m[1], m[2], *spans(m[2], m[1])), open(path).read())
+    def relinked(link):
+        span = source_spans(link[2]).get(linked_name(link[1], link[2]))
+        if span is None:
+            raise ValueError(f"README.md's link {link[0]} names nothing in {link[2]}; mend it")
+        return f"[{link[1]}]({link[2]}#L{span[0]}-L{span[1]})"
+
+    text = re.sub(README_LINK, relinked, open(path).read())
     open(path, "w").write(text)
 
 
@@ -4697,18 +4709,17 @@ def test_reference_code_passes_ruff_at_100_columns():
 def test_the_readme_links_each_name_to_its_lines(tmp_path):
     """Every `file.py:name` in the README is a link to exactly that name's lines (a file's
     docstring and train()'s loop too): a reader on GitHub lands on what is meant, and no more."""
-    paths = [p for p in [*os.listdir(REPO), *(f"operations/{n}" for n in
-                                              os.listdir(f"{REPO}/operations"))]
-             if p.endswith(".py")]
-    spans = {path: source_spans(path) for path in paths}
+    spans = {path: source_spans(path) for path in REFERENCE_FILES}
     readme = open(os.path.join(REPO, "README.md")).read()
-    assert re.findall(r"(?<!\[)" + POINTER + r"(?!\])", readme) == []  # each one a link
+    assert re.findall(POINTER, re.sub(README_LINK, "", readme)) == []  # each one a link
     wrong, links = [], re.findall(README_LINK, readme)
     for text, path, first, last in links:
-        if spans[path].get(linked_name(text)) != (int(first), int(last)):
-            wrong.append(f"{text}: L{first}-L{last}, {spans[path].get(linked_name(text))} now")
+        now = spans.get(path, {}).get(linked_name(text, path))
+        if now is None or now != (int(first), int(last)):
+            wrong.append(f"{text}: L{first}-L{last}, {now} now")
     stale = tmp_path / "README.md"  # what an edit that moved code leaves, mended by one call
-    stale.write_text(re.sub(r"#L(\d+)-", lambda m: f"#L{int(m[1]) + 1}-", readme))
+    stale.write_text(re.sub(README_LINK, lambda m: m[0].replace(f"#L{m[3]}-", f"#L{m[3]}9-"),
+                            readme))
     relink_readme(stale)
     assert stale.read_text() == readme or wrong
     assert len(links) > 40 and wrong == [], ("README.md's links are stale (python -c \"import "
