@@ -392,10 +392,11 @@ def readme_commands(*pages):
 
 def source_spans(path):
     """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method'),
-    decorators included, and its module-level names; '' is its docstring, 'train.loop' the loop."""
+    decorators included, and its module-level names; '' is its docstring, TRAIN_PARTS in train()."""
     import ast
 
-    tree = ast.parse(open(os.path.join(REPO, path)).read())
+    source = open(os.path.join(REPO, path)).read()
+    tree, lines = ast.parse(source), source.splitlines()
     spans = {}
     if ast.get_docstring(tree) is not None:
         spans[""] = (tree.body[0].lineno, tree.body[0].end_lineno)
@@ -410,26 +411,32 @@ def source_spans(path):
             if isinstance(node, ast.ClassDef):
                 visit(node.body, f"{prefix}{node.name}.")
             if isinstance(node, ast.FunctionDef) and prefix + node.name == "train":
-                spans["train.loop"] = next(((n.lineno, n.end_lineno) for n in ast.walk(node)
-                                            if isinstance(n, ast.While)
-                                            and "step < cfg.max_iters" in ast.unparse(n.test)),
-                                           None)
+                for text, opening in TRAIN_PARTS.items():
+                    spans[text] = next(((n.lineno, n.end_lineno) for n in ast.walk(node)
+                                        if isinstance(n, ast.stmt)
+                                        and lines[n.lineno - 1].strip().startswith(opening)), None)
 
     visit(tree.body, "")
     return spans
 
 
+# README links into train(): their text, and how the statement they mark begins
+TRAIN_PARTS = {"its loop": "while step < cfg.max_iters", "the checkpoint's dict": "state = {",
+               "a resumed run's state put back": "if resumed is not None"}
 README_LINK = r"\[([^\[\]]+)\]\(((?:operations/)?\w+\.py)#L(\d+)-L(\d+)\)"
 POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
 
 
 def linked_name(text, path):
     """What a README link's text names in the file it links to: 'Class.method', '' for the file's
-    docstring, 'train.loop'; None where the text names another file or nothing known."""
+    docstring, a TRAIN_PARTS text; None where the text names another file or nothing known."""
     named = re.fullmatch(POINTER, text)
     if named:
         return named[2] if named[1] == path else None
-    return {f"`{path}`'s docstring": "", "its loop": "train.loop"}.get(text)
+    known = {f"`{path}`'s docstring": ""}
+    if path == "train.py":
+        known.update({part: part for part in TRAIN_PARTS})
+    return known.get(text)
 
 
 def relink_readme(path=os.path.join(REPO, "README.md")):
@@ -4708,7 +4715,7 @@ def test_reference_code_passes_ruff_at_100_columns():
 
 def test_the_readme_links_each_name_to_its_lines(tmp_path):
     """Every `file.py:name` in the README is a link to exactly that name's lines (a file's
-    docstring and train()'s loop too): a reader on GitHub lands on what is meant, and no more."""
+    docstring and parts of train() too): a reader on GitHub lands on what is meant, and no more."""
     spans = {path: source_spans(path) for path in REFERENCE_FILES}
     readme = open(os.path.join(REPO, "README.md")).read()
     assert re.findall(POINTER, re.sub(README_LINK, "", readme)) == []  # each one a link
