@@ -392,7 +392,8 @@ def readme_commands(*pages):
 
 def source_spans(path):
     """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method'),
-    decorators included, and its module-level names; '' is its docstring, TRAIN_PARTS in train()."""
+    decorators included, module-level names, "NAME's docstring"; '' is the file's docstring, and
+    TRAIN_PARTS are parts of train()."""
     import ast
 
     source = open(os.path.join(REPO, path)).read()
@@ -408,6 +409,8 @@ def source_spans(path):
                 if isinstance(t, ast.Name)]
             first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
             spans.update(dict.fromkeys(names, (first, node.end_lineno)))
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node):
+                spans[f"{names[0]}'s docstring"] = (node.body[0].lineno, node.body[0].end_lineno)
             if isinstance(node, ast.ClassDef):
                 visit(node.body, f"{prefix}{node.name}.")
             if isinstance(node, ast.FunctionDef) and prefix + node.name == "train":
@@ -428,11 +431,11 @@ POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
 
 
 def linked_name(text, path):
-    """What a README link's text names in the file it links to: 'Class.method', '' for the file's
-    docstring, a TRAIN_PARTS text; None where the text names another file or nothing known."""
-    named = re.fullmatch(POINTER, text)
+    """What a README link's text names in the file it links to: 'Class.method' (or its docstring),
+    '' for the file's docstring, a TRAIN_PARTS text; None for another file or nothing known."""
+    named = re.fullmatch(POINTER + "('s docstring)?", text)
     if named:
-        return named[2] if named[1] == path else None
+        return named[2] + (named[3] or "") if named[1] == path else None
     known = {f"`{path}`'s docstring": ""}
     if path == "train.py":
         known.update({part: part for part in TRAIN_PARTS})
