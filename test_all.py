@@ -393,7 +393,7 @@ def readme_commands(*pages):
 def source_spans(path):
     """{name: (first line, last line)} of a file's functions, classes, methods ('Class.method'),
     decorators included, module-level names, "NAME's docstring"; '' is the file's docstring, and
-    TRAIN_PARTS are parts of train()."""
+    TRAIN_PARTS are parts of train.py's functions."""
     import ast
 
     source = open(os.path.join(REPO, path)).read()
@@ -413,19 +413,25 @@ def source_spans(path):
                 spans[f"{names[0]}'s docstring"] = (node.body[0].lineno, node.body[0].end_lineno)
             if isinstance(node, ast.ClassDef):
                 visit(node.body, f"{prefix}{node.name}.")
-            if isinstance(node, ast.FunctionDef) and prefix + node.name == "train":
-                for text, opening in TRAIN_PARTS.items():
-                    spans[text] = next(((n.lineno, n.end_lineno) for n in ast.walk(node)
-                                        if isinstance(n, ast.stmt)
-                                        and lines[n.lineno - 1].strip().startswith(opening)), None)
+            for text, (function, *openings) in TRAIN_PARTS.items():
+                if path == "train.py" and prefix + getattr(node, "name", "") == function:
+                    begun = [next((n for n in ast.walk(node) if isinstance(n, ast.stmt) and
+                                   lines[n.lineno - 1].strip().startswith(o)), None)
+                             for o in openings]
+                    spans[text] = None if None in begun else (begun[0].lineno, begun[-1].end_lineno)
 
     visit(tree.body, "")
     return spans
 
 
-# README links into train(): their text, and how the statement they mark begins
-TRAIN_PARTS = {"its loop": "while step < cfg.max_iters", "the checkpoint's dict": "state = {",
-               "a resumed run's state put back": "if resumed is not None"}
+# README links into train.py's functions: their text -> the function, and how the first (and the
+# last) statement they mark begin
+TRAIN_PARTS = {"its loop": ("train", "while step < cfg.max_iters"),
+               "the step itself": ("train", "while step < cfg.max_iters", "optimizer.zero_grad"),
+               "the checkpoint's dict": ("train", "state = {"),
+               "a resumed run's state put back": ("train", "if resumed is not None"),
+               "under `torch.random.fork_rng`": ("evaluate", "with torch.random.fork_rng",
+                                                 "torch.manual_seed(cfg.seed)")}
 README_LINK = r"\[([^\[\]]+)\]\(((?:operations/)?\w+\.py)#L(\d+)-L(\d+)\)"
 POINTER = r"`((?:operations/)?\w+\.py):([\w.]+)`"
 
