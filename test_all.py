@@ -429,6 +429,7 @@ def source_spans(path):
 TRAIN_PARTS = {"its loop": ("train", "while step < cfg.max_iters"),
                "the step itself": ("train", "while step < cfg.max_iters", "optimizer.zero_grad"),
                "the checkpoint's dict": ("train", "state = {"),
+               "every rank's random state": ("train", "rng = checkpoint.random_states"),
                "a resumed run's state put back": ("train", "if resumed is not None"),
                "under `torch.random.fork_rng`": ("evaluate", "with torch.random.fork_rng",
                                                  "torch.manual_seed(cfg.seed)")}
