@@ -413,14 +413,13 @@ def source_spans(path):
                 spans[f"{names[0]}'s docstring"] = (node.body[0].lineno, node.body[0].end_lineno)
             if isinstance(node, ast.ClassDef):
                 visit(node.body, f"{prefix}{node.name}.")
-            for text, (function, *openings) in TRAIN_PARTS.items():
-                if path == "train.py" and prefix + getattr(node, "name", "") == function:
-                    begun = [next((n for n in ast.walk(node) if isinstance(n, ast.stmt) and
-                                   lines[n.lineno - 1].strip().startswith(o)), None)
-                             for o in openings]
-                    spans[text] = None if None in begun else (begun[0].lineno, begun[-1].end_lineno)
 
     visit(tree.body, "")
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for text, (function, *openings) in TRAIN_PARTS.items() if path == "train.py" else ():
+        begun = [next((n for n in ast.walk(functions[function]) if isinstance(n, ast.stmt)
+                       and lines[n.lineno - 1].strip().startswith(o)), None) for o in openings]
+        spans[text] = None if None in begun else (begun[0].lineno, begun[-1].end_lineno)
     return spans
 
 
@@ -449,17 +448,26 @@ def linked_name(text, path):
     return known.get(text)
 
 
+def readme_links(text):
+    """Each README link (its match) with the lines its name has now: None where it names nothing.
+    Each linked file is parsed once."""
+    spans = {}
+    for link in re.finditer(README_LINK, text):
+        if link[2] not in spans:
+            spans[link[2]] = source_spans(link[2]) if link[2] in REFERENCE_FILES else {}
+        yield link, spans[link[2]].get(linked_name(link[1], link[2]))
+
+
 def relink_readme(path=os.path.join(REPO, "README.md")):
     """After an edit moved code: README.md's links set to the lines their names have now.
     Run: python -c "import test_all; test_all.relink_readme()" """
-    def relinked(link):
-        span = source_spans(link[2]).get(linked_name(link[1], link[2]))
+    text, parts, end = open(path).read(), [], 0
+    for link, span in readme_links(text):
         if span is None:
             raise ValueError(f"README.md's link {link[0]} names nothing in {link[2]}; mend it")
-        return f"[{link[1]}]({link[2]}#L{span[0]}-L{span[1]})"
-
-    text = re.sub(README_LINK, relinked, open(path).read())
-    open(path, "w").write(text)
+        parts += [text[end:link.start()], f"[{link[1]}]({link[2]}#L{span[0]}-L{span[1]})"]
+        end = link.end()
+    open(path, "w").write("".join(parts) + text[end:])
 
 
 REFERENCE_FILES = ("bamboo.py", "neutreno.py", "probe.py", "data.py", "train.py", "test_all.py",
@@ -4726,14 +4734,11 @@ def test_reference_code_passes_ruff_at_100_columns():
 def test_the_readme_links_each_name_to_its_lines(tmp_path):
     """Every `file.py:name` in the README is a link to exactly that name's lines (a file's
     docstring and parts of train() too): a reader on GitHub lands on what is meant, and no more."""
-    spans = {path: source_spans(path) for path in REFERENCE_FILES}
     readme = open(os.path.join(REPO, "README.md")).read()
     assert re.findall(POINTER, re.sub(README_LINK, "", readme)) == []  # each one a link
-    wrong, links = [], re.findall(README_LINK, readme)
-    for text, path, first, last in links:
-        now = spans.get(path, {}).get(linked_name(text, path))
-        if now is None or now != (int(first), int(last)):
-            wrong.append(f"{text}: L{first}-L{last}, {now} now")
+    links = list(readme_links(readme))
+    wrong = [f"{link[1]}: L{link[3]}-L{link[4]}, {now} now" for link, now in links
+             if now != (int(link[3]), int(link[4]))]
     stale = tmp_path / "README.md"  # what an edit that moved code leaves, mended by one call
     stale.write_text(re.sub(README_LINK, lambda m: m[0].replace(f"#L{m[3]}-", f"#L{m[3]}9-"),
                             readme))
