@@ -165,9 +165,10 @@ def attention(args):
     layers = parse_indices(args.layers, c.depth, "layers")
     heads = parse_indices(args.heads, c.heads, "heads")
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
-    x = first_samples(data, args.index + 1)[args.index:args.index + 1]
+    first = first_samples(data, args.index + 1)
+    x = first[args.index:args.index + 1]
     if len(x) == 0:
-        n = len(first_samples(data, args.index + 1))
+        n = len(first)
         raise ValueError(f"--index {args.index} is past the {n} held-out samples; choose 0 to "
                          f"{n - 1}")
     _, attns = model.hidden_states(x, need_weights=True)

@@ -128,21 +128,15 @@ def compile_plan(asked, device, config, ddp):
         asked = "graphs"
     if asked != "graphs":
         return asked, ""
-    unsafe = graphs_unsafe(device, config, ddp)
-    if unsafe:
-        return "blocks", unsafe + "; compiling blocks without CUDA graphs"
-    return "graphs", ""
-
-
-def graphs_unsafe(device, config, ddp):
-    """Why CUDA graphs cannot be used for this run, or '' when they can."""
     if device.type != "cuda":
-        return "CUDA graphs need a CUDA device"
-    if ddp:
-        return "CUDA graphs are not measured under DDP here"
-    if config.checkpointing:
-        return "activation checkpointing re-runs blocks in backward"
-    return ""
+        unsafe = "CUDA graphs need a CUDA device"
+    elif ddp:
+        unsafe = "CUDA graphs are not measured under DDP here"
+    elif config.checkpointing:
+        unsafe = "activation checkpointing re-runs blocks in backward"
+    else:
+        return "graphs", ""
+    return "blocks", unsafe + "; compiling blocks without CUDA graphs"
 
 
 def compile_blocks(model, **compile_kwargs):

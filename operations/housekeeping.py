@@ -95,23 +95,16 @@ def config_from_spec(spec, **defaults):
     types = {f.name: f.type for f in fields(Config)}
     name, given = split_spec(spec, known=types)
     settings = dict(defaults)
+    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
     for key, value in given.items():
         pair = f"{key}={value}"
-        try:
-            settings[key] = parse_bool(value) if types[key] is bool else types[key](value)
-        except ValueError:
+        try:  # a bool: one of `words` in any case, never a silent False
+            settings[key] = words[value.lower()] if types[key] is bool else types[key](value)
+        except (KeyError, ValueError):
             kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
             kind = kinds[types[key]]
             raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
     return Config.from_preset(name, **settings)
-
-
-def parse_bool(text):
-    """true/false, yes/no, 1/0 (any case); anything else is an error, never a silent False."""
-    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-    if text.lower() not in words:
-        raise ValueError(f"{text!r} is not true or false")
-    return words[text.lower()]
 
 
 def settings_block(values, sources, width=100):
@@ -758,15 +751,6 @@ class Clock:
         return line
 
 
-def last_good_state(saved_step, out_dir, eval_interval):
-    """Where the last good state is, said truthfully."""
-    if saved_step is None:
-        return (f"no checkpoint was written yet (the first comes at step {eval_interval}), "
-                "so this run is lost")
-    return (f"{os.path.join(out_dir, 'ckpt.pt')} still holds step {saved_step}, the last good "
-            "state; resume from it with --resume")
-
-
 def divergence_advice(cfg):
     """What to change after a non-finite loss: the rate and the warmup first, then clipping."""
     clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
@@ -776,9 +760,13 @@ def divergence_advice(cfg):
 def diverged(what, cfg, saved_step):
     """The error for a run gone non-finite: what, that nothing was saved, where the last good
     state is, and what to change."""
-    return TrainingError(f"{what}; nothing was saved; "
-                         f"{last_good_state(saved_step, cfg.out_dir, cfg.eval_interval)}; "
-                         f"{divergence_advice(cfg)}")
+    if saved_step is None:
+        where = (f"no checkpoint was written yet (the first comes at step {cfg.eval_interval}), "
+                 "so this run is lost")
+    else:
+        where = (f"{os.path.join(cfg.out_dir, 'ckpt.pt')} still holds step {saved_step}, the last "
+                 "good state; resume from it with --resume")
+    return TrainingError(f"{what}; nothing was saved; {where}; {divergence_advice(cfg)}")
 
 
 def read_loss(total, step, cfg, saved_step):
@@ -979,13 +967,6 @@ def launcher(world):
 
 # ----------------------------------------------------------------------------- one-line errors
 
-def last_checkpoint(out_dir):
-    """What a failed run leaves to resume from, said truthfully."""
-    if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-        return "the last checkpoint is as it was; continue with --resume"
-    return "no checkpoint was written, so there is nothing to resume"
-
-
 def out_of_memory(e):
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
@@ -1006,7 +987,11 @@ def one_line_errors(out_dir=None):
     outcome = types.SimpleNamespace(code=0)
 
     def left():  # what the failure left to resume from, as it is now
-        return f"; {last_checkpoint(out_dir)}" if out_dir else ""
+        if not out_dir:
+            return ""
+        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+            return "; the last checkpoint is as it was; continue with --resume"
+        return "; no checkpoint was written, so there is nothing to resume"
 
     try:
         yield outcome
