@@ -57,12 +57,6 @@ def synthetic_batch(config, batch_size, device, generator, extra_token=False):
 
 # -------------------------------------------------------------------- what users would pick instead
 
-def reference_model(config):
-    """(name, model, loss_fn) of the usual library implementation of the same shape."""
-    builders = {"cls": timm_vit, "next": hf_gpt2, "mlm": hf_bert, "mae": vit_pytorch_mae}
-    return builders[config.objective](config)
-
-
 def timm_vit(c):
     from timm.models.vision_transformer import VisionTransformer
 
@@ -121,7 +115,9 @@ class Runner:
                  attention="auto"):
         torch.manual_seed(0)
         if reference:
-            self.name, model, self.loss_fn = reference_model(config)
+            # the usual library implementation of the same shape
+            builders = {"cls": timm_vit, "next": hf_gpt2, "mlm": hf_bert, "mae": vit_pytorch_mae}
+            self.name, model, self.loss_fn = builders[config.objective](config)
         else:
             explicit = fast.use_explicit_attention(attention, device, dtype, config)
             model = Bamboo(config, explicit_attention=explicit)
@@ -185,15 +181,13 @@ def peak_rss_mib():
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    # no /proc: macOS (ru_maxrss in bytes) or Windows (no resource module)
-    except (OSError, StopIteration):
+    except (OSError, StopIteration):  # no /proc: macOS, or Windows (no resource module)
         try:
             import resource
         except ImportError:
             return None
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2 ** 20
-                                                                     if sys.platform == "darwin"
-                                                                     else 2 ** 10)
+        scale = 2 ** 20 if sys.platform == "darwin" else 2 ** 10  # macOS counts bytes, Linux KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def cpu_peak_rss(args, entry, queue):

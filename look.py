@@ -33,7 +33,6 @@ from operations.housekeeping import one_line_errors
 
 # ----------------------------------------------------------------------------- inputs
 
-
 def load(path, objective=None):
     """(model in eval mode, its training settings, its step) from a checkpoint of `objective`, if
     given."""
@@ -54,7 +53,6 @@ def pyplot():
 
 
 # ----------------------------------------------------------------------------- sample
-
 
 def read_prompt(path):
     """The text of a UTF-8 prompt file, or one line that says why not."""
@@ -87,7 +85,6 @@ def sample(args):
 
 
 # ----------------------------------------------------------------------------- reconstruct
-
 
 @torch.no_grad()
 def mae_columns(model, images, seed=0):
@@ -141,7 +138,6 @@ def reconstruct(args):
 
 
 # ----------------------------------------------------------------------------- attention
-
 
 def parse_indices(text, count, what):
     """'0,2,-1' -> [0, 2, count - 1], each checked to be one of count."""
@@ -227,7 +223,6 @@ def attention_over_tokens(tokens, maps, shown=24):
 
 
 # ----------------------------------------------------------------------------- curves
-
 
 def read_log(out_dir):
     """(training records, evaluation records) of out_dir/log.jsonl, or of a log kept as a .jsonl

@@ -158,7 +158,6 @@ def is_image(config):
 
 # ----------------------------------------------------------------------------- the block layouts
 
-
 def linear(module):
     """(W (out, in), b (out,)) of an nn.Linear, or of a GPT-2 Conv1D (which stores W transposed)."""
     weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.T

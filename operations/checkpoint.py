@@ -26,7 +26,6 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------- files written whole or not at all
 
-
 def check_output_path(flag, path):
     """Raise ValueError where path, given with flag, cannot be written as a file: run before any
     computation."""
@@ -75,7 +74,6 @@ def atomic_write(path, write):
 
 
 # ----------------------------------------------------------------------------- save
-
 
 def weights_hash(model, trunk_only=False):
     """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
@@ -128,7 +126,6 @@ def save(path, state):
 
 
 # ----------------------------------------------------------------------------- load and resume
-
 
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""

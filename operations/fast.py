@@ -24,7 +24,6 @@ ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
 
 # ----------------------------------------------------------------------------- device and dtype
 
-
 def pick_device(name, local_rank=0):
     """auto: cuda (this rank's GPU), then mps, then cpu; or the device named, if it is here."""
     if name == "auto":
@@ -88,7 +87,6 @@ def use_explicit_attention(asked, device, dtype, config):
 
 
 # ----------------------------------------------------------------------------- the module to train
-
 
 def for_training(model, device, dtype, compile="off", ddp=False):
     """(module to train, compile mode, note): what train.py calls as module(x, y), and a line that

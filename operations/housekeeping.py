@@ -43,18 +43,14 @@ class TrainingError(Exception):
 
 # ----------------------------------------------------------------------------- settings
 
-def field_comments(cls):
-    """The comment after each field of a dataclass: the --help text."""
-    return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
-
-
 def parser_of(groups, choices, epilog=""):
     """Every field of each (dataclass, title) as a flag. Flags not given stay unset, so that a
     preset, a pretrained trunk or a resumed checkpoint can fill them."""
     parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
                                      formatter_class=argparse.RawTextHelpFormatter, epilog=epilog)
-    for cls, title in groups:
-        group, comments = parser.add_argument_group(title), field_comments(cls)
+    for cls, title in groups:  # each flag's help: the comment after its field in cls
+        group = parser.add_argument_group(title)
+        comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
         for f in fields(cls):
             kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})",
                           default=argparse.SUPPRESS)
