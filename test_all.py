@@ -426,7 +426,7 @@ def source_spans(path):
 # README links into train.py's functions: their text -> the function, and how the first (and the
 # last) statement they mark begin
 TRAIN_PARTS = {"its set-up": ("train", "def train", "if step >= cfg.max_iters"),
-               "the step itself": ("train", "while step < cfg.max_iters", "optimizer.zero_grad"),
+               "the step itself": ("train", "clock = housekeeping.Clock", "optimizer.zero_grad"),
                "the rest of its loop": ("train", "step += 1", "if stopping:"),
                "the same generator on every rank": ("train", "generator = torch.Generator()",
                                                     "torch.manual_seed(cfg.seed + 1 + rank)"),
