@@ -248,7 +248,7 @@ class Block(nn.Module):
     def __init__(self, width, heads, mlp_ratio=4.0, dropout=0.0, drop_path=0.0, causal=False,
                  neutreno=0.0, vo_param="free", explicit_attention=False):
         super().__init__()
-        # smooth/sharpen: no learned gain, whose sign could flip W_V W_O's eigenvalues
+        # smooth/sharpen: no learned gain (whose sign could flip W_V W_O's eigenvalues) or bias
         self.ln1 = nn.LayerNorm(width, elementwise_affine=vo_param == "free")
         options = dict(causal=causal, neutreno=neutreno, dropout=dropout,
                        explicit=explicit_attention)

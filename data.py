@@ -104,10 +104,10 @@ class ImageData:
 
     def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0,
                  listing=None, cache_dir=None, statistics=None):
-        """train=False loads the test split only (the probe needs nothing else); train_samples > 0
-        keeps a fixed random subset of the training split (the test split stays whole); a folder's
-        listing is list_folder's, made here unless given; its decoded splits are kept in
-        cache_dir, if given; statistics: a trained model's (mean, std), its checkpoint's."""
+        """Both splits decoded once to uint8 and put on `device`. train=False: the test split only
+        (the probe needs nothing else); train_samples > 0: a fixed random subset of the training
+        split; listing: a folder's (list_folder's), made here unless given; cache_dir keeps the
+        decoded splits; statistics: a trained model's (mean, std), from its checkpoint."""
         files = classes = None
         if name == "folder":
             from operations import datasets
@@ -293,7 +293,7 @@ class TextData:
 
     def __init__(self, name, data_dir, tokenizer, train_file, val_file, cache_dir, seq_len,
                  train=True, device="cpu", next_token=False):
-        """train=False reads the validation file only (the probe needs nothing else); training
+        """Each file tokenized once (and cached); train=False: the validation file only. Training
         batches are made on the CPU and handed to `device`. next_token: windows of seq_len + 1
         tokens, the last only a target (nanoGPT's block_size + 1), so every position trains."""
         from operations import datasets  # downloads, and the tokenized files' cache

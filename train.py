@@ -8,7 +8,7 @@ wins, resolve_settings, and the processes, start_processes, can wait for a secon
 
   main -> train -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
-          model's own forward and loss, compiled or not), optimizer.step
+          model's own forward and loss, compiled or not), scaler.step(optimizer)
 
 What surrounds a run (the out_dir's lock, signals, progress, one-line errors), the checkpoint files
 and the speedups are in operations/, called by module name where they happen.

@@ -98,7 +98,8 @@ def for_training(model, device, dtype, compile="off", ddp=False):
       blocks (auto under DDP)          model with its Blocks compiled in place (compile_blocks);
                                        next: CompiledNextToken(model), model.next_token_loss
                                        (ChunkedCrossEntropy) compiled as one more region
-      graphs (auto on one GPU)         CUDAGraphed(the module of blocks): that, as one CUDA graph
+      graphs (auto on one GPU)         CUDAGraphed(the module of blocks): its forward and backward
+                                       captured as CUDA graphs and replayed (the optimizer apart)
 
     Under graphs, run the module under autocast with cache_enabled=False (the autocast cache would
     hold tensors from outside the graph) and feed it batches of one shape."""
