@@ -426,8 +426,8 @@ def source_spans(path):
 # README links into train.py's functions: their text -> the function, and how the first (and the
 # last) statement they mark begin
 TRAIN_PARTS = {"its set-up": ("train", "def train", "if step >= cfg.max_iters"),
-               "the step itself": ("train", "clock = housekeeping.Clock", "optimizer.zero_grad"),
-               "the rest of its loop": ("train", "step += 1", "if stopping:"),
+               "the step itself": ("train", "clock = housekeeping.Clock", "step += 1"),
+               "the rest of its loop": ("train", "bar.update(1)", "if stopping:"),
                "the same generator on every rank": ("train", "generator = torch.Generator()",
                                                     "torch.manual_seed(cfg.seed + 1 + rank)"),
                "the checkpoint's dict": ("train", "state = {", "if improved:"),
@@ -435,7 +435,8 @@ TRAIN_PARTS = {"its set-up": ("train", "def train", "if step >= cfg.max_iters"),
                                          "for group in optimizer.param_groups"),
                "the global batch drawn, then this rank's slice": ("train", "draws = data.sample",
                                                                   "part = shard"),
-               "every rank's random state": ("train", "rng = checkpoint.random_states"),
+               "every rank's random state": ("train", "if not evaluating:",
+                                             "rng = checkpoint.random_states"),
                "a resumed run's state put back": ("train", "if resumed is not None"),
                "under `torch.random.fork_rng`": ("evaluate", "with torch.random.fork_rng",
                                                  "torch.manual_seed(cfg.seed)")}

@@ -295,7 +295,7 @@ class Foreign:
             inputs.append(args[0])
             outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
-        hooks = [b.register_forward_hook(keep) for b in self.block_modules]
+        hooks = [b.register_forward_hook(keep) for b in self.block_modules]  # the library's own
         try:
             if hasattr(self.model, "forward_features"):  # timm: the trunk without the head
                 self.model.forward_features(x)
