@@ -545,11 +545,12 @@ def process_group_left(ddp):
 
 def logged_step(line, last=True):
     """The step of a log.jsonl line; infinite for the last line, if a kill cut it short (never
-    kept). Only the last line can be cut short: any other that is not a record is damage."""
+    kept). Only the last line can be cut short, before its newline: any other line that is not a
+    record is damage (as look.py's read_log judges too)."""
     try:
         record = json.loads(line)
     except ValueError:
-        if last:
+        if last and not line.endswith("\n"):
             return math.inf
         record = None
     step = record.get("step", 0) if isinstance(record, dict) else None
