@@ -4195,6 +4195,23 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     assert masked == again and masked["cos"] != unmasked["cos"]
 
 
+def test_a_models_metrics_do_not_depend_on_the_models_probed_beside_it(capsys, tiny_data,
+                                                                       tmp_path):
+    """Each model sees the samples normalised by its own statistics (DeiT's are ImageNet's, this
+    ViT's 0.5), whichever model was probed first on the same data."""
+    deit = TIMM_VIT.replace("vit_tiny", "deit_tiny")
+    reports = []
+    for specs in ((TIMM_VIT, deit), (deit,)):
+        path = tmp_path / f"{len(specs)}.json"
+        code, out = probe_cli(capsys, *specs, "--dataset", "folder", "--data_dir",
+                              tiny_data / "images", "--samples", "4", "--json", path)
+        assert code == 0, out.err
+        reports.append(json.loads(path.read_text())["metrics"])
+    beside, alone = ({name: values[deit] for name, values in r.items()
+                      if name not in ("beta_qk", "beta_v")} for r in reports)  # against the first
+    assert beside == alone
+
+
 def test_a_timm_checkpoint_path_that_does_not_load_is_one_line(tmp_path):
     """timm raises its own RuntimeError for a checkpoint_path it cannot use (a pickle that
     torch.load refuses, or another model's weights); the probe says it in one line."""

@@ -49,6 +49,16 @@ def load_samples(args, model, train_cfg):
     return samples
 
 
+def samples_key(model, train_cfg):
+    """What load_samples' result depends on besides the command line: models that agree on it
+    (checkpoints of one run, say) share one decoding; each model keeps its own normalisation."""
+    c, statistics = model.config, train_cfg.get("statistics")
+    return (c.is_image, c.image_size, c.seq_len, repr(getattr(model, "statistics", None)),
+            None if statistics is None else repr([s.tolist() for s in statistics]),
+            *(train_cfg.get(k) for k in ("dataset", "data_dir", "stream", "tokenizer", "val_file",
+                                         "cache_dir")))
+
+
 # ----------------------------------------------------------------------------- report
 
 def pad(values, length):
@@ -100,10 +110,8 @@ def run(args):
         print(f"probing {label} ({i} of {len(labels)}) ...", flush=True)
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(fast.pick_device(args.device, 0))
-        c = model.config
-        key = (type(model).__name__, c.is_image, c.image_size, c.seq_len, train_cfg.get("dataset"),
-               train_cfg.get("data_dir"))
-        # decode or tokenize each dataset once, however many checkpoints share it
+        # decode or tokenize each dataset once for every model that sees it alike
+        key = samples_key(model, train_cfg)
         if key not in sample_sets:
             sample_sets[key] = load_samples(args, model, train_cfg)
         raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
