@@ -1889,6 +1889,17 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     logged = [r for r in map(json.loads, (subset / "log.jsonl").read_text().splitlines())
               if r.get("eval")][-1]
     assert code == 0 and f"val_loss {logged['val_loss']:.4g}" in printed, printed
+    text = tmp_path / "text"  # next-token, on files named its own way: scored on its own windows
+    text.mkdir()
+    for name, source in (("tr.txt", "train.txt"), ("va.txt", "val.txt")):
+        (text / name).write_text((tiny_data / "text" / source).read_text())
+    trained_checkpoint(tiny_data, "next", tmp_path / "next", 20, "--data_dir", text, "--train_file",
+                       "tr.txt", "--val_file", "va.txt", "--lr", "1e-2")  # learned: windows tell
+    code, printed, _ = run_train("--eval_only", "--init_from", tmp_path / "next" / "best.pt",
+                                 out_dir=tmp_path / "score")
+    logged = [r for r in map(json.loads, (tmp_path / "next" / "log.jsonl").read_text()
+                             .splitlines()) if r.get("eval")][-1]
+    assert code == 0 and f"val_loss {logged['val_loss']:.4g}" in printed, printed
     err = cli_error(capsys, "--eval_only", "--init_from", str(out / "best.pt"), "--objective",
                     "mae", "--depth", "1", "--out_dir", str(tmp_path / "score"))
     assert err.startswith(f"error: --eval_only --init_from {out / 'best.pt'} scores that "

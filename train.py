@@ -324,8 +324,8 @@ RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eva
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
                   "eval_only", "wandb_project", "memory_gb", "workers")
 # What --eval_only --init_from takes from the checkpoint besides its model: its data, as drawn
-HELD_OUT = ("dataset", "data_dir", "tokenizer", "val_file", "cache_dir", "eval_samples", "stream",
-            "train_samples", "seed")
+HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
+            "eval_samples", "stream", "train_samples", "seed")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")

@@ -104,8 +104,8 @@ def random_states(generator, device, world=1):
     return {"data": generator.get_state(), "ranks": ranks}
 
 
-WEIGHTS = (
-    "config", "train", "model", "step", "best", "classes", "statistics", "init_hash", "made_by")
+WEIGHTS = ("config", "train", "model", "step", "best", "classes", "statistics", "window",
+           "init_hash", "made_by")
 
 
 def weights_only(state):
