@@ -2425,6 +2425,8 @@ def test_resume_takes_new_iterations_and_data_location_and_refuses_the_rest(caps
     assert code == 0 and "nothing to train" in out and "--max_iters" in out, out
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path / "run"), "--batch_size", "8")
     assert "batch_size=16, not 8" in err and "--max_iters" in err
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path / "run"), "--base_lr", "1e-3")
+    assert "base_lr=0.0003, not 0.001; --resume may change only --max_iters --lr " in err, err
 
 
 def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, tmp_path):

@@ -316,11 +316,11 @@ def build_parser():
                                   "override it):\n" + recipes)
 
 
-# What --resume may change: length and learning rate, where the data lives, logging. The settings
-# of one invocation (machine, time limit) are never taken from the checkpoint: given, or default.
-RESUMABLE = ("max_iters", "lr", "base_lr", "min_lr", "warmup", "grad_clip", "eval_interval",
-             "eval_samples", "probe_samples", "log_interval", "data_dir", "cache_dir",
-             "init_from")
+# What --resume may change: length and learning rate (the peak itself: --base_lr made it once),
+# where the data lives, logging. The settings of one invocation (machine, time limit) are never
+# taken from the checkpoint: given, or default.
+RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
+             "probe_samples", "log_interval", "data_dir", "cache_dir")
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
                   "eval_only", "wandb_project", "memory_gb", "workers")
 # What --eval_only --init_from takes from the checkpoint besides its model: its data, as drawn

@@ -241,7 +241,7 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
         before = saved.get(name, ckpt["config"].get(name))
         if name not in resumable + per_invocation and value != before:
             hint = " or fine-tune from it with --init_from" if name == "objective" else ""
-            may = " ".join("--" + n for n in resumable[:-1])
+            may = " ".join("--" + n for n in resumable)
             raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
                                 f"{name}={before!r}, not {value!r}; "
                                 f"--resume may change only {may}; drop --{name}{hint}")
