@@ -3681,6 +3681,8 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         ([tmp_path / "missing.pt"], "no checkpoint at"),
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
+        (["init:wikitext-small,depth=1", "--dataset", "text", "--data_dir", tiny_data / "text"],
+         "a fresh model (init:) has no tokenizer of its own (random weights); pass --tokenizer"),
     ]
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     cases.append(([tmp_path / "corrupt.pt"], "corrupt or truncated"))

@@ -39,8 +39,9 @@ def load_samples(args, model, train_cfg):
     """The first args.samples held-out samples, in order, un-augmented, as one (N, ...) tensor."""
     text = not model.config.is_image and args.dataset not in IMAGE_DATASETS  # else: one line below
     if text and not (args.tokenizer or train_cfg.get("tokenizer")):
-        raise ValueError(f"{model.spec} has no tokenizer of its own (random weights); pass "
-                         "--tokenizer: a tiktoken encoding, bytes, or hf:NAME")
+        named = getattr(model, "spec", "a fresh model (init:)")  # a foreign model knows its spec
+        raise ValueError(f"{named} has no tokenizer of its own (random weights); pass --tokenizer: "
+                         "a tiktoken encoding, bytes, or hf:NAME")
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
                     args.val_file)
     samples = first_samples(data, args.samples)
