@@ -2480,6 +2480,7 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys,
     (["--beta2", "1.5"], "--beta2 1.5 must be in (0, 1)"),
     (["--resume", "--overwrite"], "choose one"),
     (["--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
+    (["--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
 ])
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
     assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,

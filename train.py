@@ -426,8 +426,7 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
         # what the checkpoint keeps
         cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
         return data, Config.from_dict({**settings, "image_size": data.image_size,
-                                       "channels": data.channels,
-                                       "num_classes": data.num_classes})
+                                       "channels": data.channels, "num_classes": data.num_classes})
     next_token = settings.get("objective", Config.objective) == "next"
     if next_token and saved and "window" not in saved:
         next_token = False  # a run saved before windows of seq_len + 1 goes on with its own
