@@ -127,10 +127,10 @@ class Runner:
         if reference:  # the library model compiled whole, as its users would
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE,
                                                fused=device.type in ("cuda", "cpu"))
-            self.compiled, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
-            kwargs = {"mode": "reduce-overhead"} if self.compiled == "graphs" else {}
-            compiled = self.compiled != "off"
-            self.forward = torch.compile(self.model, **kwargs) if compiled else self.model
+            plan, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
+            kwargs = {"mode": "reduce-overhead"} if plan == "graphs" else {}
+            self.forward = torch.compile(self.model, **kwargs) if plan != "off" else self.model
+            self.compiled = "model" if plan == "blocks" else plan  # what ran: the whole model
             self.attention = "library"
         else:  # exactly as train.py does
             self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05,

@@ -43,7 +43,7 @@ class TrainConfig:
     preset: str = ""                 # a named model (bamboo.PRESETS); model flags override it
     dataset: str = "cifar10"         # cifar10 | cifar100 | folder | wikitext2 | wikitext103 | text
     data_dir: str = "./data"         # where the dataset lives, or is downloaded to
-    tokenizer: str = "gpt2"          # text: a tiktoken encoding, or bytes (256 ids, no download)
+    tokenizer: str = "gpt2"          # text: a tiktoken encoding, bytes (256 ids, offline), hf:NAME
     train_file: str = "train.txt"    # --dataset text: training file inside data_dir
     val_file: str = "val.txt"        # --dataset text: evaluation file inside data_dir
     cache_dir: str = "./data/cache"  # tokenized text and decoded image folders are kept here

@@ -5,4 +5,6 @@
   fast          device, dtype, compilation and CUDA graphs, kept off the reader's path
   datasets      image folders streamed from disk, and downloads
   adapters      timm and Hugging Face models as probe.py sees them
+  probing       probe.py's command line: models side by side, the table, JSON, the figure
+  export        a trained model out to timm or Hugging Face
 """

@@ -546,7 +546,7 @@ def process_group_left(ddp):
 def logged_step(line, last=True):
     """The step of a log.jsonl line; infinite for the last line, if a kill cut it short (never
     kept). Only the last line can be cut short, before its newline: any other line that is not a
-    record is damage (as look.py's read_log judges too)."""
+    record is damage."""
     try:
         record = json.loads(line)
     except ValueError:
@@ -820,8 +820,9 @@ def start_wandb(cfg):
 
 
 def progress_bar(total, initial, master=True):
-    """A progress bar on a terminal; in a log file (a scheduler's stdout) only the evaluation
-    lines. As a context manager (tqdm's own), closed on the way out, before any error line."""
+    """A progress bar on a terminal; none in a log file (a scheduler's stdout), where
+    Clock.show_progress prints a line instead. As a context manager (tqdm's own), closed on the
+    way out, before any error line."""
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not (master and sys.stderr.isatty()),

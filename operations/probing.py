@@ -157,7 +157,7 @@ def build_parser():
     add("--tokenizer", default="",
         help="text: tiktoken encoding, bytes or hf:NAME (default: the checkpoint's or model's)")
     add("--val_file", default="",
-        help="--dataset text: held-out file in data_dir (default: val.txt)")
+        help="--dataset text: held-out file in data_dir (default: the checkpoint's, or val.txt)")
     add("--samples", type=int, default=256,
         help="held-out samples, the first N in order (default: 256)")
     add("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
