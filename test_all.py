@@ -4571,6 +4571,28 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert "MFU %" in out and "peak float32" in out and "measured GEMM peak" in out
 
 
+def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys,
+                                                                            monkeypatch):
+    """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
+    it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
+    import bench
+
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
+                                            "next:cifar-tiny,seq_len=16,vocab_size=64",
+                                            "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against",
+                                            "--batch_size", "2", "--steps", "1", "--rounds", "1",
+                                            "--warmup", "1", "--dtype", "float32", "--compile",
+                                            "blocks", "--no-memory"])
+    rows = bench.run(args)
+    assert [(r["impl"], r["compiled"]) for r in rows] == [
+        ("bamboo", "blocks"), ("timm VisionTransformer", "model"), ("bamboo", "blocks"),
+        ("HF GPT2LMHeadModel", "model"), ("bamboo", "blocks"), ("HF BertForMaskedLM", "model")]
+    for ours, library in zip(rows[::2], rows[1::2]):
+        assert library["attention"] == "library" and library["step_ms"] > 0
+        assert library["params_m"] == pytest.approx(ours["params_m"], rel=0.1)  # the same shape
+
+
 def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
     import bench
 
