@@ -892,11 +892,18 @@ def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, optio
 
 
 def test_vo_param_changes_the_blocks_but_not_the_stem():
-    stems = []
+    """smooth and sharpen build every block's W_V W_O from an eigenbasis (no learned gain before
+    attention); the stem is the same for all three."""
+    stems, blocks = [], []
     for mode in ("free", "smooth", "sharpen"):
         torch.manual_seed(0)
-        stems.append(Bamboo(tiny("cls", vo_param=mode)).patch_embed.weight)
+        model = Bamboo(tiny("cls", vo_param=mode))
+        stems.append(model.patch_embed.weight)
+        blocks.append({(type(b.attn).__name__, b.attn.vo.mode if mode != "free" else None,
+                        b.ln1.weight is None) for b in model.blocks})
     assert torch.equal(stems[0], stems[1]) and torch.equal(stems[0], stems[2])
+    assert blocks == [{("Attention", None, False)}, {("EigenAttention", "smooth", True)},
+                      {("EigenAttention", "sharpen", True)}]
 
 
 def test_residual_projections_get_the_depth_scaled_init():
@@ -1645,11 +1652,11 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
     first = torch.tensor(eval_view(data.files["test"][0][0], 16)).permute(2, 0, 1)[None]
     assert torch.equal(first_samples(data, 1), standardised(first, data.mean, data.std))
     logged = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[-1])
-    assert probe.main([str(tmp_path / "run" / "ckpt.pt"), "--samples", "64", "--json",
-                       str(tmp_path / "p.json")]) == 0
-    probed = json.loads((tmp_path / "p.json").read_text())
-    row = next(iter(probed.values())) if isinstance(probed, dict) else probed[0]
-    assert logged["layers"] and row
+    ckpt = str(tmp_path / "run" / "ckpt.pt")  # the probe sees what the evaluation saw
+    assert probe.main([ckpt, "--samples", "64", "--json", str(tmp_path / "p.json")]) == 0
+    probed = json.loads((tmp_path / "p.json").read_text())["metrics"]
+    for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank"):
+        assert logged["layers"][name] == pytest.approx(probed[name][ckpt], rel=1e-5), name
 
 
 @pytest.mark.parametrize("break_it, expected", [
@@ -1800,7 +1807,7 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     from operations.checkpoint import model_from_checkpoint
 
     out = tmp_path / "run"
-    trained_checkpoint(tiny_data, "next", out, 6, "--eval_interval", "2", "--lr", "3e-2")
+    trained_checkpoint(tiny_data, "next", out, 4, "--eval_interval", "2", "--lr", "1e-1")
     evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
              if r.get("eval")]
     best = torch.load(out / "best.pt", weights_only=True)
@@ -1808,10 +1815,10 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     assert best["best"] == pytest.approx(min(r["ppl"] for r in evals))
     assert not {"optimizer", "scaler", "rng"} & set(best) and "made_by" in best
     assert (out / "best.pt").stat().st_size < (out / "ckpt.pt").stat().st_size / 2
+    assert best["step"] == 2 < evals[-1]["step"]  # the rate too high: step 4 evaluates worse
     model, _ = model_from_checkpoint(out / "best.pt")
-    if best["step"] == evals[-1]["step"]:
-        last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
-        assert all(torch.equal(v, last[k]) for k, v in model.state_dict().items())
+    last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    assert not all(torch.equal(v, last[k]) for k, v in model.state_dict().items())
     code, _, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval",
                                        "5", "--overwrite"), out_dir=out)
     assert code == 0 and torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
@@ -3486,6 +3493,8 @@ def test_beta_of_a_model_against_itself_is_one():
 
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints,
                                                        tmp_path):
+    import look
+
     argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
             "--samples", "8",
@@ -3510,6 +3519,10 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
     assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
+    for relative, last, label in ((False, 4, "layer"), (True, 1.0, "relative depth")):
+        axes = [ax for ax in look.probe_figure(report, relative).axes if ax.get_lines()]
+        assert max(x for ax in axes for line in ax.get_lines() for x in line.get_xdata()) == last
+        assert all(ax.get_xlabel().startswith(label) for ax in axes)  # --relative: layer / depth
 
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
@@ -3546,6 +3559,8 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     full = probe.probe_model(model, samples, 4)
     masked = probe.probe_model(model, samples, 4, mask=True)
     assert full["std"] != masked["std"]
+    assert full["attn_entropy_ceiling"][-1] == pytest.approx(math.log(16))  # every patch
+    assert masked["attn_entropy_ceiling"][-1] == pytest.approx(math.log(4))  # MAE's 25% visible
     visible = model.hidden_states(samples, mask_ratio=0.75, noise=torch.rand(4, 16))[-1]
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
 
@@ -3836,8 +3851,12 @@ def test_fast_trains_the_model_itself_without_compilation():
 
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
-def test_activation_checkpointing_gives_the_same_gradients(objective):
-    grads = {}
+def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatch):
+    """Each block runs again in backward (its forward counted), with the same dropout draws."""
+    import bamboo
+
+    grads, runs, forward = {}, [], bamboo.Block.forward
+    monkeypatch.setattr(bamboo.Block, "forward", lambda *args: runs.append(1) or forward(*args))
     for flag in (False, True):
         torch.manual_seed(0)
         model = Bamboo(tiny(objective, depth=3, neutreno=0.6, dropout=0.1, drop_path=0.1,
@@ -3846,6 +3865,7 @@ def test_activation_checkpointing_gives_the_same_gradients(objective):
         torch.manual_seed(1)
         model(x, y)[1].backward()
         grads[flag] = [p.grad.clone() for p in model.parameters()]
+    assert len(runs) == 3 + 6  # without, then with: three blocks run once, then twice each
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
