@@ -145,7 +145,8 @@ def export(path, out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Export a trained model to timm or Hugging Face.")
+    parser = argparse.ArgumentParser(description="Export a trained model to timm or Hugging Face.",
+                                     allow_abbrev=False)
     parser.add_argument("checkpoint", help="a train.py checkpoint (ckpt.pt or best.pt)")
     parser.add_argument("--out", required=True, help="a .safetensors file (cls, mae) or a folder "
                         "(next)")
