@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from bamboo import (
     PRESETS,
+    TRUNK,
     Bamboo,
     Config,
     patchify,
@@ -2459,7 +2460,9 @@ def test_fine_tuning_refuses_a_checkpoint_whose_trunk_does_not_fit(capsys, tiny_
                     str(tmp_path / "b"))
     assert "blocks.0.ln1.weight, ...); fine-tune" in err and "--width" in err
     code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
-    assert code == 0 and "loaded" in out, out  # fewer blocks than pretrained: the first one is used
+    trunk = [k for k in torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["model"]
+             if k.startswith(TRUNK)]  # fewer blocks than pretrained: the first ones, all loaded
+    assert code == 0 and f"loaded {len(trunk)} tensors" in out and "blocks," in out, out
 
 
 def test_the_out_dir_is_checked_before_any_data_is_read(capsys, tmp_path):
@@ -2808,6 +2811,10 @@ def test_overwrite_replaces_a_run_only_after_every_check_and_then_all_of_it(caps
     err = cli_error(capsys, *flags, "--data_dir", str(tmp_path / "nosuch"), "--overwrite",
                     "--out_dir", str(tmp_path))
     assert err.startswith("error: ") and "nosuch" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    err = cli_error(capsys, *text_flags(tiny_data, "next", "--tokenizer", "nosuch_bpe"),
+                    "--overwrite", "--out_dir", str(tmp_path))
+    assert err.startswith("error: ") and "nosuch_bpe" in err, err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     (tmp_path / "notes.txt").write_text("the user's own")
     mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "2")
