@@ -516,7 +516,7 @@ def test_objective_shapes_loss_and_gradients(objective):
         out = model.token_logits(model.next_token_features(x, y)[0])
     expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels),
                 "cls": (4, c.num_classes),
-                "mlm": (out.shape[0], c.vocab_size),
+                "mlm": (4 * c.num_chosen(c.seq_len), c.vocab_size),  # the chosen positions
                 "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
     assert out.shape == expected
     assert torch.isfinite(loss)
@@ -2493,6 +2493,7 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys,
     (["--resume", "--overwrite"], "choose one"),
     (["--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
     (["--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
+    (["--weight_decay", "-0.1"], "--weight_decay -0.1 must be >= 0"),
 ])
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
     assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
@@ -3220,6 +3221,10 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "a: abs_cos_centered of the last layer at steps [2, 4]: " in printed
     assert "\nc: abs_cos_centered of the last layer" in printed
     assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert look.main(["smoothing", str(tmp_path / "a"), "--metric", "erank", "--out",
+                      str(tmp_path / "e.png")]) == 0
+    assert drawn[-1].axes[-1].get_ylabel() == "erank"
+    assert "a: erank of the last layer at steps [2, 4]: " in capsys.readouterr().out
     assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
     assert "logged no per-layer metrics (trained with --probe_samples 0" in capsys.readouterr().err
     (tmp_path / "d").mkdir()
@@ -3577,6 +3582,23 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
 
 
+def test_probe_and_bench_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
+    import bench
+
+    try:
+        code, out = probe_cli(capsys, "init:cifar-tiny,image_size=16", "--dataset", "folder",
+                              "--data_dir", tiny_data / "images", "--samples", "2", "--device",
+                              "cpu", "--threads", "2")
+        assert code == 0 and torch.get_num_threads() == 2, out.err
+        torch.set_num_threads(1)
+        assert bench.main(["cls:cifar-tiny,image_size=16", "--device", "cpu", "--threads", "2",
+                           "--steps", "1", "--rounds", "1", "--warmup", "1", "--no-memory"]) == 0
+        assert "device cpu, batch 8, 1 rounds x 1 steps (fastest round), 2 threads" in (
+            capsys.readouterr().out)
+    finally:
+        torch.set_num_threads(1)  # the suite's, for the tests after this one
+
+
 def test_silent_inputs_are_refused_or_recorded_as_run(capsys, tiny_data, tmp_path):
     """A flag with no effect, a contradictory or doubled spec key, a preset of the other modality,
     an index past the data: one line each; --samples beyond the split records what was probed."""
@@ -3709,6 +3731,8 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         ([tmp_path / "missing.pt"], "no checkpoint at"),
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
+        (["init:cifar-tiny", "--samples", "1"], "--samples must be at least 2"),
+        (["init:cifar-tiny", "--batch_size", "0"], "--batch_size at least 1"),
         (["init:wikitext-small,depth=1", "--dataset", "text", "--data_dir", tiny_data / "text"],
          "a fresh model (init:) has no tokenizer of its own (random weights); pass --tokenizer"),
     ]
@@ -4441,6 +4465,10 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
     assert code == 0 and len(texts) == 3 and all(t.startswith("the quick") for t in texts[:2])
     assert look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
                     "--max_new_tokens", "12", "--seed", "3")[1].out == out.out  # seeded
+    code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "3",
+                         "--max_new_tokens", "12", "--top_k", "1")  # the likeliest id each time
+    texts = out.out.split("---------------\n")[:3]
+    assert code == 0 and texts[0] == texts[1] == texts[2] and len(texts[0]) > len("the quick")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     for argv, message in ((["--prompt_file", tmp_path / "latin1.txt"], "is not UTF-8"),
                           (["--prompt_file", tmp_path / "none.txt"], "cannot read --prompt_file"),
@@ -4505,6 +4533,11 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
     code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
     width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
     assert code == 0 and width > height > 400, out.err
+    for seed, name in (("0", "same.png"), ("1", "other.png")):  # --seed picks the hidden patches
+        assert look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--seed", seed, "--out",
+                        tmp_path / name)[0] == 0
+    pixels = [(tmp_path / name).read_bytes() for name in ("r.png", "same.png", "other.png")]
+    assert pixels[0] == pixels[1] != pixels[2]
     model, _, step = look.load(ckpt, "mae")
     assert step == 2
     images = batch(model.config, B=3)[0]
