@@ -1910,6 +1910,12 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     logged = [r for r in map(json.loads, (tmp_path / "next" / "log.jsonl").read_text()
                              .splitlines()) if r.get("eval")][-1]
     assert code == 0 and f"val_loss {logged['val_loss']:.4g}" in printed, printed
+    trained_checkpoint(tiny_data, "mlm", tmp_path / "mlm", 20, "--batch_size", "4", "--lr", "1e-2")
+    code, printed, _ = run_train("--eval_only", "--init_from", tmp_path / "mlm" / "best.pt",
+                                 out_dir=tmp_path / "score")  # its masks: drawn in its batches
+    logged = [r for r in map(json.loads, (tmp_path / "mlm" / "log.jsonl").read_text()
+                             .splitlines()) if r.get("eval")][-1]
+    assert code == 0 and f"mlm_acc {logged['mlm_acc']:.4g}" in printed, (printed, logged)
     err = cli_error(capsys, "--eval_only", "--init_from", str(out / "best.pt"), "--objective",
                     "mae", "--depth", "1", "--out_dir", str(tmp_path / "score"))
     assert err.startswith(f"error: --eval_only --init_from {out / 'best.pt'} scores that "
