@@ -3090,6 +3090,9 @@ def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
     (tmp_path / "log.jsonl").write_text(log + '{"step": 3, "lo\n')  # whole, as a kill never leaves
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
     assert 'a log.jsonl line is not one of train.py\'s records ({"step": 3, "lo)' in err, err
+    (tmp_path / "log.jsonl").write_text(log.rstrip("\n"))  # whole records, the last newline lost
+    code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    assert code == 0 and [r.get("step") for r in records][-3:] == [None, 3, 3], out  # run, step
     (tmp_path / "log.jsonl").write_bytes(log.encode() + b"\xff\n")
     err = cli_error(capsys, "--resume", "--max_iters", "3", "--out_dir", str(tmp_path))
     assert f"{tmp_path / 'log.jsonl'} is not UTF-8 text; the log is damaged" in err, err

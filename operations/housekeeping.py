@@ -573,7 +573,9 @@ def forget_unsaved_steps(log_path, step):
         raise TrainingError(f"{log_path} is not UTF-8 text; the log is damaged: remove it, or the "
                             "line that is not one of train.py's records, and --resume") from None
     kept = [line for n, line in enumerate(lines, 1) if logged_step(line, n == len(lines)) <= step]
-    if len(kept) < len(lines):
+    if kept and not kept[-1].endswith("\n"):  # a whole record that lost only its newline
+        kept[-1] += "\n"
+    if kept != lines:
         checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
 
 
