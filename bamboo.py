@@ -89,8 +89,8 @@ class Config:
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
-            ("mask_ratio", self.patch_size < 1 or self.num_visible() >= 1,  # patch_size says it
-             "leaves no visible patch; lower it"),
+            ("mask_ratio", self.patch_size < 1 or 0 < self.num_visible() < self.num_patches(),
+             "must hide some patches and leave others visible"),
             ("decoder_depth", self.decoder_depth >= 1, "must be at least 1"),
             ("decoder_heads",
              self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,

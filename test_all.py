@@ -2500,6 +2500,8 @@ def test_a_torch_older_than_the_requirements_is_one_line_before_any_work(capsys,
     (["--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
     (["--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
     (["--weight_decay", "-0.1"], "--weight_decay -0.1 must be >= 0"),
+    (["--mask_ratio", "0.005"], "Config.mask_ratio=0.005 must hide some patches and leave others"),
+    (["--mask_ratio", "0.995"], "Config.mask_ratio=0.995 must hide some patches and leave others"),
 ])
 def test_bad_training_flags_are_one_line(capsys, tmp_path, flags, message):
     assert message in cli_error(capsys, "--dataset", "folder", "--data_dir", str(tmp_path), *flags,
