@@ -2326,7 +2326,12 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
 
     # the old fixed temp name is never touched
     (tmp_path / "ckpt.pt.tmp").write_text("someone else's")
-    checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
+    umask = os.umask(0o027)  # the mode a plain open() would give, not mkstemp's 0o600
+    try:
+        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "ckpt.pt").stat().st_mode & 0o777 == 0o640
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
 

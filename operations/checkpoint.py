@@ -63,6 +63,9 @@ def atomic_write(path, write):
     except OSError as e:  # a read-only or vanished folder: name the file asked for, not the temp
         raise OSError(e.errno, e.strerror or str(e), path) from None
     try:
+        umask = os.umask(0)  # mkstemp makes 0o600; a file open() makes gets 0o666 less the umask
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # so that whoever may read the folder may read it
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
