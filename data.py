@@ -191,10 +191,10 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
 
 
 def normalisation(images):
-    """(mean, std) per channel of the first 10,000 images. A channel that barely varies (a colour
-    the dataset does not use, one image) is only centred: dividing by ~0 would make every input
-    non-finite. 1/255 is one grey level."""
-    mean, std = channel_statistics(images[:10000])
+    """(mean, std) per channel of a fixed random 10,000 images (a folder lists them class by class).
+    A channel that barely varies (a colour the dataset does not use, one image) is only centred:
+    dividing by ~0 would make every input non-finite. 1/255 is one grey level."""
+    mean, std = channel_statistics(images[fixed_subset(len(images), 10000)])
     return mean, torch.where(std > 1 / 255, std, torch.ones_like(std))
 
 

@@ -1276,6 +1276,14 @@ def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_
     assert (tmp_path / "a-file").read_text() == "not a folder"
 
 
+def test_the_pixel_statistics_of_a_folder_listed_class_by_class_see_every_class():
+    from data import normalisation
+
+    images = torch.cat([torch.zeros(6000, 3, 2, 2), torch.full((6000, 3, 2, 2), 255.)])
+    mean, std = normalisation(images.to(torch.uint8))  # 10,000 of them, from both classes
+    assert mean.flatten().tolist() == pytest.approx([0.5] * 3, abs=0.02)
+
+
 def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
     from data import channel_statistics
 
