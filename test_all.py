@@ -2466,6 +2466,21 @@ def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, tmp_pat
     assert code == 0 and "resumed" in out, out
 
 
+def test_a_text_trunk_is_tuned_with_its_tokens_and_a_preset_checked_on_the_data_scored(
+        tiny_data, tmp_path):
+    """Fine-tuning a text trunk reads its text with the tokenizer the trunk learned (unless
+    --tokenizer says otherwise); --eval_only --init_from with --preset checks the preset against
+    the checkpoint's data, not the default cifar10."""
+    mlm = trained_checkpoint(tiny_data, "mlm", tmp_path / "mlm")  # --tokenizer bytes
+    code, out, _ = run_train("--objective", "next", "--dataset", "text", "--data_dir",
+                             tiny_data / "text", "--cache_dir", IMAGE_CACHE, "--batch_size", "16",
+                             "--max_iters", "1", "--init_from", mlm, out_dir=tmp_path / "next")
+    assert code == 0 and "tokenizer=bytes" in out, out
+    code, out, _ = run_train("--eval_only", "--init_from", mlm, "--preset", "wikitext-small",
+                             out_dir=tmp_path / "score")
+    assert code == 0 and f"evaluated {mlm} as trained: " in out, out
+
+
 def test_fine_tuning_refuses_a_checkpoint_whose_trunk_does_not_fit(capsys, tiny_data, tmp_path):
     """A text trunk for an image classifier, or a flag that reshapes the trunk, would silently train
     from scratch."""

@@ -349,22 +349,22 @@ def resolve_settings(args):
     else:
         recipe = RECIPES.get(given.get("preset", ""), {})
         cfg = TrainConfig(**{**recipe, **housekeeping.flags_given(args, TrainConfig)})
-        if cfg.preset in RECIPES:
-            housekeeping.check_recipe_fits(cfg.preset, cfg.dataset,
-                                           "seq_len" in PRESETS[cfg.preset])
         settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
         sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
                    **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
-        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape
+        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape, and a text one's tokens
             pretrained = checkpoint.load(cfg.init_from)
             kept = list(pretrained["config"]) if cfg.eval_only else TRUNK_SHAPE
             settings.update({k: pretrained["config"][k] for k in kept})
-            sources.update(dict.fromkeys(kept, "the --init_from checkpoint"))
-            if cfg.eval_only:  # scoring a checkpoint: its data too, as it was trained
-                saved = {k: v for k, v in pretrained.get("train", {}).items()
-                         if k in HELD_OUT and k not in given}
-                cfg = replace(cfg, **saved)
-                sources.update(dict.fromkeys(saved, "the --init_from checkpoint"))
+            text = pretrained["config"].get("objective") not in IMAGE_OBJECTIVES
+            taken = HELD_OUT if cfg.eval_only else ("tokenizer",) if text else ()
+            saved = {k: v for k, v in pretrained.get("train", {}).items()
+                     if k in taken and k not in given}  # scoring: its data, as it was trained
+            cfg = replace(cfg, **saved)
+            sources.update(dict.fromkeys([*kept, *saved], "the --init_from checkpoint"))
+        if cfg.preset in RECIPES:  # on the data it will run on (--eval_only: the checkpoint's)
+            housekeeping.check_recipe_fits(cfg.preset, cfg.dataset,
+                                           "seq_len" in PRESETS[cfg.preset])
         settings.update(housekeeping.flags_given(args, Config))
         if cfg.eval_only and pretrained is not None:
             housekeeping.check_scored_as_trained(cfg.init_from, pretrained, settings)
