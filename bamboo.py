@@ -153,12 +153,9 @@ def _trunk(depth, width, heads=0):
 # Table 2: each original configuration beside its Bamboo counterpart.
 PRESETS = {
     "base-12x768": _trunk(12, 768),    # ViT-B / BERT-B / MAE-B: Table 1 and 2 "original Base"
-    "base-24x512": _trunk(24, 512),
-    "base-48x384": _trunk(48, 384),
-    "base-96x256": _trunk(96, 256),
+    "base-24x512": _trunk(24, 512), "base-48x384": _trunk(48, 384), "base-96x256": _trunk(96, 256),
     "large-24x1024": _trunk(24, 1024),  # "original Large"
-    "large-48x768": _trunk(48, 768),
-    "large-60x640": _trunk(60, 640),
+    "large-48x768": _trunk(48, 768), "large-60x640": _trunk(60, 640),
     "large-96x512": _trunk(96, 512),
     "huge-32x1280": _trunk(32, 1280, 16),  # "original Huge": head dim 80, as in ViT-H
     "bamboo-b": _trunk(48, 384),          # Table 2 Bamboo-B = base-48x384

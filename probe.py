@@ -200,13 +200,15 @@ def probe_model(model, samples, batch_size, mask=False):
                            generator=noise_gen).to(device) if mask else None
         hiddens, attns = model.hidden_states(x, need_weights=True, noise=noise,
                                              mask_ratio=model.config.mask_ratio if mask else 0.0)
+        if hiddens[0].shape[1] < 2:  # std and every cosine compare a sample's tokens
+            raise ValueError("each sample reaches the blocks as one token, and the metrics compare "
+                             "tokens: probe more patches (a larger image, or drop --mask)")
         finite = torch.stack([h.isfinite().all() for h in hiddens])
         # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
         if not finite.all():
             bad = finite.logical_not().nonzero()[0].item()
-            raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} "
-                             f"to {i + len(x) - 1}; "
-                             "check the data (a channel or token that breaks "
+            raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} to "
+                             f"{i + len(x) - 1}; check the data (a channel or token that breaks "
                              "normalisation) or the checkpoint")
         for layer, metrics in enumerate(layer_metrics_per_sample(hiddens, attns)):
             for name, values in metrics.items():  # summed on the device, read once at the end

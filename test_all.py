@@ -3771,6 +3771,8 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
         (["init:cifar-tiny", "--samples", "1"], "--samples must be at least 2"),
+        (["init:cifar-tiny,objective=mae,image_size=8", "--mask", "--dataset", "folder",
+          "--data_dir", tiny_data / "images"], "each sample reaches the blocks as one token"),
         (["init:cifar-tiny", "--batch_size", "0"], "--batch_size at least 1"),
         (["init:wikitext-small,depth=1", "--dataset", "text", "--data_dir", tiny_data / "text"],
          "a fresh model (init:) has no tokenizer of its own (random weights); pass --tokenizer"),
