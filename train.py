@@ -449,7 +449,7 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
                                 for _ in range(3))
     # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
     # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+    with torch.random.fork_rng([] if device.type == "cpu" else [device], device_type=device.type), \
             torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
         batches = data.eval_batches(batch_size, cfg.eval_samples or None)

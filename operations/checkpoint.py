@@ -95,11 +95,15 @@ def weights_hash(model, trunk_only=False):
                                                             "model": everything.hexdigest()}
 
 
+GPUS = ("cuda", "mps")  # devices with a random state of their own
+
+
 def random_states(generator, device, world=1):
-    """The data order's generator and every rank's torch (and CUDA) random state, so that a resume
-    repeats the uninterrupted run; under DDP a collective (masks and dropout differ per rank)."""
-    cuda = (torch.cuda.get_rng_state(device) if device.type == "cuda"
-            else torch.empty(0, dtype=torch.uint8))
+    """The data order's generator and every rank's torch (and GPU: CUDA or MPS) random state, so
+    that a resume repeats the uninterrupted run; under DDP a collective (masks and dropout differ
+    per rank)."""
+    cuda = (torch.get_device_module(device).get_rng_state(device) if device.type in GPUS
+            else torch.empty(0, dtype=torch.uint8))  # saved as "cuda", whichever GPU
     ranks = [{"torch": torch.get_rng_state(), "cuda": cuda}]
     if world > 1:
         own, ranks = ranks[0], [None] * world
@@ -198,8 +202,8 @@ def restore_random_states(ckpt, path, generator, rank, world, device):
             raise ValueError(f"it was written by {len(ranks)} processes, this run has "
                              f"{world}; use as many")
         torch.set_rng_state(ranks[rank]["torch"])
-        if device.type == "cuda" and ranks[rank]["cuda"].numel():
-            torch.cuda.set_rng_state(ranks[rank]["cuda"], device)
+        if device.type in GPUS and ranks[rank]["cuda"].numel():
+            torch.get_device_module(device).set_rng_state(ranks[rank]["cuda"], device)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
         why = " ".join(str(e).split())[:160]
         raise CheckpointError(f"{path} cannot be resumed ({why})") from None
