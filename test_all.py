@@ -4799,6 +4799,13 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
     assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
+    own = tmp_path / "own" / "wikitext-2-raw"  # a user's train.txt and test.txt: only valid.txt
+    own.mkdir(parents=True)
+    for split in ("train", "test"):
+        (own / f"{split}.txt").write_text(f"the user's own {split}")
+    datasets.download_wikitext("wikitext2", str(tmp_path / "own"))
+    assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
+        "the user's own train", " = valid = \nword wor", "the user's own test"]
     # an archive without its test split is refused; the fallback failing too leaves nothing behind
     monkeypatch.setattr(datasets, "_fetch", lambda url: fake_zip(["train", "valid"]))
     with pytest.raises(data.DataError, match="could not download wikitext2"):

@@ -527,24 +527,28 @@ def _fetch(url, timeout=30):
         return response.read()
 
 
-def _from_mirror(url, folder, target):
-    """The author's zip: checked (CRC and expected members) before anything is written."""
+def _from_mirror(url, folder, target, missing):
+    """The author's zip: checked (CRC and expected members) before anything is written; only the
+    missing splits are written."""
     archive = zipfile.ZipFile(io.BytesIO(_fetch(url)))
     if archive.testzip() is not None:
         raise OSError("corrupt zip")
-    for split in ("train", "valid", "test"):
-        text = archive.read(f"{folder}/wiki.{split}.raw")
+    texts = {s: archive.read(f"{folder}/wiki.{s}.raw") for s in ("train", "valid", "test")}
+    for split, text in texts.items():
         if len(text) < 100_000:
             raise OSError(f"wiki.{split}.raw is only {len(text)} bytes")
-        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(text))
+    for split in missing:
+        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(texts[split]))
 
 
-def _from_hugging_face(config, target):
+def _from_hugging_face(config, target, missing):
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise OSError("the Hugging Face fallback needs pyarrow (pip install pyarrow)") from None
     for split, name in (("train", "train"), ("valid", "validation"), ("test", "test")):
+        if split not in missing:
+            continue
         n = HF_SHARDS.get(config, {}).get(name, 1)
         rows = []
         for i in range(n):
@@ -563,11 +567,13 @@ def download_wikitext(name, data_dir):
     if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
         return target
     os.makedirs(target, exist_ok=True)
-    ours = [os.path.join(target, f"{s}.txt") for s in ("train", "valid", "test")]
-    ours = [path for path in ours if not os.path.exists(path)]  # only what this call may write
+    missing = [s for s in ("train", "valid", "test")  # only what this call may write
+               if not os.path.exists(os.path.join(target, f"{s}.txt"))]
+    ours = [os.path.join(target, f"{s}.txt") for s in missing]
     errors = []
-    for source, fetch in ((url, lambda: _from_mirror(url, folder, target)),
-                          ("huggingface.co", lambda: _from_hugging_face(hf_config, target))):
+    for source, fetch in ((url, lambda: _from_mirror(url, folder, target, missing)),
+                          ("huggingface.co",
+                           lambda: _from_hugging_face(hf_config, target, missing))):
         try:
             fetch()
             return target
