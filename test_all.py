@@ -3678,6 +3678,15 @@ def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_ta
             adapters.load(spec)
     assert "n_layer" in str(pytest.raises(ValueError, adapters.load,
                                           "hf:gpt2,pretrained=0,n_layers=6").value)
+    with pytest.raises(ValueError, match="gpt2's scale_attn_weights takes true or false, not 2"):
+        adapters.load("hf:gpt2,pretrained=0,scale_attn_weights=2")
+    # true and false as words, in any case, never a text that reads as True (offline: no download)
+    vit = adapters.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
+                        "qkv_bias=false,global_pool=avg").model
+    assert vit.cls_token is None and vit.blocks[0].attn.qkv.bias is None
+    gpt2 = adapters.load(HF_TINY["gpt2"] + ",reorder_and_upcast_attn=TRUE,layer_norm_epsilon=1")
+    assert gpt2.model.config.reorder_and_upcast_attn is True
+    assert gpt2.model.config.layer_norm_epsilon == 1.0
 
 
 def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys,
@@ -4340,12 +4349,21 @@ def test_a_timm_checkpoint_path_that_does_not_load_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_a_timm_model_with_normalised_queries_and_keys_is_refused_not_misprobed():
+def test_attention_the_probe_cannot_recompute_is_refused_not_misprobed():
+    """The probe recomputes softmax(q k^T / sqrt(head size)): a model whose attention adds to that
+    (normalised queries, BEiT's relative positions, EVA's rotary embeddings, GPT-2's other
+    scalings) is refused in one line rather than probed wrongly."""
     from operations import adapters
 
-    with pytest.raises(ValueError, match="normalises its queries and keys \\(q_norm, k_norm\\)"):
-        adapters.load("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=1,"
-                      "embed_dim=32,num_heads=2,qk_norm=True")
+    small = "pretrained=0,img_size=16,patch_size=4,depth=1,embed_dim=48,num_heads=3"
+    cases = {f"timm:vit_tiny_patch16_224,{small},qk_norm=True": "normalises inside attention "
+             "(q_norm, k_norm)", f"timm:beit_base_patch16_224,{small}": "is not plain softmax",
+             f"timm:eva02_tiny_patch14_224,{small}": "is not plain softmax",
+             HF_TINY["gpt2"] + ",scale_attn_by_inverse_layer_idx=true": "scales its attention "
+             "otherwise than by 1/sqrt(head size)"}
+    for spec, says in cases.items():
+        with pytest.raises(ValueError, match=re.escape(says)):
+            adapters.load(spec)
 
 
 def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data,

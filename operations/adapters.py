@@ -31,10 +31,14 @@ FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)
 
 
 def parse(spec):
-    """(library, name, settings) of 'timm:NAME,key=value,...'; values are int, float or text."""
+    """(library, name, settings) of 'timm:NAME,key=value,...'; values are int, float, a bool
+    (true, false, yes, no in any case: never a text that reads as True) or text."""
     library, _, rest = spec.partition(":")
     name, settings = housekeeping.split_spec(rest)
     for key, value in settings.items():
+        if value.lower() in housekeeping.BOOLEANS and not value.isdigit():
+            settings[key] = housekeeping.BOOLEANS[value.lower()]
+            continue
         for kind in (int, float):
             try:
                 settings[key] = kind(value)
@@ -126,8 +130,12 @@ def hf_model(name, pretrained, settings):
         if key not in known:
             raise ValueError(f"{name} takes no setting {key!r}; it takes: "
                              f"{', '.join(sorted(known))}")
+        if isinstance(known[key], bool) and value not in (0, 1):  # True and False are 1 and 0
+            raise ValueError(f"{name}'s {key} takes true or false, not {value!r}")
         if isinstance(known[key], (int, float)) and not isinstance(value, (int, float)):
             raise ValueError(f"{name}'s {key} takes a number, not {value!r}")
+        if isinstance(known[key], (bool, float)):
+            settings[key] = type(known[key])(value)  # 1 where a float or a bool is due
     config = type(default).from_dict({**known, **settings})
     config._attn_implementation = "eager"
     return transformers.AutoModel.from_config(config)
@@ -170,18 +178,28 @@ def block_layout(model, block):
     before attention (None where the block is post-norm) and the output's per-channel scale."""
     kind = type(block).__name__
     if hasattr(block, "attn") and hasattr(block.attn, "qkv"):  # timm's ViT (and bamboo's Block)
-        normed = [n for n in ("q_norm", "k_norm") if not isinstance(getattr(block.attn, n, None),
-                                                                     (type(None), nn.Identity))]
+        attention = type(block.attn).__module__ + "." + type(block.attn).__name__
+        if attention not in ("timm.layers.attention.Attention", "neutreno.Attention"):
+            raise ValueError(f"{kind}'s attention ({attention}) is not plain softmax(q k^T) "
+                             "(biases of its own, relative positions, rotary embeddings), which "
+                             "the probe recomputes; probe a plain ViT (vit_*, deit_*)")
+        normed = [n for n in ("q_norm", "k_norm", "norm") if not isinstance(
+            getattr(block.attn, n, None), (type(None), nn.Identity))]
         if normed:  # the recomputed maps would be plain softmax(q k^T): wrong for this model
-            raise ValueError(f"{kind} normalises its queries and keys ({', '.join(normed)}), "
+            raise ValueError(f"{kind} normalises inside attention ({', '.join(normed)}), "
                              "which the probe's attention maps do not; probe a model without "
-                             "qk_norm")
+                             "qk_norm or scale_norm")
         w, b = linear(block.attn.qkv)  # rows: W_Q, W_K, W_V, each head's rows together
         q, k, v = zip(w.chunk(3), b.chunk(3))
         scale = getattr(getattr(block, "ls1", None), "gamma", None)  # LayerScale, if there is one
         norm = getattr(block, "norm1", None) or block.ln1
         return dict(q=q, k=k, v=v, o=linear(block.attn.proj), norm=norm, out_scale=scale)
     if kind == "GPT2Block":
+        c = model.config
+        if c.scale_attn_by_inverse_layer_idx or not c.scale_attn_weights:
+            raise ValueError("this GPT-2 scales its attention otherwise than by 1/sqrt(head size) "
+                             "(scale_attn_by_inverse_layer_idx, scale_attn_weights), which the "
+                             "probe's attention maps do not; probe a GPT-2 with the defaults")
         w, b = linear(block.attn.c_attn)
         q, k, v = zip(w.chunk(3), b.chunk(3))
         return dict(q=q, k=k, v=v, o=linear(block.attn.c_proj), norm=block.ln_1, out_scale=None)

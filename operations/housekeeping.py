@@ -86,16 +86,18 @@ def split_spec(spec, known=None):
     return name, settings
 
 
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def config_from_spec(spec, **defaults):
     """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
     types = {f.name: f.type for f in fields(Config)}
     name, given = split_spec(spec, known=types)
     settings = dict(defaults)
-    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
     for key, value in given.items():
         pair = f"{key}={value}"
-        try:  # a bool: one of `words` in any case, never a silent False
-            settings[key] = words[value.lower()] if types[key] is bool else types[key](value)
+        try:  # a bool: one of BOOLEANS in any case, never a silent False
+            settings[key] = BOOLEANS[value.lower()] if types[key] is bool else types[key](value)
         except (KeyError, ValueError):
             kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
             kind = kinds[types[key]]
