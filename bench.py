@@ -71,8 +71,8 @@ def hf_gpt2(c):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.width, n_layer=c.depth,
-                    n_head=c.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                    attn_implementation="sdpa")
+                    n_head=c.heads, n_inner=int(c.mlp_ratio * c.width), resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
     return "HF GPT2LMHeadModel", GPT2LMHeadModel(hf), lambda m, x, y: m(input_ids=x, labels=x).loss
 
 
@@ -277,8 +277,8 @@ def peak_memory(args, device, entries, runners):
             queue = ctx.Queue()
             child = ctx.Process(target=cpu_peak_rss, args=(args, entry, queue))
             child.start()
-            memory.append(queue.get())
-            child.join()
+            child.join()  # one number comes back; a child that died (of memory, say) gives none
+            memory.append(queue.get(timeout=60) if child.exitcode == 0 else None)
         else:
             memory.append(None)
     return memory

@@ -4704,7 +4704,7 @@ def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(ca
 
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
-                                            "next:cifar-tiny,seq_len=16,vocab_size=64",
+                                            "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
                                             "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against",
                                             "--batch_size", "2", "--steps", "1", "--rounds", "1",
                                             "--warmup", "1", "--dtype", "float32", "--compile",
@@ -4761,6 +4761,24 @@ def test_bench_profiles_one_step_and_measures_peak_memory(capsys):
     out = capsys.readouterr().out
     assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
     assert rows[0]["peak_mib"] > 50  # a child process's max RSS, torch included
+
+
+def test_bench_peak_memory_of_a_child_that_dies_is_left_out_not_waited_for(monkeypatch):
+    """The child that measures a config's peak memory can die (killed for memory, say): its row
+    gets no number, and bench.py goes on."""
+    import threading
+
+    import bench
+
+    monkeypatch.setattr(bench, "cpu_peak_rss", os.abort)  # raises in the child: 3 arguments
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16"])
+    entries = [("cls:cifar-tiny,image_size=16", torch.float32, "off", False, "auto")]
+    measured = []
+    thread = threading.Thread(target=lambda: measured.append(bench.peak_memory(
+        args, torch.device("cpu"), entries, [None])), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert measured == [[None]]
 
 
 def test_bench_peak_memory_without_proc(monkeypatch):
