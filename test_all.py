@@ -4270,7 +4270,8 @@ def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monke
 def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
         capsys, tiny_data, monkeypatch):
     """No network: the hub's offline switch is set after one quick connection attempt, so a model
-    missing from the cache is one line within seconds (not ~30 s of retries)."""
+    or a tokenizer missing from the cache is one line within seconds (not ~30 s of retries)."""
+    import data
     from huggingface_hub import constants
 
     def no_network(*args, **kwargs):
@@ -4280,6 +4281,12 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored afterwards, whatever the test sets
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tiny_data / "no-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    t0 = time.time()  # a tokenizer alone (--tokenizer hf:NAME) too
+    with pytest.raises(data.DataError, match="could not load the Hugging Face tokenizer 'gpt2'"):
+        data.get_tokenizer("hf:gpt2")
+    assert time.time() - t0 < 10 and constants.HF_HUB_OFFLINE
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # and again for the models
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     for spec in ("hf:gpt2", "timm:vit_tiny_patch16_224"):
         t0 = time.time()
         code, out = probe_cli(capsys, spec, "--dataset", "text", "--data_dir", tiny_data / "text")

@@ -600,6 +600,10 @@ class HuggingFaceTokenizer:
         except ImportError:
             raise DataError(f"--tokenizer hf:{name} needs transformers; pip install "
                             "transformers") from None
+        if not os.path.isdir(name):  # offline: the hub's own switch, so no retries to sit out
+            from operations.adapters import hub_unreachable
+
+            hub_unreachable()
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:  # offline, unknown name, no tokenizer files
