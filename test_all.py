@@ -3680,6 +3680,8 @@ def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_ta
                                           "hf:gpt2,pretrained=0,n_layers=6").value)
     with pytest.raises(ValueError, match="gpt2's scale_attn_weights takes true or false, not 2"):
         adapters.load("hf:gpt2,pretrained=0,scale_attn_weights=2")
+    with pytest.raises(ValueError, match="gpt2's n_layer is not true or false .its default: 12"):
+        adapters.load("hf:gpt2,pretrained=0,n_layer=yes")
     # true and false as words, in any case, never a text that reads as True (offline: no download)
     vit = adapters.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
                         "qkv_bias=false,global_pool=avg").model
@@ -4364,8 +4366,9 @@ def test_attention_the_probe_cannot_recompute_is_refused_not_misprobed():
 
     small = "pretrained=0,img_size=16,patch_size=4,depth=1,embed_dim=48,num_heads=3"
     cases = {f"timm:vit_tiny_patch16_224,{small},qk_norm=True": "normalises inside attention "
-             "(q_norm, k_norm)", f"timm:beit_base_patch16_224,{small}": "is not plain softmax",
-             f"timm:eva02_tiny_patch14_224,{small}": "is not plain softmax",
+             "(q_norm, k_norm)",
+             f"timm:beit_base_patch16_224,{small}": "is more than softmax(q k^T)",
+             f"timm:eva02_tiny_patch14_224,{small}": "is more than softmax(q k^T)",
              HF_TINY["gpt2"] + ",scale_attn_by_inverse_layer_idx=true": "scales its attention "
              "otherwise than by 1/sqrt(head size)"}
     for spec, says in cases.items():

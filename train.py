@@ -169,7 +169,7 @@ def train(args, started=None):
             autocast = torch.autocast(device.type, dtype=dtype,
                                       cache_enabled=compile_mode != "graphs")
         micro_batch = cfg.batch_size // (world * cfg.grad_accum)  # samples per forward, this rank
-        eval_batch = cfg.batch_size // cfg.grad_accum  # whatever the processes: the same masks
+        eval_batch = cfg.batch_size  # however the batch is split: the same evaluation masks
         # the held-out samples probed at every evaluation (probe.py's)
         probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
         if master and cfg.overwrite:  # only now that every check has passed; back if no save
@@ -325,7 +325,7 @@ PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resu
                   "eval_only", "wandb_project", "memory_gb", "workers")
 # What --eval_only --init_from takes from the checkpoint: its data and batches (masks), as drawn
 HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
-            "eval_samples", "stream", "train_samples", "seed", "batch_size", "grad_accum")
+            "eval_samples", "stream", "train_samples", "seed", "batch_size")
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")

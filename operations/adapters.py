@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from neutreno import attention_probabilities
+from neutreno import Attention, attention_probabilities
 from operations import housekeeping
 
 FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)")
@@ -130,9 +130,12 @@ def hf_model(name, pretrained, settings):
         if key not in known:
             raise ValueError(f"{name} takes no setting {key!r}; it takes: "
                              f"{', '.join(sorted(known))}")
-        if isinstance(known[key], bool) and value not in (0, 1):  # True and False are 1 and 0
+        kind = type(known[key])
+        if kind is bool and value not in (0, 1):  # True and False are 1 and 0
             raise ValueError(f"{name}'s {key} takes true or false, not {value!r}")
-        if isinstance(known[key], (int, float)) and not isinstance(value, (int, float)):
+        if kind is not bool and isinstance(value, bool):
+            raise ValueError(f"{name}'s {key} is not true or false (its default: {known[key]!r})")
+        if kind in (int, float) and not isinstance(value, (int, float)):
             raise ValueError(f"{name}'s {key} takes a number, not {value!r}")
         if isinstance(known[key], (bool, float)):
             settings[key] = type(known[key])(value)  # 1 where a float or a bool is due
@@ -178,17 +181,19 @@ def block_layout(model, block):
     before attention (None where the block is post-norm) and the output's per-channel scale."""
     kind = type(block).__name__
     if hasattr(block, "attn") and hasattr(block.attn, "qkv"):  # timm's ViT (and bamboo's Block)
-        attention = type(block.attn).__module__ + "." + type(block.attn).__name__
-        if attention not in ("timm.layers.attention.Attention", "neutreno.Attention"):
-            raise ValueError(f"{kind}'s attention ({attention}) is not plain softmax(q k^T) "
-                             "(biases of its own, relative positions, rotary embeddings), which "
-                             "the probe recomputes; probe a plain ViT (vit_*, deit_*)")
+        from timm.models.vision_transformer import Attention as TimmAttention  # in every timm
+
+        if not isinstance(block.attn, (TimmAttention, Attention)):  # biases of its own, relative
+            raise ValueError(f"{kind}'s attention ({type(block.attn).__module__}) is more than "
+                             "softmax(q k^T) (relative positions, rotary embeddings, biases of "
+                             "its own), which the probe recomputes; probe a model with timm's "
+                             "plain Attention, such as vit_base_patch16_224 or deit_*")
         normed = [n for n in ("q_norm", "k_norm", "norm") if not isinstance(
             getattr(block.attn, n, None), (type(None), nn.Identity))]
-        if normed:  # the recomputed maps would be plain softmax(q k^T): wrong for this model
-            raise ValueError(f"{kind} normalises inside attention ({', '.join(normed)}), "
-                             "which the probe's attention maps do not; probe a model without "
-                             "qk_norm or scale_norm")
+        if normed:  # the maps would be plain softmax(q k^T); W_O would follow a norm
+            raise ValueError(f"{kind} normalises inside attention ({', '.join(normed)}), which "
+                             "the probe's attention maps (q_norm, k_norm) and W_V W_O (norm) do "
+                             "not; probe a model without qk_norm or scale_norm")
         w, b = linear(block.attn.qkv)  # rows: W_Q, W_K, W_V, each head's rows together
         q, k, v = zip(w.chunk(3), b.chunk(3))
         scale = getattr(getattr(block, "ls1", None), "gamma", None)  # LayerScale, if there is one

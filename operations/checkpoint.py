@@ -13,6 +13,7 @@ Run: python -c "from operations import checkpoint;
 import hashlib
 import os
 import tempfile
+from contextlib import suppress
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ def atomic_write(path, write):
     try:
         umask = os.umask(0)  # mkstemp makes 0o600; a file open() makes gets 0o666 less the umask
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # so that whoever may read the folder may read it
+        with suppress(OSError):  # a file system without modes keeps its own
+            os.chmod(tmp, 0o666 & ~umask)  # so that whoever may read the folder may read it
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
@@ -95,16 +97,15 @@ def weights_hash(model, trunk_only=False):
                                                             "model": everything.hexdigest()}
 
 
-GPUS = ("cuda", "mps")  # devices with a random state of their own
-
-
 def random_states(generator, device, world=1):
-    """The data order's generator and every rank's torch (and GPU: CUDA or MPS) random state, so
-    that a resume repeats the uninterrupted run; under DDP a collective (masks and dropout differ
-    per rank)."""
-    cuda = (torch.get_device_module(device).get_rng_state(device) if device.type in GPUS
-            else torch.empty(0, dtype=torch.uint8))  # saved as "cuda", whichever GPU
+    """The data order's generator and every rank's torch (and CUDA or MPS) random state, so that a
+    resume repeats the uninterrupted run; under DDP a collective (masks and dropout differ per
+    rank)."""
+    cuda = (torch.cuda.get_rng_state(device) if device.type == "cuda"
+            else torch.empty(0, dtype=torch.uint8))
     ranks = [{"torch": torch.get_rng_state(), "cuda": cuda}]
+    if device.type == "mps":  # a key of its own: a resume on another kind of GPU leaves it be
+        ranks[0]["mps"] = torch.mps.get_rng_state()
     if world > 1:
         own, ranks = ranks[0], [None] * world
         dist.all_gather_object(ranks, own)
@@ -202,8 +203,10 @@ def restore_random_states(ckpt, path, generator, rank, world, device):
             raise ValueError(f"it was written by {len(ranks)} processes, this run has "
                              f"{world}; use as many")
         torch.set_rng_state(ranks[rank]["torch"])
-        if device.type in GPUS and ranks[rank]["cuda"].numel():
-            torch.get_device_module(device).set_rng_state(ranks[rank]["cuda"], device)
+        if device.type == "cuda" and ranks[rank]["cuda"].numel():
+            torch.cuda.set_rng_state(ranks[rank]["cuda"], device)
+        if device.type == "mps" and "mps" in ranks[rank]:
+            torch.mps.set_rng_state(ranks[rank]["mps"])
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
         why = " ".join(str(e).split())[:160]
         raise CheckpointError(f"{path} cannot be resumed ({why})") from None

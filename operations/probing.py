@@ -54,7 +54,8 @@ def samples_key(model, train_cfg):
     """What load_samples' result depends on besides the command line: models that agree on it
     (checkpoints of one run, say) share one decoding; each model keeps its own normalisation."""
     c, statistics = model.config, train_cfg.get("statistics")
-    return (c.is_image, c.image_size, c.seq_len, repr(getattr(model, "statistics", None)),
+    own = repr(getattr(model, "statistics", None))  # a foreign model's own normalisation
+    return (c.is_image, c.image_size, c.seq_len, c.vocab_size, own,
             None if statistics is None else repr([s.tolist() for s in statistics]),
             *(train_cfg.get(k) for k in ("dataset", "data_dir", "stream", "tokenizer", "val_file",
                                          "cache_dir")))
