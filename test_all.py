@@ -762,8 +762,8 @@ def test_training_flops_count_the_mlm_head_only_where_it_runs():
                                  **shape)) == pytest.approx(trunk + head)
 
 
-@pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
-def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):
+@pytest.mark.parametrize("objective", ["mae", "next"])  # the image and the text path; every head
+def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):  # at small scale: section 1's start
     torch.manual_seed(0)
     # the trunk is the point
     model = Bamboo(Config.from_preset("bamboo-b", objective=objective, vocab_size=1000))
