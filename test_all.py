@@ -2342,6 +2342,12 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
     finally:
         os.umask(umask)
     assert (tmp_path / "ckpt.pt").stat().st_mode & 0o777 == 0o640
+
+    def no_modes(*args):  # a file system that refuses chmod: the file keeps the mode it has
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(checkpoint.os, "chmod", no_modes)
+    checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
 
@@ -3783,6 +3789,9 @@ def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_p
         (["init:bamboo-zz"], "unknown preset"),
         (["init:cifar-tiny,depth"], "bad setting"),
         (["init:cifar-tiny", "--samples", "1"], "--samples must be at least 2"),
+        (["init:wikitext-small,depth=1,vocab_size=300", "init:wikitext-small,depth=1,vocab_size=99",
+          "--tokenizer", "bytes", "--dataset", "text", "--data_dir", tiny_data / "text"],
+         "the tokenizer has 256 ids but the model knows 99"),  # the second model checked too
         (["init:cifar-tiny,objective=mae,image_size=8", "--mask", "--dataset", "folder",
           "--data_dir", tiny_data / "images"], "each sample reaches the blocks as one token"),
         (["init:cifar-tiny", "--batch_size", "0"], "--batch_size at least 1"),
