@@ -137,8 +137,8 @@ def hf_model(name, pretrained, settings):
             raise ValueError(f"{name}'s {key} is not true or false (its default: {known[key]!r})")
         if kind in (int, float) and not isinstance(value, (int, float)):
             raise ValueError(f"{name}'s {key} takes a number, not {value!r}")
-        if isinstance(known[key], (bool, float)):
-            settings[key] = type(known[key])(value)  # 1 where a float or a bool is due
+        if kind in (bool, float):
+            settings[key] = kind(value)  # 1 where a float or a bool is due
     config = type(default).from_dict({**known, **settings})
     config._attn_implementation = "eager"
     return transformers.AutoModel.from_config(config)
