@@ -28,7 +28,7 @@ from operations.checkpoint import (check_output_path, data_settings, model_from_
                                    save_figure)
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out
 from operations.datasets import read_text
-from operations.housekeeping import one_line_errors
+from operations.housekeeping import cut_short, one_line_errors
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -242,7 +242,7 @@ def read_log(out_dir):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if n == len(lines) and not line.endswith("\n"):  # a run killed mid-write
+            if cut_short(line, n == len(lines)):  # a run killed mid-write
                 print(f"note: {path}'s last line was cut short (a run stopped mid-write); left "
                       "out", file=sys.stderr)
                 continue

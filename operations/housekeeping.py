@@ -545,14 +545,20 @@ def process_group_left(ddp):
             dist.destroy_process_group()
 
 
+def cut_short(line, last):
+    """Whether a log.jsonl line that is not JSON was cut short by a kill: only the last line can
+    be, before its newline (each record is written whole, its newline last). Anything else is
+    damage."""
+    return last and not line.endswith("\n")
+
+
 def logged_step(line, last=True):
-    """The step of a log.jsonl line; infinite for the last line, if a kill cut it short (never
-    kept). Only the last line can be cut short, before its newline: any other line that is not a
-    record is damage."""
+    """The step of a log.jsonl line; infinite for a last line a kill cut short (never kept); any
+    other line that is not a record is damage."""
     try:
         record = json.loads(line)
     except ValueError:
-        if last and not line.endswith("\n"):
+        if cut_short(line, last):
             return math.inf
         record = None
     step = record.get("step", 0) if isinstance(record, dict) else None
