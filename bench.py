@@ -2,7 +2,8 @@
 
 Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed round-robin in one process,
 so every ratio comes from one machine state; the fastest round counts, as with timeit. Per config:
-step time, samples/s, tokens/s, TFLOP/s, MFU, peak memory and the first step (compilation).
+step time, samples/s, tokens/s, TFLOP/s, MFU and peak memory on a GPU, and the first step
+(compilation).
 --against adds what a user would otherwise pick at the same shape: timm's VisionTransformer (cls),
 Hugging Face GPT-2 (next) and BERT (mlm), vit-pytorch's MAE (mae); --compile, --dtype and
 --attention take comma lists to compare in the same run.
@@ -11,9 +12,7 @@ Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
 """
 import argparse
-import functools
 import json
-import multiprocessing
 import platform
 import sys
 import time
@@ -175,54 +174,6 @@ def fastest_ms(calls, rounds, reps, sync=lambda: None):
     return best
 
 
-def peak_rss_mib():
-    """This process's own peak RSS. Linux's ru_maxrss is inherited across fork and exec (a spawned
-    child would report its parent's peak), so read the per-process high-water mark VmHWM instead."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):  # no /proc: macOS, or Windows (no resource module)
-        try:
-            import resource
-        except ImportError:
-            return None
-        scale = 2 ** 20 if sys.platform == "darwin" else 2 ** 10  # macOS counts bytes, Linux KiB
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
-
-
-def cpu_peak_rss(args, entry, queue):
-    """Child process: a few steps of one entry (spec, dtype, compile mode, reference, attention),
-    then report this process's peak RSS in MiB."""
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    runner = Runner(parse_spec(entry[0]), args, torch.device("cpu"), *entry[1:])
-    for _ in range(2):
-        runner.step()
-    queue.put(peak_rss_mib())
-
-
-@functools.cache
-def measure_cpu_peak_tflops(dtype, seconds=1.0):
-    """The CPU's practical peak for MFU: the best rate of square GEMMs in this dtype, or in float32
-    where that is faster: a CPU without bf16 units emulates it, so slowly for large GEMMs that a
-    model's small bf16 ops would read above 100% of a bf16 'peak' (results/bench/README.md). Once
-    per process and dtype, after a warm-up GEMM.
-    """
-
-    def best_rate(dt):
-        n = 1024
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        a @ b
-        best, t_end = 0.0, time.perf_counter() + seconds
-        while not best or time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-        return best / 1e12
-
-    fp32 = best_rate(torch.float32)
-    return fp32 if dtype == torch.float32 else max(fp32, best_rate(dtype))
-
-
 def peak_tflops(device, dtype):
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -231,7 +182,7 @@ def peak_tflops(device, dtype):
             return None, f"{name} (peak unknown)"
         # fp32 runs as TF32
         return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"
-    return measure_cpu_peak_tflops(dtype), "CPU, measured GEMM peak"
+    return None, f"{device.type} (peak unknown: no MFU)"
 
 
 # ----------------------------------------------------------------------------- the table
@@ -263,22 +214,14 @@ def build_runners(args, device):
     return entries, runners, {dtype: peak_tflops(device, dtype) for dtype in dtypes}
 
 
-def peak_memory(args, device, entries, runners):
-    """Per runner, peak MiB: CUDA's max allocated, or on CPU the max RSS of a child running the same
-    steps."""
+def peak_memory(device, runners):
+    """Per runner, peak MiB of one step: CUDA's max allocated; None where torch counts none."""
     memory = []
-    for entry, runner in zip(entries, runners):
+    for runner in runners:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             runner.step()
             memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
-        elif args.memory:
-            ctx = multiprocessing.get_context("spawn")
-            queue = ctx.Queue()
-            child = ctx.Process(target=cpu_peak_rss, args=(args, entry, queue))
-            child.start()
-            child.join()  # one number comes back; a child that died (of memory, say) gives none
-            memory.append(queue.get(timeout=60) if child.exitcode == 0 else None)
         else:
             memory.append(None)
     return memory
@@ -333,7 +276,7 @@ def run(args):
                          args.steps,
                          device_sync(device))
     rows = print_table(args, device, entries, runners, step_ms,
-                       peak_memory(args, device, entries, runners), peaks)
+                       peak_memory(device, runners), peaks)
     if args.profile:
         for (spec, dtype, *_), runner in zip(entries, runners):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})",
@@ -381,8 +324,6 @@ def build_parser():
     add("--attention", default="auto", help="auto (operations/fast.py's choice), sdpa or explicit "
         "(matmul-softmax-matmul), or a comma list to compare")
     add("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    add("--no-memory", dest="memory", action="store_false",
-        help="skip the CPU peak-RSS child processes")
     add("--against", action="store_true",
         help="also time timm / Hugging Face / vit-pytorch equivalents")
     add("--profile", type=int, default=0, metavar="N",

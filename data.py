@@ -13,7 +13,7 @@ Both draw a global batch from the run's generator, so DDP ranks agree on it and 
 on exactly; each rank then reads only its slice (`shard`).
 
 Text (mlm, next): `wikitext2`, `wikitext103` (operations/datasets.py fetches them from the author's
-mirror, with a Hugging Face fallback) or `text` (any train/val pair of text files). Tokenized once
+mirror) or `text` (any train/val pair of text files). Tokenized once
 with tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random windows.
 `--tokenizer bytes` is a 256-id byte-level tiktoken Encoding built in memory (no download).
 

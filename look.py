@@ -15,7 +15,6 @@ and probe.py's figure (its --plot), a panel per metric.
 Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -28,7 +27,8 @@ from operations.checkpoint import (check_output_path, data_settings, model_from_
                                    save_figure)
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out
 from operations.datasets import read_text
-from operations.housekeeping import cut_short, one_line_errors
+from operations import housekeeping
+from operations.housekeeping import one_line_errors
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -231,46 +231,12 @@ def read_log(out_dir):
     if not os.path.isfile(path):
         raise ValueError(f"no log at {path}; give the --out_dir of a train.py run or its log")
     train, evals = [], []
-    with open(path, encoding="utf-8") as f:
-        try:
-            lines = f.readlines()
-        except UnicodeDecodeError:
-            raise ValueError(f"{path} is not a log train.py wrote (not UTF-8 text)") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():  # no record, nothing to leave out
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if cut_short(line, n == len(lines)):  # a run killed mid-write
-                print(f"note: {path}'s last line was cut short (a run stopped mid-write); left "
-                      "out", file=sys.stderr)
-                continue
-            raise ValueError(f"{path} line {n} is not JSON; the log is damaged") from None
-        if not is_record(record):
-            raise ValueError(f"{path} line {n} is not a record train.py writes; the log is "
-                             "damaged, or another program's")
+    for record in housekeeping.read_log(path):
         if "run" not in record:  # an invocation's first record says what made it
             (evals if record.get("eval") else train).append(record)
     if not train and not evals:
         raise ValueError(f"{path} holds no step yet; look again once the run has logged")
     return train, evals
-
-
-def is_record(record):
-    """A log record as train.py writes it: an invocation's first record, or an integer step with
-    numbers (NaN included), hashes, and per-layer metrics as lists of numbers or nulls."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    if not isinstance(record, dict) or "run" in record:
-        return isinstance(record, dict)
-    layers = record.get("layers", {}) or {}
-    return (isinstance(record.get("step"), int) and isinstance(layers, dict)
-            and all(isinstance(v, list) and all(x is None or number(x) for x in v)
-                    for v in layers.values())
-            and all(number(v) or k == "eval" or (k.endswith("sha256") and isinstance(v, str))
-                    for k, v in record.items() if k not in ("step", "layers")))
 
 
 def run_label(out_dir):

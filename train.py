@@ -68,7 +68,7 @@ class TrainConfig:
     crop_scale: float = -1.0         # streaming: smallest crop area; -1: 0.2 (mae), 0.08 (cls)
     log_interval: int = 10           # write the training loss to log.jsonl every this many steps
     out_dir: str = "out"             # checkpoint and log.jsonl go here
-    overwrite: bool = False          # start afresh in an out_dir that holds another run (replaced)
+    overwrite: bool = False          # start afresh in an out_dir that holds another run (removed)
     seed: int = 1337                 # one seed for the init, the data order and the masks
     device: str = "auto"             # auto: cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (auto: bf16 where native)
@@ -148,13 +148,12 @@ def train(args, started=None):
         torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
         step, best, saved_step = 0, None, None  # saved_step: what ckpt.pt holds (None: nothing)
         if resumed is not None:
-            housekeeping.check_same_data(resumed, data, cfg.data_dir, master)
+            housekeeping.check_same_data(resumed, data, cfg.data_dir, cfg.eval_samples, master)
             step, best = checkpoint.load_states(resumed, ckpt_path, model, optimizer, scaler)
             checkpoint.restore_random_states(resumed, ckpt_path, generator, rank, world, device)
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
                 housekeeping.forget_unsaved_steps(log_path, step)
-                housekeeping.catch_up_best(best_path, resumed, cfg.eval_samples, log_path)
             say(f"resumed from {ckpt_path} at step {step}")
 
         # what the step calls: the model itself, or the same forward and loss compiled (--compile
@@ -172,8 +171,8 @@ def train(args, started=None):
         eval_batch = cfg.batch_size  # however the batch is split: the same evaluation masks
         # the held-out samples probed at every evaluation (probe.py's)
         probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
-        if master and cfg.overwrite:  # only now that every check has passed; back if no save
-            housekeeping.set_aside_old_run(cfg.out_dir)
+        if master and cfg.overwrite:  # only now that every check has passed
+            housekeeping.remove_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
             "GFLOPs/sample, "
@@ -293,8 +292,6 @@ def train(args, started=None):
                         bar.write(housekeeping.how_to_resume(stop.reason, step, world, cfg.out_dir))
                     break
         say(clock.summary(model, metrics, best, stop.reason, device))
-        if master and step >= cfg.max_iters:  # finished: the run --overwrite replaced can go
-            housekeeping.forget_replaced_run(cfg.out_dir)
     return 130 if stop.reason == "interrupted" else 0
 
 
@@ -428,8 +425,6 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels, "num_classes": data.num_classes})
     next_token = settings.get("objective", Config.objective) == "next"
-    if next_token and saved and "window" not in saved:
-        next_token = False  # a run saved before windows of seq_len + 1 goes on with its own
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,
                     next_token=next_token)

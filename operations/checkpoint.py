@@ -21,6 +21,9 @@ import torch.distributed as dist
 from bamboo import TRUNK, Bamboo, Config
 
 
+LAST_TO_READ_OLD = "0bbb605"  # the last commit that reads checkpoints written before 2026-11-27
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used or written; the message is one line and says why."""
 
@@ -151,12 +154,15 @@ def load(path):
     if not (tensors and isinstance(ckpt.get("config"), dict)):
         raise CheckpointError(f"{path} is not a bamboo checkpoint (no config dict and tensor "
                               "weights inside)")
+    if "window" not in ckpt:  # every checkpoint since 2026-11-27 has it (None for images)
+        raise CheckpointError(f"{path} was written by a development version before 2026-11-27; "
+                              f"read it with commit {LAST_TO_READ_OLD} or train again")
     return ckpt
 
 
 def data_settings(ckpt):
     """What held-out data needs to be seen as the checkpoint's training saw it: its settings and
-    its pixel statistics (none in checkpoints before 2026-11-27: the test split's own are used)."""
+    its pixel statistics."""
     return {**ckpt.get("train", {}), "statistics": ckpt.get("statistics")}
 
 

@@ -355,11 +355,8 @@ def raise_dead_workers_where_read():
 def leave_stopping_to_the_main_process(worker_id):
     """Ctrl-C reaches every process: the main one stops at a checkpoint and ends the workers. A
     SIGTERM (the DataLoader's own, a scheduler's) ends a worker quietly; see train_batch."""
-    from operations import housekeeping
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    housekeeping.drop_inherited_locks()  # the out_dir's lock ends with the main process
 
 
 class StreamReplay(torch.utils.data.IterableDataset):
@@ -485,16 +482,10 @@ def eval_view(path, size):
 
 # the WikiText mirror answers 403 to urllib's default
 USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"
-WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it, Hugging Face config)
-    "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw",
-                  "wikitext-2-raw-v1"),
-    "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw",
-                    "wikitext-103-raw-v1"),
+WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it)
+    "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw"),
+    "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw"),
 }
-HF_PARQUET = ("https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/"
-              "{config}/{split}-{i:05d}-of-{n:05d}.parquet")
-# parquet files per split on the hub; 1 where not listed
-HF_SHARDS = {"wikitext-103-raw-v1": {"train": 2}}
 
 
 def cifar(name, data_dir, train):
@@ -527,67 +518,28 @@ def _fetch(url, timeout=30):
         return response.read()
 
 
-def _from_mirror(url, folder, target, missing):
-    """The author's zip: checked (CRC and expected members) before anything is written; only the
-    missing splits are written."""
-    archive = zipfile.ZipFile(io.BytesIO(_fetch(url)))
-    if archive.testzip() is not None:
-        raise OSError("corrupt zip")
-    texts = {s: archive.read(f"{folder}/wiki.{s}.raw") for s in ("train", "valid", "test")}
-    for split, text in texts.items():
-        if len(text) < 100_000:
-            raise OSError(f"wiki.{split}.raw is only {len(text)} bytes")
-    for split in missing:
-        atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(texts[split]))
-
-
-def _from_hugging_face(config, target, missing):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise OSError("the Hugging Face fallback needs pyarrow (pip install pyarrow)") from None
-    for split, name in (("train", "train"), ("valid", "validation"), ("test", "test")):
-        if split not in missing:
-            continue
-        n = HF_SHARDS.get(config, {}).get(name, 1)
-        rows = []
-        for i in range(n):
-            table = pq.read_table(io.BytesIO(_fetch(HF_PARQUET.format(config=config, split=name,
-                                                                      i=i, n=n))))
-            rows += table.column("text").to_pylist()
-        atomic_write(os.path.join(target, f"{split}.txt"),
-                     lambda f: f.write("".join(rows).encode()))
-
-
 def download_wikitext(name, data_dir):
     """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless train.txt and valid.txt
-    are there."""
-    url, folder, hf_config = WIKITEXT[name]
+    are there. The archive is read whole before any split is written, and a split that is there
+    stays."""
+    url, folder = WIKITEXT[name]
     target = os.path.join(data_dir, folder)
     if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
         return target
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(_fetch(url)))
+        texts = {s: archive.read(f"{folder}/wiki.{s}.raw") for s in ("train", "valid", "test")}
+    except Exception as e:  # network and HTTP errors, a damaged archive
+        raise DataError(f"could not download {name} from {url} ({type(e).__name__}: {e}); put "
+                        f"{os.path.join(target, 'train.txt')} and "
+                        f"{os.path.join(target, 'valid.txt')} there by hand (WikiText's "
+                        "wiki.train.raw and wiki.valid.raw), or use --dataset text --data_dir DIR "
+                        "with your own files") from None
     os.makedirs(target, exist_ok=True)
-    missing = [s for s in ("train", "valid", "test")  # only what this call may write
-               if not os.path.exists(os.path.join(target, f"{s}.txt"))]
-    ours = [os.path.join(target, f"{s}.txt") for s in missing]
-    errors = []
-    for source, fetch in ((url, lambda: _from_mirror(url, folder, target, missing)),
-                          ("huggingface.co",
-                           lambda: _from_hugging_face(hf_config, target, missing))):
-        try:
-            fetch()
-            return target
-        except Exception as e:  # network errors, HTTP errors, corrupt archives
-            errors.append(f"{source}: {type(e).__name__}: {e}")
-    # nothing half-done survives a failed download; files that were there before stay
-    for leftover in ours:
-        if os.path.exists(leftover):
-            os.remove(leftover)
-    raise DataError(f"could not download {name} ({'; '.join(errors)}); put "
-                    f"{os.path.join(target, 'train.txt')} "
-                    f"and {os.path.join(target, 'valid.txt')} there by hand (WikiText's "
-                    f"wiki.train.raw and "
-                    "wiki.valid.raw), or use --dataset text --data_dir DIR with your own files")
+    for split, text in texts.items():
+        if not os.path.exists(os.path.join(target, f"{split}.txt")):
+            atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(text))
+    return target
 
 
 class HuggingFaceTokenizer:

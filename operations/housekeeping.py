@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import types
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 
 import numpy as np
@@ -33,8 +33,6 @@ from operations.datasets import ImageStream
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 # what train.py writes into an out_dir
 RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")
-REPLACED = ".replaced"  # inside out_dir: the run --overwrite replaces, until the new one has saved
-REPLACING = ".replacing"  # where its files gather first, so that a kill mid-move loses nothing
 
 
 class TrainingError(Exception):
@@ -184,10 +182,6 @@ def check_settings(cfg):
             raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
                                 "(WANDB_MODE=offline logs without network), or drop the flag") \
                 from None
-        except Exception as e:  # installed but broken: its own error, in one line
-            raise TrainingError(f"--wandb_project: the wandb package fails to import "
-                                f"({type(e).__name__}: {str(e)[:120]}); reinstall it (pip install "
-                                "-U wandb) or drop the flag") from None
 
 
 def check_dataset_fits(objective, dataset, image_objectives):
@@ -220,17 +214,9 @@ def check_recipe_fits(preset, dataset, text_preset):
 def resumed_settings(args, train_config, model_config, resumable, per_invocation):
     """(the saved run's train_config with the `resumable` flags given now, the checkpoint); any
     other flag given must agree with the saved run."""
-    out = getattr(args, "out_dir", train_config.out_dir)
-    path, aside = os.path.join(out, "ckpt.pt"), os.path.join(out, REPLACED)
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(aside, "ckpt.pt")):
-        raise checkpoint.CheckpointError(
-            f"no checkpoint at {path}: the run --overwrite replaced waits in {aside} (its "
-            "successor never saved); run train.py without --resume in that --out_dir to put it "
-            "back")
+    path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
-    if isinstance(saved, dict):  # runs saved before streaming existed decoded their images whole
-        saved = {"stream": "off", **saved}
     if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(train_config)}:
         raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
                                          "fine-tune from it with --init_from instead")
@@ -260,11 +246,11 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
     return train_config(**settings), ckpt  # every field, of its type: checked above
 
 
-def check_same_data(resumed, data, data_dir, master=True):
+def check_same_data(resumed, data, data_dir, eval_samples, master=True):
     """A resumed image run must see the class folders it was trained on, in the same order (labels
     are class indices: renamed or reordered folders would train on permuted labels), and a folder
     the same files (added or removed ones would change the data order silently). Other data in the
-    same files (edited, or decoded by another PIL) is said, not refused."""
+    same files (edited, or decoded by another PIL), or another --eval_samples, is said."""
     saved, now = resumed.get("classes"), getattr(data, "classes", None)
     if saved is not None and now is not None and list(saved) != list(now):
         raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
@@ -281,6 +267,10 @@ def check_same_data(resumed, data, data_dir, master=True):
         print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, copied "
               "without their times, or decoded by another PIL version): training goes on with "
               "them as they are now, and 'best' compares evaluations on both", flush=True)
+    before = resumed["train"].get("eval_samples", eval_samples)
+    if master and before != eval_samples:
+        print(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): 'best' "
+              "now compares evaluations on different held-out sets", flush=True)
 
 
 def check_scored_as_trained(path, ckpt, settings):
@@ -346,14 +336,12 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
     if not os.access(out, os.W_OK | os.X_OK):
         raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
                             f"fix its permissions")
-    locks, claimed = lock_out_dir(out), False  # claimed: every check passed, the run began
+    lock = lock_out_dir(out)
     try:
-        linked = [n for n in (*RUN_FILES, REPLACED, REPLACING)
-                  if os.path.islink(os.path.join(out, n))]
-        if linked:  # never read, appended to, moved or removed through a link out of out_dir
+        linked = [n for n in RUN_FILES if os.path.islink(os.path.join(out, n))]
+        if linked:  # never read, appended to or removed through a link out of out_dir
             raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
                                 "own files in --out_dir; remove the link")
-        replaced_run_at_start(out, overwrite)
         names = "|".join(re.escape(f".{f}.") for f in RUN_FILES)
         ours = re.compile(f"(?:{names})[a-z0-9_]{{8}}\\.tmp")
         for name in os.listdir(out):  # atomic_write's temporary names (mkstemp's), only
@@ -361,178 +349,58 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
                 os.remove(os.path.join(out, name))
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
-            pending = os.path.isdir(os.path.join(out, REPLACED))  # --overwrite is refused then
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
-                                "continue it with --resume" + (" or choose another --out_dir"
-                                if pending else ", choose another --out_dir, or pass --overwrite "
-                                "to replace it"))
-        claimed = True
+                                "continue it with --resume, choose another --out_dir, or pass "
+                                "--overwrite to replace it")
         yield
     finally:
-        try:
-            if claimed and put_back_replaced_run(out):
-                print(f"note: this run ended before its first checkpoint, so the run it replaced "
-                      f"(--overwrite) is back in {out}", file=sys.stderr, flush=True)
-            elif claimed and os.path.isdir(os.path.join(out, REPLACED)):
-                print(f"note: the run --overwrite replaced stays in {out}/{REPLACED} until this "
-                      f"run finishes (--resume it); to go back to that one instead, remove this "
-                      f"run's files and move those in {REPLACED} back", file=sys.stderr,
-                      flush=True)
-        except OSError:  # a folder gone read-only: the error that ended the run is the one to say
-            pass
-        finally:
-            release_out_dir(out, locks, created)
+        release_out_dir(out, lock, created)
 
 
-def replaced_run_at_start(out, overwrite):
-    """What an earlier --overwrite left: a replaced run whose successor never saved goes back; one
-    whose successor saved stays until that finishes (said; a second --overwrite is refused)."""
-    check_no_strays(out)  # before anything there moves
-    if put_back_replaced_run(out):  # a run killed before its first checkpoint
-        print(f"note: {out} held a run replaced by --overwrite whose successor never saved; it is "
-              "back in place", file=sys.stderr, flush=True)
-    aside = os.path.join(out, REPLACED)
-    if os.path.isdir(aside) and overwrite:  # two replaced runs would not fit in one place
-        raise TrainingError(f"{aside} holds the run an earlier --overwrite replaced, and the run "
-                            f"in {out} has not finished: --resume that one, or move one of the "
-                            "two out first")
-    if os.path.isdir(aside):
-        print(f"note: {aside} holds the run an earlier --overwrite replaced; it goes when the run "
-              f"in {out} finishes", file=sys.stderr, flush=True)
-
-
-def set_aside_old_run(out):
-    """--overwrite, once the new run has passed every check: the old run's files move into
-    out/.replaced, kept until the new run finishes (forget_replaced_run); a run that ends before
-    its first checkpoint, however it ends, gets them back (put_back_replaced_run, at its end or at
-    the next start); one that ends after it leaves them there, and says so. They move through
-    out/.replacing, renamed only when all are there, so that a kill mid-way loses nothing."""
+def remove_old_run(out):
+    """--overwrite, once the new run has passed every check: the old run's files go, said."""
     old = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
-    if not old:
-        return
-    staging = os.path.join(out, REPLACING)
-    os.makedirs(staging, exist_ok=True)
     for name in old:
-        os.replace(os.path.join(out, name), os.path.join(staging, name))
-    os.replace(staging, os.path.join(out, REPLACED))
-
-
-def forget_replaced_run(out):
-    """The new run has finished: the run it replaced goes (only the files a run writes); said."""
-    aside = os.path.join(out, REPLACED)
-    if os.path.islink(aside) or not os.path.isdir(aside):  # a link is not ours: never followed
-        return
-    removed = [name for name in RUN_FILES if os.path.exists(os.path.join(aside, name))]
-    for name in removed:
-        os.remove(os.path.join(aside, name))
-    if removed:
-        print(f"note: this run has finished, so the run it replaced (--overwrite) is removed from "
-              f"{out}", flush=True)
-    with suppress(OSError):  # holding something that is not ours: check_no_strays names it
-        os.rmdir(aside)
-
-
-def check_no_strays(out):
-    """out/.replacing and out/.replaced hold only a run's own files: anything else there was put
-    there by someone else, and nothing in them is moved or removed until it is gone."""
-    for name in (REPLACING, REPLACED):
-        path = os.path.join(out, name)
-        if os.path.lexists(path) and not os.path.isdir(path):
-            raise TrainingError(f"{path} is a file train.py did not make (it keeps a replaced run "
-                                "in a folder of that name); move it away")
-        stray = sorted(set(os.listdir(path)) - set(RUN_FILES)) if os.path.isdir(path) else []
-        if stray:
-            more = f" and {len(stray) - 3} more" if len(stray) > 3 else ""
-            raise TrainingError(f"{path} holds files no run wrote ({', '.join(stray[:3])}{more}); "
-                                "move them out of it (train.py keeps a replaced run there)")
-
-
-def put_back_replaced_run(out):
-    """Where a run replaced by --overwrite waits and its successor has no checkpoint: remove what
-    the successor wrote and move the replaced run back, its checkpoint last; True if so. Where the
-    successor saved, both stay. A set-aside cut short (out/.replacing) is undone."""
-    staging, aside = os.path.join(out, REPLACING), os.path.join(out, REPLACED)
-    if os.path.islink(staging) or os.path.islink(aside):  # not ours: never followed
-        return False
-    if os.path.isdir(staging):  # nothing of a new run yet: every file goes back where it was
-        for name in RUN_FILES:
-            if os.path.exists(os.path.join(staging, name)):
-                os.replace(os.path.join(staging, name), os.path.join(out, name))
-        with suppress(OSError):
-            os.rmdir(staging)
-    if not os.path.isdir(aside):
-        return False
-    if not any(os.path.exists(os.path.join(aside, name)) for name in RUN_FILES):
-        with suppress(OSError):
-            os.rmdir(aside)
-        return False
-    if os.path.exists(os.path.join(out, "ckpt.pt")):  # the successor saved: kept until it finishes
-        return False
-    for name in sorted(RUN_FILES, key=lambda name: name == "ckpt.pt"):  # ckpt.pt last
-        with suppress(FileNotFoundError):
-            os.remove(os.path.join(out, name))
-        if os.path.exists(os.path.join(aside, name)):
-            os.replace(os.path.join(aside, name), os.path.join(out, name))
-    with suppress(OSError):
-        os.rmdir(aside)
-    return True
-
-
-LOCKS = []  # the out_dir locks this process holds (file descriptors), for forked children to drop
+        os.remove(os.path.join(out, name))
+    if old:
+        print(f"--overwrite: removed the old run's {' '.join(old)} from {out}", flush=True)
 
 
 def lock_out_dir(out):
-    """Exclusive locks for this process's lifetime on the out_dir folder itself (no path inside it
-    can be deleted or linked to dodge it) and on out_dir/.lock (which NFS shares between machines,
-    where a folder's lock is local): a second run into the same folder stops at once. [] where the
-    platform has no flock."""
+    """A POSIX lock on out_dir/.lock for this process's lifetime (forked DataLoader workers do not
+    inherit it): a second run into the same folder stops at once. None where there is no fcntl."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock
-        return []
-    lock = os.path.join(out, ".lock")
-    if os.path.islink(lock) or (os.path.lexists(lock) and not os.path.isfile(lock)):
-        kind = "a link" if os.path.islink(lock) else "not a file"  # a pipe would block the open
-        raise TrainingError(f"{lock} is {kind}; remove it")
-    held = []
-    try:  # the folder first: a busy one stops here, before any file is made in it
-        held.append(os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
-        fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.append(os.open(os.path.join(out, ".lock"), os.O_WRONLY | os.O_CREAT
-                            | getattr(os, "O_NOFOLLOW", 0), 0o644))
-        fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    try:  # O_NOFOLLOW, O_NONBLOCK: a link or a pipe planted as .lock fails here, never hangs
+        fd = os.open(os.path.join(out, ".lock"), flags, 0o644)
     except OSError as e:
-        for fd in held:
-            os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+        raise TrainingError(f"cannot open {os.path.join(out, '.lock')} ({e.strerror}); remove "
+                            "it") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN):
             raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
                                 "finish or choose another --out_dir") from None
         raise TrainingError(f"cannot lock --out_dir {out} ({e.strerror}); its file system may not "
                             "support locks: choose a local --out_dir") from None
-    LOCKS.extend(held)
-    return held
+    return fd
 
 
-def drop_inherited_locks():
-    """In a forked child (a DataLoader worker): close its copies of the parent's out_dir locks, so
-    that the lock ends with the main process even where a child outlives it for a few seconds."""
-    while LOCKS:
-        with suppress(OSError):
-            os.close(LOCKS.pop())
-
-
-def release_out_dir(out, locks, created):
-    """Drop the locks; remove .lock if empty (a run's: one with something in it is not ours), and
-    out_dir if this run made it and left it empty."""
-    lock = os.path.join(out, ".lock")
-    for fd in locks:
-        LOCKS.remove(fd)
-        os.close(fd)
-    with suppress(OSError):  # removed meanwhile, or a folder made read-only: the error that
-        if locks and os.path.getsize(lock) == 0:  # stopped the run is the one to report
-            os.remove(lock)
+def release_out_dir(out, lock, created):
+    """Remove .lock if empty (a run's: one with something in it is not ours) and out_dir if this
+    run made it and left it empty; then let go of the lock."""
+    with suppress(OSError):  # a folder made read-only: the error that stopped the run is the one
+        if lock is not None and os.path.getsize(os.path.join(out, ".lock")) == 0:  # to report
+            os.remove(os.path.join(out, ".lock"))
         if created and not os.listdir(out):
             os.rmdir(out)
+    if lock is not None:
+        os.close(lock)
 
 
 @contextmanager
@@ -545,77 +413,55 @@ def process_group_left(ddp):
             dist.destroy_process_group()
 
 
-def cut_short(line, last):
-    """Whether a log.jsonl line that is not JSON was cut short by a kill: only the last line can
-    be, before its newline (each record is written whole, its newline last). Anything else is
-    damage."""
-    return last and not line.endswith("\n")
-
-
-def logged_step(line, last=True):
-    """The step of a log.jsonl line; infinite for a last line a kill cut short (never kept); any
-    other line that is not a record is damage."""
+def read_log(path):
+    """The records of a log.jsonl, in order: for a resume and for look.py. A last line that a kill
+    cut short (no newline) is left out; any other line that is not a record train.py writes is
+    damage, one line."""
     try:
-        record = json.loads(line)
-    except ValueError:
-        if cut_short(line, last):
-            return math.inf
-        record = None
-    step = record.get("step", 0) if isinstance(record, dict) else None
-    if not isinstance(step, (int, float)):
-        raise TrainingError(f"a log.jsonl line is not one of train.py's records "
-                            f"({line.strip()[:60]}); the log is damaged: remove that line, or the "
-                            "log, and --resume")
-    return step
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a log train.py wrote (not UTF-8 text)") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if n == len(lines) and not line.endswith("\n"):  # a kill mid-write
+                continue
+            record = None
+        if not is_record(record):
+            raise ValueError(f"{path} line {n} is not a record train.py writes "
+                             f"({line.strip()[:60]}); the log is damaged: remove that line")
+        records.append(record)
+    return records
+
+
+def is_record(record):
+    """A log record as train.py writes it: an invocation's first record, or an integer step with
+    numbers (NaN included), hashes, and per-layer metrics as lists of numbers or nulls."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(record, dict) or "run" in record:
+        return isinstance(record, dict)
+    layers = record.get("layers", {}) or {}
+    return (isinstance(record.get("step"), int) and isinstance(layers, dict)
+            and all(isinstance(v, list) and all(x is None or number(x) for x in v)
+                    for v in layers.values())
+            and all(number(v) or k == "eval" or (k.endswith("sha256") and isinstance(v, str))
+                    for k, v in record.items() if k not in ("step", "layers")))
 
 
 def forget_unsaved_steps(log_path, step):
     """log.jsonl without the records after the checkpoint's step: the run repeats those steps, and a
     killed run's log would otherwise hold them twice."""
-    if not os.path.exists(log_path):
-        return
-    try:
-        with open(log_path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except UnicodeDecodeError:
-        raise TrainingError(f"{log_path} is not UTF-8 text; the log is damaged: remove it, or the "
-                            "line that is not one of train.py's records, and --resume") from None
-    kept = [line for n, line in enumerate(lines, 1) if logged_step(line, n == len(lines)) <= step]
-    if kept and not kept[-1].endswith("\n"):  # a whole record that lost only its newline
-        kept[-1] += "\n"
-    if kept != lines:
-        checkpoint.atomic_write(log_path, lambda f: f.write("".join(kept).encode()))
-
-
-def catch_up_best(best_path, resumed, eval_samples, log_path):
-    """On resume, best.pt against the checkpoint (saved first): a kill between the two saves leaves
-    best.pt one improvement behind; where the log shows the checkpoint's own evaluation was the
-    best, its weights are written as best.pt, and said. And a resume that evaluates on another
-    held-out set says that "best" now compares across sets. Prints what it did or found."""
-    lines, step = [], int(resumed["step"])
-    try:
-        best = checkpoint.load(best_path) if os.path.exists(best_path) else None
-    except checkpoint.CheckpointError:
-        best = None
-        lines.append(f"note: {best_path} is damaged; it is written again at the checkpoint's "
-                     "step if that was the best, else at the next best")
-    if best is not None and best.get("step", 0) > step:  # an older version saved it first
-        lines.append(f"note: {best_path} holds step {best['step']}, past the checkpoint's {step} "
-                     "(a kill between the two saves); it is kept as it is")
-    elif resumed.get("best") is not None and (best is None or best.get("best") != resumed["best"]):
-        name, _ = selection_metric(resumed["config"]["objective"])
-        with open(log_path, encoding="utf-8") if os.path.exists(log_path) else nullcontext([]) as f:
-            records = [json.loads(line) for line in f if '"eval": true' in line]
-        if any(r.get("step") == step and r.get(name) == resumed["best"] for r in records):
-            checkpoint.save(best_path, checkpoint.weights_only(resumed))
-            lines.append(f"{best_path} caught up with the checkpoint's step {step}, its best "
-                         "evaluation (a kill came between the two saves)")
-    before = resumed.get("train", {}).get("eval_samples", eval_samples)
-    if before != eval_samples:
-        lines.append(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): "
-                     "'best' now compares evaluations on different held-out sets")
-    for line in lines:
-        print(line, flush=True)
+    if os.path.exists(log_path):
+        kept = [r for r in read_log(log_path) if r.get("step", 0) <= step]
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        checkpoint.atomic_write(log_path, lambda f: f.write(text.encode()))
 
 
 def code_and_machine(device):
@@ -809,11 +655,7 @@ def log_file(path, cfg, master, made_by, from_step):
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
         yield LogAlsoToWandb(log, run) if run else log
         if run:
-            try:
-                run.finish()
-            except Exception as e:  # what was logged is in log.jsonl whatever wandb says
-                print(f"note: wandb.finish failed ({type(e).__name__}: {str(e)[:100]}); "
-                      "log.jsonl holds every record", flush=True)
+            run.finish()
 
 
 def start_wandb(cfg):
@@ -851,13 +693,8 @@ class LogAlsoToWandb:
         record = json.loads(line)
         numbers = {k: v for k, v in record.items() if k != "step"
                    and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if "step" in record and numbers and self.wandb is not None:
-            try:
-                self.wandb.log(numbers, step=record["step"])
-            except Exception as e:  # the network, wandb's service: the run goes on without it
-                print(f"note: wandb.log failed at step {record['step']} ({type(e).__name__}: "
-                      f"{str(e)[:100]}); the run goes on, logging to log.jsonl only", flush=True)
-                self.wandb = None
+        if "step" in record and numbers:
+            self.wandb.log(numbers, step=record["step"])
 
 
 def record_evaluation(log, bar, record, model, init_hash):

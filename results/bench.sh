@@ -20,9 +20,9 @@ run() {  # run NAME ARGS...: one bench.py table, with the wall time of the whole
 run table1 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 16 --rounds 5
 run table1-b8 cls:base-12x768 cls:base-24x512 cls:bamboo-b cls:base-96x256 --batch_size 8 --rounds 7
 # ... at batch 32, where it weighs least ...
-run table1-b32 cls:base-12x768 cls:bamboo-b --batch_size 32 --rounds 4 --no-memory
+run table1-b32 cls:base-12x768 cls:bamboo-b --batch_size 32 --rounds 4
 # ... at batch 1, where only the fixed per-operator cost is left ...
-run table1-b1 cls:base-12x768 cls:bamboo-b --batch_size 1 --rounds 5 --no-memory
+run table1-b1 cls:base-12x768 cls:bamboo-b --batch_size 1 --rounds 5
 # ... the GEMMs of one training step (forward, dX, dW) of the two, timed alone: equal FLOPs, equal time?
 $PY - <<'EOF' | tee results/bench/gemms.txt
 import torch
@@ -43,13 +43,13 @@ for depth, width in ((12, 768), (48, 384)):
     print(f"{depth}x{width}, batch 8: the GEMMs of one bf16 training step take {depth * per_block:.0f} ms")
 EOF
 # ... and compiled, which fuses the deep model's twice larger elementwise work (cold inductor cache).
-TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run table1-compile cls:base-12x768 cls:bamboo-b --batch_size 16 --rounds 4 --no-memory \
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run table1-compile cls:base-12x768 cls:bamboo-b --batch_size 16 --rounds 4 \
   --compile off,model
 # NeuTRENO's cost, and MAE (75% masked) against cls, on the same trunk.
 run neutreno-mae cls:bamboo-b cls:bamboo-b,neutreno=0.6 mae:bamboo-b cls:cifar-small cls:cifar-small,neutreno=0.6 \
-  mae:cifar-small --batch_size 16 --rounds 9 --no-memory
+  mae:cifar-small --batch_size 16 --rounds 9
 # bf16 autocast and torch.compile on this CPU; an empty inductor cache, so "1st s" holds a cold compile.
-TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,model --batch_size 64 --no-memory
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run dtype-compile cls:cifar-small --dtype float32,bfloat16 --compile off,model --batch_size 64
 # ... and bf16's accuracy: held-out loss after 200 real CIFAR-10 steps, fp32 against bf16, same seed.
 for dtype in float32 bfloat16; do
   $PY train.py --objective cls --preset cifar-small --dataset folder --data_dir "$DATA/cifar10-jpeg" --batch_size 64 \
@@ -61,7 +61,7 @@ done | tee results/bench/dtype-loss.txt
 compile_time() {
   for mode in model blocks; do
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run "compile-$mode" cls:bamboo-b cls:base-96x256 --batch_size 8 \
-      --warmup 1 --rounds 2 --steps 1 --no-memory --compile $mode
+      --warmup 1 --rounds 2 --steps 1 --compile $mode
   done
 }
 compile_time
@@ -78,7 +78,7 @@ malloc() {
 }
 malloc
 # Where the time goes: the profiler on one step.
-run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --no-memory --profile 8
+run profile next:wikitext-small cls:cifar-small --batch_size 32 --rounds 1 --steps 1 --profile 8
 # What each CPU optimization bought against the code path it replaced, and what NeuTRENO costs: A/B in one process.
 changes() {
 $PY - <<'EOF' | tee results/bench/changes.txt
@@ -230,5 +230,5 @@ if [ -n "${BENCHLIB:-}" ]; then
     next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 7
   # ... and in fp32, the default on CPUs without native bf16 (most laptops).
   run against-fp32 cls:cifar-small,width=256,heads=4 mae:cifar-small,width=256,heads=4 \
-    next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 5 --dtype float32 --no-memory
+    next:wikitext-small mlm:wikitext-small --against --batch_size 16 --rounds 5 --dtype float32
 fi
