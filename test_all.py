@@ -1309,45 +1309,6 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_pipe_named_like_an_image_is_one_line_not_a_hang(tiny_data, tmp_path):
-    """A FIFO in a class folder would block the decoder for ever: the listing names it."""
-    import shutil
-
-    from data import DataError
-    from operations.datasets import list_folder
-
-    folder = tmp_path / "images"
-    shutil.copytree(tiny_data / "images", folder)
-    pipe = next((folder / "train").iterdir()) / "zz.png"
-    os.mkfifo(pipe)
-    with pytest.raises(DataError, match=f"{re.escape(str(pipe))} is not a file"):
-        list_folder(str(folder))
-
-
-def test_links_in_an_image_folder_list_each_real_image_once_and_never_loop(tiny_data, tmp_path):
-    from data import DataError
-    from operations.datasets import list_folder
-
-    images = tmp_path / "images"
-    shutil.copytree(tiny_data / "images", images)
-    plain = list_folder(str(images))[0]
-    red = images / "train" / "red"
-    (red / "again").symlink_to(red)  # a class folder that holds a link to itself
-    (red / "loop").symlink_to(images / "train")  # and one to the split above it
-    first = sorted(red.glob("*.png"))[0]
-    (red / "zz-same.png").symlink_to(first)  # one image under a second name
-    linked = list_folder(str(images))[0]
-    assert len(linked["train"]) == len(plain["train"]) and linked["test"] == plain["test"]
-    for target in ("b.png", "nosuch.png"):  # a loop of two links, then a broken one: one line
-        for name in ("a.png", "b.png"):
-            (red / name).unlink(missing_ok=True)
-        (red / "a.png").symlink_to(red / target)
-        if target == "b.png":
-            (red / "b.png").symlink_to(red / "a.png")
-        with pytest.raises(DataError, match=r"a\.png is a link that reaches no file \("):
-            list_folder(str(images))
-
-
 def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
     """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
     inputs."""
@@ -1390,25 +1351,17 @@ def test_splits_with_different_classes_are_refused_and_mae_takes_a_single_class(
     assert code == 0, out
 
 
-def test_an_image_folder_without_classes_or_images_is_named_and_hidden_folders_are_not_classes(
-        capsys, tiny_data, tmp_path):
+def test_an_image_folder_without_classes_or_images_is_named(capsys, tiny_data, tmp_path):
     flags = image_flags(tiny_data, "cls")
     no_classes = write_folder(tmp_path / "no_classes", {"test": ["a", "b"]})
     (no_classes / "train").mkdir()
     err = cli_error(capsys, *flags, "--data_dir", str(no_classes), "--out_dir", str(tmp_path / "a"))
-    assert f"{no_classes / 'train'} has no class folders" in err
+    assert f"{no_classes / 'train'}: Couldn't find any class folder" in err
     no_images = write_folder(tmp_path / "no_images", {"train": ["a", "b"], "test": ["a", "b"]})
     (no_images / "test" / "c").mkdir()
     (no_images / "test" / "c" / "notes.txt").write_text("not an image")
     err = cli_error(capsys, *flags, "--data_dir", str(no_images), "--out_dir", str(tmp_path / "b"))
-    assert f"{no_images / 'test' / 'c'} holds no image" in err and "remove it" in err
-    from data import ImageData
-
-    (no_images / "test" / "c" / "notes.txt").rename(no_images / "test" / ".ipynb_checkpoints")
-    (no_images / "test" / "c").rmdir()
-    (no_images / "train" / ".ipynb_checkpoints").mkdir()
-    data = ImageData("folder", str(no_images), torch.device("cpu"), image_size=16)
-    assert data.num_classes == 2 and data.train_y.tolist() == [0] * 4 + [1] * 4
+    assert f"{no_images / 'test'}: Found no valid file for the classes c" in err
 
 
 def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
@@ -1471,32 +1424,17 @@ def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mix
         assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
 
 
-def test_streamed_views_are_torchvisions_pipelines_bit_for_bit(mixed_jpegs):
-    """MAE's training view (RandomResizedCrop, bicubic, then a flip) under torch.manual_seed(seed),
-    and its evaluation view (Resize of the shorter side to size / crop, CenterCrop), on images
-    of every shape in the folder, a 1:5 strip among them (RandomResizedCrop's fallback)."""
-    from PIL import Image
-    from torchvision import transforms
-
+def test_a_streamed_view_is_decided_by_its_seed_and_leaves_the_random_state_alone(mixed_jpegs):
+    """The workers replay MAE's training view from each image's seed alone, and drawing it never
+    moves the caller's random state (the masks draw from it)."""
     from operations.datasets import eval_view, train_view
 
-    strip = mixed_jpegs / "strip.jpg"
-    Image.fromarray(np.full((12, 60, 3), 90, np.uint8)).save(strip)
-    paths = [strip] + sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[:12]
-    for scale, size in ((0.2, 16), (0.08, 24), (0.2, 232)):  # above 224, MAE crops no border
-        mae = transforms.Compose([
-            transforms.RandomResizedCrop(size, scale=(scale, 1.0), interpolation=3),
-            transforms.RandomHorizontalFlip()])
-        for seed, path in enumerate(paths):
-            torch.manual_seed(seed)
-            expected = np.asarray(mae(Image.open(path).convert("RGB")))
-            assert np.array_equal(train_view(str(path), size, scale, seed), expected), path
-        crop = 224 / 256 if size <= 224 else 1.0
-        evaluation = transforms.Compose([transforms.Resize(int(size / crop), interpolation=3),
-                                         transforms.CenterCrop(size)])
-        for path in paths:
-            expected = np.asarray(evaluation(Image.open(path).convert("RGB")))
-            assert np.array_equal(eval_view(str(path), size), expected), path
+    path = str(sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[0])
+    state = torch.get_rng_state()
+    views = [train_view(path, 16, 0.2, seed) for seed in (0, 0, 1)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert np.array_equal(views[0], views[1]) and not np.array_equal(views[0], views[2])
+    assert views[0].shape == (16, 16, 3) and eval_view(path, 24).shape == (24, 24, 3)
 
 
 def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decodes_its_slice(
@@ -1660,7 +1598,7 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
 
 @pytest.mark.parametrize("break_it, expected", [
     ("unreadable", "cannot read image"),
-    ("empty class", "holds no image"),
+    ("empty class", "Found no valid file for the classes fox"),
     ("no split", "no test/ or val/ folder in"),
 ])
 def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):

@@ -1,7 +1,7 @@
-"""How data reaches the machine: image folders listed as ImageFolder does, decoded once and cached
-(list_folder, decode_folder), or streamed from disk as training goes (ImageStream, with MAE's
-train_view and eval_view, pixel for pixel torchvision's); and what a user with internet downloads
-(CIFAR, WikiText, Hugging Face tokenizers), each failing offline with one line (DataError).
+"""How data reaches the machine: image folders listed by torchvision's ImageFolder code, decoded
+once and cached (list_folder, decode_folder), or streamed from disk as training goes (ImageStream,
+with MAE's train_view and eval_view as torchvision transforms); and what a user with internet
+downloads (CIFAR, WikiText, Hugging Face tokenizers), each failing offline with one line.
 
 Run: python -c "from operations import datasets;
      print(datasets.ImageStream(datasets.list_folder('DIR'), 'cpu', 224).num_train())"
@@ -10,10 +10,8 @@ import functools
 import hashlib
 import io
 import itertools
-import math
 import os
 import signal
-import stat
 import threading
 import time
 import urllib.request
@@ -35,10 +33,6 @@ WORKERS_GONE = (RuntimeError, OSError, EOFError)
 
 
 # ----------------------------------------------------------------------------- image folders
-
-# ImageFolder's
-IMAGE_FILES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
 
 def list_folder(data_dir, train=True, train_samples=0):
     """An ImageFolder tree's files, which both image paths read: ({"train": [(path, label)], "test":
@@ -106,57 +100,16 @@ def stat_checksum(files):
 
 
 def _image_files(root):
-    """torchvision's ImageFolder listing without importing torchvision (whose import pulls in
-    torch._dynamo, seconds at every start): (path, class index) for each image under root/<class>/,
-    classes and files sorted by name, so subsets match ImageFolder's; and the class names. Hidden
-    folders (.ipynb_checkpoints) are not classes. Links are followed, but each real folder and file
-    is listed once: a link back into the tree neither repeats images nor loops for ever."""
+    """torchvision's ImageFolder listing of root: ([(path, class index)], class names), classes and
+    files sorted by name."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
     try:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir()
-                         and not e.name.startswith("."))
-    except OSError as e:
-        raise DataError(f"cannot list {root} ({e.strerror}); check its permissions or point "
-                        f"--data_dir elsewhere")
-    if not classes:
-        raise DataError(f"{root} has no class folders; an image folder dataset needs "
-                        f"{root}/<class>/<image>")
-    samples, roots = [], {os.path.realpath(os.path.join(root, name)) for name in classes}
-    for label, name in enumerate(classes):  # another class's folder, reached by a link: not ours
-        before, found = len(samples), []
-        seen = roots - {os.path.realpath(os.path.join(root, name))}
-        for folder, subfolders, files in os.walk(os.path.join(root, name), followlinks=True):
-            subfolders.sort()  # the same walk on every copy of the data
-            real_folder = os.path.realpath(folder)
-            if real_folder in seen:  # a link back into the tree: visited already
-                subfolders[:] = []
-                continue
-            seen.add(real_folder)
-            found.append((folder, real_folder,
-                          sorted(f for f in files if f.lower().endswith(IMAGE_FILES))))
-        real = set()  # each real file once, whatever the links to it
-        for folder, real_folder, files in sorted(found):
-            for f in files:
-                path = os.path.join(folder, f)
-                mode = os.lstat(path).st_mode  # one lstat a file
-                if stat.S_ISLNK(mode):
-                    key = os.path.realpath(path)
-                    try:
-                        mode = os.stat(path).st_mode
-                    except OSError as e:  # broken, or a loop of links
-                        raise DataError(f"{path} is a link that reaches no file ({e.strerror}); "
-                                        "remove it or point it at an image") from None
-                else:
-                    key = os.path.join(real_folder, f)
-                if not stat.S_ISREG(mode):  # reading a pipe would hang
-                    raise DataError(f"{path} is not a file (a pipe, socket or device); remove it "
-                                    "from the image folder")
-                if key not in real:
-                    real.add(key)
-                    samples.append((path, label))
-        if len(samples) == before:
-            raise DataError(f"{os.path.join(root, name)} holds no image ({' '.join(IMAGE_FILES)}); "
-                            "add images to it or remove it")
-    return samples, classes
+        classes, index = find_classes(root)
+        return make_dataset(root, index, extensions=IMG_EXTENSIONS), classes
+    except OSError as e:  # no class folder, a class without images, an unreadable folder
+        raise DataError(f"{root}: {e.strerror or e}; an image folder dataset needs "
+                        f"{root}/<class>/<image>") from None
 
 
 def decode_folder(files, size, cache_dir=None):
@@ -424,58 +377,27 @@ def standardised(x, mean, std):
     return out.mul_(1 / (255 * std)).sub_(mean / std)
 
 
-def resized_crop_box(width, height, scale, generator, ratio=(3 / 4, 4 / 3)):
-    """torchvision's RandomResizedCrop.get_params, drawing from `generator`: (top, left, h, w) of a
-    crop of area scale[0]..scale[1] of the image and aspect ratio 3/4..4/3 (log-uniform); after ten
-    misses, the centre crop nearest in shape."""
-    area, log_ratio = width * height, torch.log(torch.tensor(ratio))
-    for _ in range(10):
-        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1],
-                                                   generator=generator)).item()
-        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = torch.randint(0, height - h + 1, (1,), generator=generator).item()
-            left = torch.randint(0, width - w + 1, (1,), generator=generator).item()
-            return top, left, h, w
-    w, h = width, height
-    if width / height < min(ratio):
-        h = round(w / min(ratio))
-    elif width / height > max(ratio):
-        w = round(h * max(ratio))
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
 def train_view(path, size, crop_scale, seed):
     """MAE's training view of an image: RandomResizedCrop(size, (crop_scale, 1), bicubic), then a
-    horizontal flip half the time: torchvision's pipeline under torch.manual_seed(seed). (size,
-    size, 3) uint8."""
-    from PIL import Image
+    horizontal flip half the time, drawn from `seed`. (size, size, 3) uint8."""
+    from torchvision import transforms as T
 
-    generator = torch.Generator().manual_seed(seed)
-    im = read_rgb(path)
-    top, left, h, w = resized_crop_box(*im.size, (crop_scale, 1.0), generator)
-    im = im.crop((left, top, left + w, top + h)).resize((size, size), Image.BICUBIC)
-    if torch.rand(1, generator=generator) < 0.5:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)
-    return np.asarray(im)
+    view = T.Compose([T.RandomResizedCrop(size, (crop_scale, 1.0), interpolation=T.InterpolationMode
+                                          .BICUBIC), T.RandomHorizontalFlip()])
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+        torch.manual_seed(seed)
+        return np.asarray(view(read_rgb(path)))
 
 
 def eval_view(path, size):
-    """MAE's evaluation view: torchvision's Resize(int(size / crop), bicubic) of the shorter side,
-    then CenterCrop(size); crop is 224 / 256 up to 224 px, else 1 (MAE's build_transform)."""
-    from PIL import Image
+    """MAE's evaluation view: Resize(int(size / crop), bicubic) of the shorter side, then
+    CenterCrop(size); crop is 224 / 256 up to 224 px, else 1 (MAE's build_transform)."""
+    from torchvision import transforms as T
 
-    im = read_rgb(path)
-    width, height = im.size
     short = int(size / (224 / 256 if size <= 224 else 1.0))
-    if width <= height:
-        new = (short, int(short * height / width))
-    else:
-        new = (int(short * width / height), short)
-    im = im.resize(new, Image.BICUBIC)  # PIL returns a copy when the size is already right
-    top, left = int(round((new[1] - size) / 2)), int(round((new[0] - size) / 2))
-    return np.asarray(im.crop((left, top, left + size, top + size)))
+    view = T.Compose([T.Resize(short, interpolation=T.InterpolationMode.BICUBIC),
+                      T.CenterCrop(size)])
+    return np.asarray(view(read_rgb(path)))
 
 
 # ----------------------------------------------------------------------------- downloads
