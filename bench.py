@@ -21,11 +21,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from operations import fast
 from bamboo import Bamboo, Config, training_flops
-from operations.checkpoint import atomic_write, check_output_path
+from operations import fast
+from operations.checkpoint import atomic_write
+from operations.cli import check_output_path, config_from_spec, one_line_errors
 from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
-from operations.housekeeping import config_from_spec, one_line_errors
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 

@@ -6,18 +6,19 @@ Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir)
   ImageData    the whole split on the training device as one uint8 tensor; whole batches are
                augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
                data, where loading is then never the bottleneck. A folder is listed, decoded
-               once and kept in --cache_dir by operations/datasets.py; later runs load it.
-  ImageStream  (operations/datasets.py) a folder too large for that (ImageNet at 224: 190 GB
-               decoded) read as training goes by DataLoader workers, with MAE's augmentation.
+               once and kept in --cache_dir by operations/files.py; later runs load it.
+  ImageStream  (operations/streaming.py) a folder too large for that (ImageNet at 224: 190 GB
+               decoded) read as training goes by DataLoader workers, with MAE's augmentation;
+               streaming.open_images chooses between the two.
 Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes
 on exactly; each rank then reads only its slice (`shard`).
 
-Text (mlm, next): `wikitext2`, `wikitext103` (operations/datasets.py fetches them from the author's
-mirror) or `text` (any train/val pair of text files). Tokenized once
-with tiktoken, cached as a uint16/uint32 .bin and memory-mapped; batches are random windows.
+Text (mlm, next): `wikitext2`, `wikitext103` (operations/files.py fetches them from the author's
+mirror) or `text` (any train/val pair of text files). Tokenized once with tiktoken, cached as a
+uint16/uint32 .bin and memory-mapped; batches are random windows.
 `--tokenizer bytes` is a 256-id byte-level tiktoken Encoding built in memory (no download).
 
-Every failure a user can meet (no network, missing files) raises DataError with one line:
+Every failure a user can meet (no network, missing files) raises files.DataError with one line:
 what is missing, where to put it, and which flag points elsewhere.
 
 Run: python -c "import data; print(data.TextData('text', 'DIR', 'bytes', 'train.txt', 'val.txt',
@@ -29,59 +30,28 @@ import zlib
 import numpy as np
 import torch
 
+from operations import adapters, files
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
 
 
-class DataError(Exception):
-    """A data problem the user can fix; its message is one line and says how."""
-
-
 # ----------------------------------------------------------------------------- images
 
-def read_rgb(path):
-    """An image file as an RGB PIL image, as ImageFolder reads it; an unreadable one is one line."""
-    from PIL import Image
 
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    # PIL's errors for unreadable, truncated or non-image files, and for images over its size limit
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:160]}); remove "
-                        f"or replace that file") from None
-
-
-def fixed_order(n):
-    """A fixed random order of n items: the same for every run."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(0))
-
-
-def fixed_subset(n, limit):
-    """Indices of a fixed random subset of `limit` out of n, in order: the same for every run."""
-    return fixed_order(n)[:limit].sort().values
-
-
-def _load_split(name, data_dir, split, image_size, files, limit=0, cache_dir=None):
-    from operations import datasets  # a folder decoded (and cached), or CIFAR downloaded
-
+def _load_split(name, data_dir, split, image_size, listed, limit=0, cache_dir=None):
+    """A folder's split decoded (and cached), or CIFAR's downloaded."""
     if name == "folder":
-        labels = torch.tensor([label for _, label in files[split]])
-        return datasets.decode_folder(files[split], image_size, cache_dir), labels, None
+        labels = torch.tensor([label for _, label in listed[split]])
+        return files.decode_folder(listed[split], image_size, cache_dir), labels, None
 
-    images, labels, classes = datasets.cifar(name, data_dir, split == "train")
+    images, labels, classes = files.cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
-        keep = fixed_subset(len(images), limit)
+        keep = files.fixed_subset(len(images), limit)
         images, labels = images[keep], labels[keep]
     if images.shape[-1] != image_size:  # a few hundred at a time: float copies of all would be GBs
         images = torch.cat([resize(chunk, image_size) for chunk in images.split(500)])
     return images, labels, classes
-
-
-def as_batch(pixels):
-    """(H, W, 3) uint8 arrays as one (N, 3, H, W) uint8 tensor."""
-    return torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).contiguous()
 
 
 def resize(images, size):
@@ -108,18 +78,16 @@ class ImageData:
         (the probe needs nothing else); train_samples > 0: a fixed random subset of the training
         split; listing: a folder's (list_folder's), made here unless given; cache_dir keeps the
         decoded splits; statistics: a trained model's (mean, std), from its checkpoint."""
-        files = classes = None
+        listed = classes = None
         if name == "folder":
-            from operations import datasets
-
-            files, classes = listing or datasets.list_folder(data_dir, train, train_samples)
-            self.listing = datasets.listing_fingerprint(files["train"]) if train else None
+            listed, classes = listing or files.list_folder(data_dir, train, train_samples)
+            self.listing = files.listing_fingerprint(listed["train"]) if train else None
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
-                                                             files, cache_dir=cache_dir)
+                                                             listed, cache_dir=cache_dir)
         self.train_x, self.train_y, _ = (
-            _load_split(name, data_dir, "train", image_size, files, train_samples, cache_dir)
+            _load_split(name, data_dir, "train", image_size, listed, train_samples, cache_dir)
             if train
             else (self.test_x[:0], self.test_y[:0], None))
         train_crc = zlib.crc32(self.train_x.contiguous().numpy())  # a resume compares both splits'
@@ -169,59 +137,12 @@ def shard(draws, rank, world, grad_accum, k):
             for name, v in draws.items()}
 
 
-def open_images(name, data_dir, device, image_size, train=True, train_samples=0, stream="off",
-                memory_gb=16.0, cache_dir=None, statistics=None, **streaming):
-    """ImageData (decoded once into memory, a folder's decoded splits kept in cache_dir), or
-    ImageStream where asked (stream 'on') or, under 'auto', where an image folder's decoded splits
-    would take more than memory_gb."""
-    if name != "folder":
-        if stream == "on":
-            raise DataError(f"--stream on reads an image folder; --dataset {name} is decoded into "
-                            "memory (use --stream auto or off, or --dataset folder)")
-        return ImageData(name, data_dir, device, image_size, train, train_samples,
-                         statistics=statistics)
-    from operations import datasets  # the streaming path lives apart
-
-    listing = datasets.list_folder(data_dir, train, train_samples)
-    decoded_gb = sum(map(len, listing[0].values())) * 3 * image_size ** 2 / 1e9
-    if stream == "on" or (stream == "auto" and decoded_gb > memory_gb):
-        return datasets.ImageStream(listing, device, image_size, **streaming)
-    return ImageData(name, data_dir, device, image_size, train, train_samples, listing, cache_dir,
-                     statistics)
-
-
 def normalisation(images):
     """(mean, std) per channel of a fixed random 10,000 images (a folder lists them class by class).
     A channel that barely varies (a colour the dataset does not use, one image) is only centred:
     dividing by ~0 would make every input non-finite. 1/255 is one grey level."""
-    mean, std = channel_statistics(images[fixed_subset(len(images), 10000)])
+    mean, std = channel_statistics(images[files.fixed_subset(len(images), 10000)])
     return mean, torch.where(std > 1 / 255, std, torch.ones_like(std))
-
-
-def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=""):
-    """The held-out split a model of `config` was trained on (train_cfg: checkpoint.data_settings),
-    or the one named, un-augmented and on the CPU, normalised as training saw it: ImageData or
-    TextData with train=False."""
-    c = config
-    dataset = dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
-    data_dir = data_dir or train_cfg.get("data_dir") or "./data"
-    if c.is_image != (dataset in IMAGE_DATASETS):
-        kind, fits = ("an image", IMAGE_DATASETS) if c.is_image else ("a text", TEXT_DATASETS)
-        raise DataError(f"{kind} model ({c.objective}) cannot be run on --dataset {dataset}; use "
-                        f"{' or '.join(fits)}")
-    if c.is_image:  # a streamed run is evaluated in its own view (and a stream reads only a folder)
-        streamed = dataset == "folder" and train_cfg.get("stream") == "on"
-        return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
-                           stream="on" if streamed else "off",
-                           cache_dir=train_cfg.get("cache_dir"),  # a run's own; else none
-                           statistics=train_cfg.get("statistics"))
-    data = TextData(dataset, data_dir, tokenizer or train_cfg.get("tokenizer", "gpt2"), "",
-                    val_file or train_cfg.get("val_file", "val.txt"),
-                    train_cfg.get("cache_dir", "./data/cache"), c.seq_len, train=False)
-    if data.vocab_size > c.vocab_size:
-        raise DataError(f"the tokenizer has {data.vocab_size} ids but the model knows "
-                        f"{c.vocab_size}; pass the --tokenizer it was trained with")
-    return data
 
 
 def first_samples(data, n):
@@ -269,9 +190,7 @@ def get_tokenizer(name):
     import tiktoken
 
     if name.startswith("hf:"):
-        from operations import datasets
-
-        return datasets.HuggingFaceTokenizer(name[3:])
+        return adapters.HuggingFaceTokenizer(name[3:])
     if name == "bytes":
         return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
                                  mergeable_ranks={bytes([i]): i for i in range(256)},
@@ -279,13 +198,13 @@ def get_tokenizer(name):
     try:
         return tiktoken.get_encoding(name)
     except ValueError:
-        raise DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, "
-                        "r50k_base, cl100k_base, ...), bytes, or hf:NAME") from None
+        raise files.DataError(f"unknown tokenizer {name!r}; use a tiktoken encoding name (gpt2, "
+                              "r50k_base, cl100k_base, ...), bytes, or hf:NAME") from None
     except Exception as e:
         gpt2 = " (or --tokenizer r50k_base: GPT-2's ranks in one file)" if name == "gpt2" else ""
-        raise DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); without "
-                        f"network set TIKTOKEN_CACHE_DIR to a folder holding its BPE file{gpt2}, "
-                        "or use --tokenizer bytes") from None
+        raise files.DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); "
+                              "without network set TIKTOKEN_CACHE_DIR to a folder holding its BPE "
+                              f"file{gpt2}, or use --tokenizer bytes") from None
 
 
 class TextData:
@@ -296,11 +215,9 @@ class TextData:
         """Each file tokenized once (and cached); train=False: the validation file only. Training
         batches are made on the CPU and handed to `device`. next_token: windows of seq_len + 1
         tokens, the last only a target (nanoGPT's block_size + 1), so every position trains."""
-        from operations import datasets  # downloads, and the tokenized files' cache
-
         self.tokenizer = get_tokenizer(tokenizer)
         if name in ("wikitext2", "wikitext103"):
-            data_dir = datasets.download_wikitext(name, data_dir)
+            data_dir = files.download_wikitext(name, data_dir)
             train_file, val_file = "train.txt", "valid.txt"
         wanted = ((train_file, "--train_file"),) if train else ()
         tokens = []
@@ -308,20 +225,21 @@ class TextData:
             path = os.path.join(data_dir, file)
             if not os.path.isfile(path):
                 what = "is not a file (a folder, a pipe)" if os.path.exists(path) else "is missing"
-                raise DataError(f"text file {path} {what}; put the text there, or point "
-                                f"--data_dir and {flag} elsewhere")
+                raise files.DataError(f"text file {path} {what}; put the text there, or point "
+                                      f"--data_dir and {flag} elsewhere")
             if os.path.getsize(path) == 0:
-                raise DataError(f"text file {path} is empty; give {flag} a file with text in it")
-            tokens.append(datasets.tokenize_cached(path, self.tokenizer, cache_dir))
+                raise files.DataError(f"text file {path} is empty; give {flag} a file with text "
+                                      "in it")
+            tokens.append(files.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.checksum = zlib.crc32(self.val, zlib.crc32(self.train)) if train else None
         self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
         self.window = seq_len + 1 if next_token else seq_len
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:
             if len(tokens) <= seq_len:  # one window and the token after it
-                raise DataError(f"{split} text has {len(tokens)} tokens, fewer than one window of "
-                                f"seq_len={seq_len} and its target; use more text or a smaller "
-                                "--seq_len")
+                raise files.DataError(f"{split} text has {len(tokens)} tokens, fewer than one "
+                                      f"window of seq_len={seq_len} and its target; use more text "
+                                      "or a smaller --seq_len")
 
     def sample(self, n, generator):
         """The random draws of one global batch: where each window starts."""

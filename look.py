@@ -10,7 +10,6 @@ for the curves and the smoothing) and writes one file or prints text:
                image's patch grid, or as a queries x keys map labelled with the tokens
   curves       training loss and held-out metric against steps, for one or more out_dirs
   smoothing    a probe metric per layer at each evaluation (train.py logs them), for out_dirs
-and probe.py's figure (its --plot), a panel per metric.
 
 Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
 """
@@ -18,17 +17,18 @@ import argparse
 import math
 import os
 import sys
-import textwrap
 
 import torch
 
 from bamboo import patchify, unpatchify
-from operations.checkpoint import (check_output_path, data_settings, model_from_checkpoint,
-                                   save_figure)
-from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer, held_out
-from operations.datasets import read_text
-from operations import housekeeping
-from operations.housekeeping import one_line_errors
+from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer
+from probe import AXES
+from operations import runlog
+from operations.checkpoint import data_settings, model_from_checkpoint
+from operations.cli import check_output_path, one_line_errors
+from operations.figures import least_visible_range, pyplot, save_figure
+from operations.files import read_text
+from operations.streaming import held_out
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -41,15 +41,6 @@ def load(path, objective=None):
         raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
                          f"{objective} model")
     return model.eval(), data_settings(ckpt), ckpt.get("step")
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 # ----------------------------------------------------------------------------- sample
@@ -231,7 +222,7 @@ def read_log(out_dir):
     if not os.path.isfile(path):
         raise ValueError(f"no log at {path}; give the --out_dir of a train.py run or its log")
     train, evals = [], []
-    for record in housekeeping.read_log(path):
+    for record in runlog.read_log(path):
         if "run" not in record:  # an invocation's first record says what made it
             (evals if record.get("eval") else train).append(record)
     if not train and not evals:
@@ -347,77 +338,6 @@ def smoothing(args):
 
 
 # ----------------------------------------------------------------------------- probe.py's figure
-
-# What each panel's y-axis shows, and which way is "more smoothed" (tokens more alike).
-AXES = {
-    "std": "std over tokens; lower: more smoothed",
-    "cos": "mean cosine; higher: more smoothed",
-    "abs_cos_centered": "mean |cosine| of h - hbar; higher: more smoothed",
-    "hc_dc": "HC / DC energy; lower: more smoothed",
-    "erank": "effective rank; lower: more smoothed",
-    "update": "||h_l - h_(l-1)|| / ||h_(l-1)||; lower: the block does less",
-    "attn_entropy": "nats; higher: more smoothing (dashed: uniform)",
-    "attn_sim": "cosine to the previous map; higher: alike",
-    "vo_dominant": "mean sign; +1 every head smooths, -1 sharpens",
-    "vo_positive": "share of eigenvalues > 0; higher: more smoothing",
-    "beta_qk": "ratio to {reference}; above 1: larger",
-    "beta_v": "ratio to {reference}; above 1: larger",
-}
-
-
-def least_visible_range(ax, share=0.05):
-    """Widen a y-range narrower than `share` of its values' size, so that differences of 1e-4
-    on values near 1 are drawn flat, not blown up into zigzags."""
-    values = [v for line in ax.get_lines() for v in line.get_ydata()]
-    if not values:
-        return
-    low, high = min(values), max(values)
-    least = share * max(abs(low), abs(high), 1e-12)
-    if high - low < least:
-        middle = (low + high) / 2
-        ax.set_ylim(middle - least / 2, middle + least / 2)
-
-
-def probe_figure(report, relative):
-    """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
-    the way that means "more smoothed"."""
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
-    def drawn(name):  # a panel with something to show: beta needs a checkpoint beside the first
-        lines = sum(any(v is not None for v in vs) for vs in report["metrics"][name].values())
-        return lines > (1 if name.startswith("beta") else 0)  # the first is 1 against itself
-
-    names = [n for n in report["metrics"] if drawn(n)]
-    cols = 3
-    rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for label in report["labels"]:
-            depth = report["depth"][label]
-            values = report["metrics"][name][label][: depth + 1]
-            pairs = [(layer / depth if relative else layer, v)
-                     for layer, v in enumerate(values) if v is not None]
-            if pairs:
-                line, = ax.plot(*zip(*pairs), marker="o", markersize=3, label=label)
-                if name == "attn_entropy":  # uniform attention: log T, causal mean log(i + 1)
-                    ax.axhline(report["attn_entropy_ceiling"][label], color=line.get_color(),
-                               linestyle="--", linewidth=0.8)
-        ax.set_title(name)
-        ax.set_ylabel("\n".join(textwrap.wrap(AXES[name].format(reference=report["labels"][0]),
-                                              32)), fontsize=8)
-        least_visible_range(ax)
-        ax.set_xlabel("relative depth (layer / depth)" if relative else "layer (0 = embedding)")
-        if not relative:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.ticklabel_format(axis="y", useOffset=False)  # plain values, no "1e-5 + 0.9998" offsets
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"Over-smoothing per layer ({report['samples']} held-out samples)", fontsize=14)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    return fig
 
 
 def build_parser():

@@ -427,7 +427,7 @@ def source_spans(path):
 # README links into train.py's functions: their text -> the function, and how the first (and the
 # last) statement they mark begin
 TRAIN_PARTS = {"its set-up": ("train", "def train", "if step >= cfg.max_iters"),
-               "the step itself": ("train", "clock = housekeeping.Clock", "step += 1"),
+               "the step itself": ("train", "clock = progress.Clock", "step += 1"),
                "the rest of its loop": ("train", "bar.update(1)", "if stopping:"),
                "the same generator on every rank": ("train", "generator = torch.Generator()",
                                                     "torch.manual_seed(cfg.seed + 1 + rank)"),
@@ -495,10 +495,15 @@ def instance_attributes(model):
 TUTORIAL = ("bamboo.py", "neutreno.py", "data.py", "train.py", "probe.py")
 
 
-PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL"}  # PIL: torchvision's reader
+# PIL: torchvision's reader; matplotlib: the probe's figure (probe.py --plot)
+PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL", "matplotlib"}
 
 
-OPERATIONS = {"checkpoint", "datasets", "fast", "housekeeping", "probing"}  # operations/
+# The import order, lowest first: a module imports only modules before it (operations/__init__.py)
+LAYERS = ("neutreno", "bamboo", "operations.cli", "operations.checkpoint", "operations.fast",
+          "operations.figures", "operations.files", "operations.adapters", "data",
+          "operations.streaming", "operations.checks", "operations.out_dir", "operations.runlog",
+          "operations.progress", "probe", "operations.export", "train", "look", "bench")
 
 
 # ==================================================================================================
@@ -1075,11 +1080,10 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank
     """At init the last layer of a smooth trunk is more alike than a sharpen one's by cos, HC/DC
     and effective rank; abs_cos_centered barely tells them apart there (0.363 against 0.367)."""
     import probe
-    from operations import probing
 
     last = {}
     for mode in ("smooth", "sharpen"):
-        model, _ = probing.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
+        model, _ = probe.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
         x, _ = batch(model.config, B=8, seed=1)
         last[mode] = {k: v[-1] for k, v in probe.probe_model(model, x, 8).items()}
     assert last["smooth"]["cos"] > last["sharpen"]["cos"]
@@ -1130,7 +1134,7 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     import data
     from PIL import Image
 
-    from operations import datasets
+    from operations import files
 
     folder, cache = tmp_path / "images", tmp_path / "cache"
     shutil.copytree(tiny_data / "images", folder)
@@ -1140,8 +1144,8 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
     assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
     decodes = []
-    real_decode = datasets._decode
-    monkeypatch.setattr(datasets, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
+    real_decode = files._decode
+    monkeypatch.setattr(files, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
     cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert decodes == []  # loaded, not decoded
     for got in (first, cached):
@@ -1151,7 +1155,7 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
     again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
-    where = [str(p) for p, _ in datasets.list_folder(str(folder))[0]["test"]].index(str(changed))
+    where = [str(p) for p, _ in files.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
     Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(changed)
     data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
@@ -1166,8 +1170,8 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
                                       cache_dir=str(cache)).train_x, decoded.train_x)
     assert len(decodes) == 32 * 4 + 96
-    listing = datasets.list_folder(str(folder))[0]  # the two files in use now hold arrays again
-    keys = [datasets.folder_key(listing[s], 16) for s in ("train", "test")]
+    listing = files.list_folder(str(folder))[0]  # the two files in use now hold arrays again
+    keys = [files.folder_key(listing[s], 16) for s in ("train", "test")]
     assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
     capsys.readouterr()
     (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
@@ -1192,7 +1196,8 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
 def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
     """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
     probed and evaluated; an older checkpoint without them falls back to the test split's own."""
-    from data import ImageData, TextData, first_samples, held_out
+    from data import ImageData, TextData, first_samples
+    from operations.streaming import held_out
     from operations import checkpoint
 
     images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
@@ -1300,12 +1305,12 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     own; here the limit is lowered so that a 16x16 image is one."""
     from PIL import Image
 
-    import data
+    from operations import files
 
     path = next((tiny_data / "images" / "test").glob("*/*.png"))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
-    with pytest.raises(data.DataError, match="DecompressionBombError") as e:
-        data.read_rgb(path)
+    with pytest.raises(files.DataError, match="DecompressionBombError") as e:
+        files.read_rgb(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -1376,12 +1381,12 @@ def test_an_empty_text_file_is_named(capsys, tiny_data, tmp_path):
 
 def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
                                                                         monkeypatch):
-    from operations import datasets
+    from operations import files
 
     def offline(url, timeout=30):
         raise OSError("no network")
 
-    monkeypatch.setattr(datasets, "_fetch", offline)
+    monkeypatch.setattr(files, "_fetch", offline)
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
@@ -1404,8 +1409,8 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
 
 def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
     from data import ImageData
-    from operations.datasets import _decode, list_folder
-    from operations.datasets import ImageStream
+    from operations.files import _decode, list_folder
+    from operations.streaming import ImageStream
 
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
@@ -1427,7 +1432,7 @@ def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mix
 def test_a_streamed_view_is_decided_by_its_seed_and_leaves_the_random_state_alone(mixed_jpegs):
     """The workers replay MAE's training view from each image's seed alone, and drawing it never
     moves the caller's random state (the masks draw from it)."""
-    from operations.datasets import eval_view, train_view
+    from operations.streaming import eval_view, train_view
 
     path = str(sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[0])
     state = torch.get_rng_state()
@@ -1442,8 +1447,8 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
     from data import shard
-    from operations.datasets import list_folder
-    from operations.datasets import ImageStream
+    from operations.files import list_folder
+    from operations.streaming import ImageStream
 
     listing = list_folder(str(mixed_jpegs))
 
@@ -1473,8 +1478,8 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
     """A signal to every process ends the workers, maybe before they hand over the micro-batch
     the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
     step starts new workers where the data order stands. An evaluation reads on here too."""
-    from operations.datasets import list_folder
-    from operations.datasets import ImageStream
+    from operations.files import list_folder
+    from operations.streaming import ImageStream
 
     def workers_that_exited():
         raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
@@ -1506,7 +1511,8 @@ def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed
     """A streaming worker killed (the OOM killer's SIGKILL) while the run goes: the batch it owed
     is decoded here, new workers start where the data order stands, and every batch is the one a
     run without the kill reads; torch's error never comes from elsewhere in the step."""
-    from operations.datasets import ImageStream, list_folder
+    from operations.files import list_folder
+    from operations.streaming import ImageStream
 
     listing = list_folder(str(mixed_jpegs))
     steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
@@ -1577,8 +1583,9 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
 
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
     import probe
-    from data import first_samples, held_out
-    from operations.datasets import ImageStream, eval_view, standardised
+    from data import first_samples
+    from operations.streaming import held_out
+    from operations.streaming import ImageStream, eval_view, standardised
 
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
@@ -1721,15 +1728,15 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     """A GPU only queues the steps between two reads of the loss, and the read waits for them: the
     speed in the last line must count that wait (a 50 ms sleep in every read stands in for it here;
     run_train reads every step)."""
-    from operations import housekeeping
+    from operations import progress
 
-    read_loss = housekeeping.read_loss
+    read_loss = progress.read_loss
 
     def waiting_read(*args):
         time.sleep(0.05)
         return read_loss(*args)
 
-    monkeypatch.setattr(housekeeping, "read_loss", waiting_read)
+    monkeypatch.setattr(progress, "read_loss", waiting_read)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
                                           "3"),
                              out_dir=tmp_path)
@@ -2149,10 +2156,10 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
 
 
 def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
-    from operations import housekeeping
+    from operations import progress
     import train
 
-    advice = housekeeping.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
+    advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
     assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
 
@@ -2447,16 +2454,16 @@ def test_the_settings_printed_are_those_that_apply(tiny_data, tmp_path):
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
-    from operations import housekeeping
+    from operations import progress
 
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
     code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
     lines = out.splitlines()
     assert code == 0 and lines[0].startswith("loading folder from "), out
-    progress = [line for line in lines if re.match(r"step \d/6: loss [\d.]+, lr ", line)]
-    assert len(progress) == 1 and "min left" in progress[0]  # the first, then at most every 30 s
+    said = [line for line in lines if re.match(r"step \d/6: loss [\d.]+, lr ", line)]
+    assert len(said) == 1 and "min left" in said[0]  # the first, then at most every 30 s
     assert lines[-1].startswith("done: top1 ")
-    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0)
     code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "b")
     lines = out.splitlines()
     # a time limit's stop ends as every stop does: evaluated, saved, said
@@ -2470,16 +2477,16 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
 def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypatch):
     """In a log file (no terminal) an evaluation prints a progress line at most every
     PROGRESS_EVERY_S seconds, never after its last batch; its batches pass through unchanged."""
-    from operations import housekeeping
+    from operations import progress
 
-    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 0.0)
-    assert list(housekeeping.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)
+    assert list(progress.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(",")[0] for line in lines] == [f"evaluating: {i}/4 batches"
                                                      for i in (1, 2, 3)]
     assert all(line.endswith(" s left") for line in lines)
-    monkeypatch.setattr(housekeeping, "PROGRESS_EVERY_S", 3600.0)
-    assert list(housekeeping.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 3600.0)
+    assert list(progress.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
     assert capsys.readouterr().out == ""  # a short evaluation says nothing
 
 
@@ -2488,11 +2495,11 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     """--time_limit counts from the invocation's start and stops training while the evaluation and
     the checkpoint still fit: their last measured time, or before the first evaluation a third of a
     step per held-out batch; inf is refused."""
-    from operations import housekeeping
+    from operations import progress
     import train
 
     cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0)
-    clock = housekeeping.Clock(time.time() - 8, cfg, held_out_batches=2)  # 2 s left
+    clock = progress.Clock(time.time() - 8, cfg, held_out_batches=2)  # 2 s left
     clock.step_times = [1.0, 1.0]  # 1 s per step
     assert not clock.out_of_time(10)  # 1 s step + 2 batches x 1 s / 3 fit in 2 s
     clock.eval_s = 0.5
@@ -2524,12 +2531,12 @@ def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     from tqdm import tqdm
 
-    from operations import housekeeping
+    from operations import progress
     import train
 
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     # an evaluation: 2 batches, 1/3 s each; 1 s per step, 5.5 s left
-    clock = housekeeping.Clock(time.time() - 4.5, cfg, held_out_batches=2)
+    clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
     clock.step_times = [1.0] * 11
     bar = tqdm(total=1000, disable=True)
     clock.show_progress(bar, 10, 2.5, 1e-3)
@@ -2551,7 +2558,7 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
 
 def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
                                                                                   monkeypatch):
-    from operations.housekeeping import one_line_errors
+    from operations.cli import one_line_errors
 
     def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
@@ -2578,7 +2585,7 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
 
 def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys,
                                                                                monkeypatch):
-    from operations import housekeeping
+    from operations import checks, cli, progress
     import train
 
     before = torch.get_num_threads()
@@ -2588,14 +2595,14 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
     finally:
         torch.set_num_threads(before)
     assert "threads" in train.PER_INVOCATION  # a resume on another machine sets its own
-    with pytest.raises(housekeeping.TrainingError, match="--threads -1 must be >= 0"):
-        housekeeping.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5,
+    with pytest.raises(cli.TrainingError, match="--threads -1 must be >= 0"):
+        checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5,
                                                       threads=-1))
-    assert housekeeping.launcher(1) == "python train.py"
+    assert progress.launcher(1) == "python train.py"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert housekeeping.launcher(2) == "torchrun --nproc_per_node=2 train.py"
-    assert housekeeping.launcher(4) == "torchrun --nnodes=2 --nproc_per_node=2 train.py"
-    line = housekeeping.how_to_resume("time limit reached", 7, 2, "o")
+    assert progress.launcher(2) == "torchrun --nproc_per_node=2 train.py"
+    assert progress.launcher(4) == "torchrun --nnodes=2 --nproc_per_node=2 train.py"
+    line = progress.how_to_resume("time limit reached", 7, 2, "o")
     assert line == ("time limit reached at step 7; checkpoint saved to o/ckpt.pt; continue with: "
                     "torchrun --nproc_per_node=2 train.py --resume --out_dir o")
 
@@ -2626,11 +2633,12 @@ def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_pa
 def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
     import bench
     import look
-    from operations import export, probing
+    from operations import export
+    import probe
     import train
 
     for parse, argv in ((train.build_parser().parse_args, ["--max_iter", "5"]),
-                        (probing.build_parser().parse_args, ["x.pt", "--sample", "4"]),
+                        (probe.build_parser().parse_args, ["x.pt", "--sample", "4"]),
                         (bench.build_parser().parse_args, ["cls:cifar-tiny", "--batch", "4"]),
                         (look.build_parser().parse_args, ["curves", "run", "--ou", "c.png"]),
                         (export.main, ["x.pt", "--out", "a.safetensors", "--ou", "b"])):
@@ -2766,11 +2774,11 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
         capsys, tiny_data, tmp_path):
     """A second run into an out_dir in use stops at once and writes nothing; the lock ends with the
     process that took it, even where a forked child (a DataLoader worker) outlives it."""
-    from operations.housekeeping import out_dir_claimed
+    from operations.out_dir import out_dir_claimed
 
     script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
-              "from operations import housekeeping\n"
-              "claimed = housekeeping.out_dir_claimed(sys.argv[1], False, False)\n"
+              "from operations import out_dir\n"
+              "claimed = out_dir.out_dir_claimed(sys.argv[1], False, False)\n"
               "claimed.__enter__()\n"
               "if os.fork() == 0:\n"
               "    os.close(1)\n"
@@ -2806,7 +2814,7 @@ def test_a_log_linked_out_of_out_dir_is_refused_not_appended_to(capsys, tiny_dat
 def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
     """Only atomic_write's temporary names are cleaned up, and .lock is removed only while empty
     (as a run leaves it): a user's .lock, or .tmp files of other names, stay as they are."""
-    from operations.housekeeping import out_dir_claimed
+    from operations.out_dir import out_dir_claimed
 
     mine = {".lock": "mine", ".ckpt.pt.mine.tmp": "mine", ".log.jsonl.draft.tmp": "mine"}
     for name, text in mine.items():
@@ -2825,7 +2833,8 @@ def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_p
 def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
     """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
     create) a file outside out_dir: both refused."""
-    from operations.housekeeping import TrainingError, out_dir_claimed
+    from operations.cli import TrainingError
+    from operations.out_dir import out_dir_claimed
 
     os.mkfifo(tmp_path / ".lock")
     with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
@@ -3067,7 +3076,6 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     import json
 
     import probe
-    from operations import probing
 
     (tmp_path / "p.json").write_text("the previous report")
 
@@ -3077,7 +3085,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
             str(tiny_data / "images"),
             "--samples", "2", "--json", str(tmp_path / "p.json")]
-    monkeypatch.setattr(probing.json, "dumps", full_disk)
+    monkeypatch.setattr(probe.json, "dumps", full_disk)
     assert probe.main(argv) == 2
     monkeypatch.undo()
     err = capsys.readouterr().err
@@ -3285,7 +3293,7 @@ def test_beta_of_a_model_against_itself_is_one():
 
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints,
                                                        tmp_path):
-    import look
+    import probe
 
     argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
@@ -3312,14 +3320,13 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
     for relative, last, label in ((False, 4, "layer"), (True, 1.0, "relative depth")):
-        axes = [ax for ax in look.probe_figure(report, relative).axes if ax.get_lines()]
+        axes = [ax for ax in probe.probe_figure(report, relative).axes if ax.get_lines()]
         assert max(x for ax in axes for line in ax.get_lines() for x in line.get_xdata()) == last
         assert all(ax.get_xlabel().startswith(label) for ax in axes)  # --relative: layer / depth
 
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
         capsys, tiny_data, trained_checkpoints, tmp_path):
-    import look
     import probe
 
     code, out = probe_cli(capsys, trained_checkpoints / "cls" / "ckpt.pt",
@@ -3331,23 +3338,22 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
     assert all(name in out.out for name in probe.TOKEN_METRICS + probe.LAYER_METRICS
                + probe.WEIGHT_METRICS)
     assert "over those of trained" in out.out
-    figure = look.probe_figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
+    figure = probe.probe_figure(json.loads((tmp_path / "p.json").read_text()), relative=False)
     labels = {ax.get_title(): ax.get_ylabel().replace("\n", " ") for ax in figure.axes
               if ax.get_title()}
-    assert set(labels) == set(look.AXES)  # every metric has its panel, none without a label
+    assert set(labels) == set(probe.AXES)  # every metric has its panel, none without a label
     smoothing = [name for name, label in labels.items() if "smooth" in label]
     assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     import probe
-    from operations import probing
 
     samples = torch.rand(4, 3, 16, 16)
-    classifier, _ = probing.load_model("init:cifar-tiny,image_size=16", "folder")
+    classifier, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
     with pytest.raises(ValueError, match="--mask probes MAE's visible patches; it needs an MAE"):
         probe.probe_model(classifier, samples, 4, mask=True)  # every Config has a mask_ratio
-    model, _ = probing.load_model("init:cifar-tiny,image_size=16,objective=mae", "folder")
+    model, _ = probe.load_model("init:cifar-tiny,image_size=16,objective=mae", "folder")
     full = probe.probe_model(model, samples, 4)
     masked = probe.probe_model(model, samples, 4, mask=True)
     assert full["std"] != masked["std"]
@@ -3434,7 +3440,7 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
     import tempfile
 
     import bench
-    from operations import checkpoint
+    from operations import figures
 
     def out_of_memory(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
@@ -3449,7 +3455,7 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
 
     monkeypatch.setattr(tempfile, "mkstemp", read_only)
     with pytest.raises(OSError) as e:
-        checkpoint.save_figure(None, str(tmp_path / "fig.png"))
+        figures.save_figure(None, str(tmp_path / "fig.png"))
     assert e.value.filename == str(tmp_path / "fig.png")
 
 
@@ -3482,7 +3488,7 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
 
 def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
                                                                                monkeypatch):
-    from operations.housekeeping import out_dir_claimed
+    from operations.out_dir import out_dir_claimed
 
     def read_only(path):
         raise PermissionError(13, "Permission denied", path)
@@ -3934,10 +3940,9 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
     own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
     import probe
-    from operations import probing
 
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
-        model, _ = probing.load_model(spec, "")
+        model, _ = probe.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
         hs = D // nh
         for i, block in enumerate(model.blocks):
@@ -3961,16 +3966,16 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
 
 
 def test_recomputed_attention_equals_the_libraries_explicit_attention():
-    from operations import probing
+    import probe
 
     torch.manual_seed(0)
     for name in ("gpt2", "bert"):
-        model, _ = probing.load_model(HF_TINY[name], "")
+        model, _ = probe.load_model(HF_TINY[name], "")
         tokens = torch.randint(0, 300, (2, 12))
         _, attns = model.hidden_states(tokens, need_weights=True)
         library = model.model(input_ids=tokens, output_attentions=True).attentions
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, library)), name
-    model, _ = probing.load_model(TIMM_VIT, "")
+    model, _ = probe.load_model(TIMM_VIT, "")
     seen = []
     for module in model.block_modules:
         module.attn.fused_attn = False  # timm's explicit path: its probabilities pass attn_drop
@@ -4013,6 +4018,8 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     """No network: the hub's offline switch is set after one quick connection attempt, so a model
     or a tokenizer missing from the cache is one line within seconds (not ~30 s of retries)."""
     import data
+
+    from operations import files
     from huggingface_hub import constants
 
     def no_network(*args, **kwargs):
@@ -4023,7 +4030,7 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tiny_data / "no-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     t0 = time.time()  # a tokenizer alone (--tokenizer hf:NAME) too
-    with pytest.raises(data.DataError, match="could not load the Hugging Face tokenizer 'gpt2'"):
+    with pytest.raises(files.DataError, match="could not load the Hugging Face tokenizer 'gpt2'"):
         data.get_tokenizer("hf:gpt2")
     assert time.time() - t0 < 10 and constants.HF_HUB_OFFLINE
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # and again for the models
@@ -4040,9 +4047,9 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     """Every patch, in order, by default (the library masks 75% unless told otherwise): the hooked
     hidden states equal the library's own; --mask keeps a quarter of the patches, the same ones in
     every run, and changes the numbers."""
-    from operations import probing
+    import probe
 
-    model, _ = probing.load_model(HF_MAE, "")
+    model, _ = probe.load_model(HF_MAE, "")
     x = torch.rand(2, 3, 16, 16)
     ratio = model.model.config.mask_ratio
     hiddens, attns = model.hidden_states(x, need_weights=True)
@@ -4171,13 +4178,15 @@ def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatc
 
     import data
 
+    from operations import files
+
     def offline(name):
         raise ConnectionError("no network")
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(data.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
+    with pytest.raises(files.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
         data.get_tokenizer("gpt2")
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(files.DataError) as e:
         data.get_tokenizer("cl100k_base")
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
 
@@ -4293,25 +4302,25 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
     """One model, or others of another shape: no beta panels (the first alone is 1 against itself);
     a metric that moves by 1e-4 near 1 is drawn flat (its y-range at least 5% of its size); y-labels
     wrap, never overlapping the next panel."""
-    import look
+    import probe
 
     wobble = [0.9999, 1.0, 0.99995]
     report = {"labels": ["a"], "depth": {"a": 2}, "samples": 4, "attn_entropy_ceiling": {"a": 1.0},
-              "metrics": {name: {"a": wobble} for name in look.AXES}}
-    figure = look.probe_figure(report, relative=False)
+              "metrics": {name: {"a": wobble} for name in probe.AXES}}
+    figure = probe.probe_figure(report, relative=False)
     panels = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
-    assert set(panels) == set(look.AXES) - {"beta_qk", "beta_v"}
+    assert set(panels) == set(probe.AXES) - {"beta_qk", "beta_v"}
     low, high = panels["cos"].get_ylim()
     assert high - low >= 0.05 * 0.9999
     assert all(len(line) <= 32 for ax in panels.values() for line in ax.get_ylabel().split("\n"))
     report["labels"], report["depth"]["b"] = ["a", "b"], 2
-    report["metrics"] = {name: {"a": wobble, "b": [0.2, 0.5, 0.9]} for name in look.AXES}
+    report["metrics"] = {name: {"a": wobble, "b": [0.2, 0.5, 0.9]} for name in probe.AXES}
     report["attn_entropy_ceiling"]["b"] = 1.0
-    panels = {ax.get_title(): ax for ax in look.probe_figure(report, False).axes}
+    panels = {ax.get_title(): ax for ax in probe.probe_figure(report, False).axes}
     assert "beta_v" in panels and panels["cos"].get_ylim()[0] < 0.25  # a real range is kept
     for name in ("beta_qk", "beta_v"):  # b of another shape: no beta, so no flat line at 1 alone
         report["metrics"][name]["b"] = [None, None, None]
-    panels = {ax.get_title() for ax in look.probe_figure(report, False).axes}
+    panels = {ax.get_title() for ax in probe.probe_figure(report, False).axes}
     assert "cos" in panels and not panels & {"beta_qk", "beta_v"}
 
 
@@ -4412,7 +4421,7 @@ def test_bench_spec_booleans_are_strict(capsys):
 
     assert bench.main(["cls:cifar-tiny,checkpointing=ture"]) == 2
     assert "checkpointing takes true or false" in capsys.readouterr().err
-    from operations.housekeeping import config_from_spec
+    from operations.cli import config_from_spec
 
     assert config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
@@ -4528,8 +4537,7 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     import io as _io
     import zipfile
 
-    import data
-    from operations import datasets
+    from operations import files
 
     def fake_zip(members):
         buffer = _io.BytesIO()
@@ -4539,9 +4547,9 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
         return buffer.getvalue()
 
     seen = []
-    monkeypatch.setattr(datasets, "_fetch",
+    monkeypatch.setattr(files, "_fetch",
                         lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
-    target = datasets.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    target = files.download_wikitext("wikitext2", str(tmp_path / "ok"))
     assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
     assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
     assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
@@ -4549,13 +4557,13 @@ def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
     own.mkdir(parents=True)
     for split in ("train", "test"):
         (own / f"{split}.txt").write_text(f"the user's own {split}")
-    datasets.download_wikitext("wikitext2", str(tmp_path / "own"))
+    files.download_wikitext("wikitext2", str(tmp_path / "own"))
     assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
         "the user's own train", " = valid = \nword wor", "the user's own test"]
     # an archive without its test split is refused, and leaves nothing behind
-    monkeypatch.setattr(datasets, "_fetch", lambda url: fake_zip(["train", "valid"]))
-    with pytest.raises(data.DataError, match="could not download wikitext2"):
-        datasets.download_wikitext("wikitext2", str(tmp_path / "bad"))
+    monkeypatch.setattr(files, "_fetch", lambda url: fake_zip(["train", "valid"]))
+    with pytest.raises(files.DataError, match="could not download wikitext2"):
+        files.download_wikitext("wikitext2", str(tmp_path / "bad"))
     assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
 
 
@@ -4622,29 +4630,36 @@ def test_measurement_tools_do_not_import_the_trainer():
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
-def test_the_tutorial_imports_itself_the_named_packages_and_five_operations_modules():
-    """The five files import each other, the standard library, the packages the user named, and at
-    most five modules of operations/, those as modules (`from operations import housekeeping`), so
-    each call reads housekeeping.out_dir_claimed(...) where it happens. Anything else fails
-    here."""
+def test_imports_point_one_way_down_the_stated_order():
+    """Every module of the project has its place in LAYERS and imports only modules before it,
+    imports inside functions included: no circle. The tutorial's five files import besides only
+    the standard library and the packages the user named, and operations/ as modules
+    (`from operations import out_dir`), so that each call reads out_dir.out_dir_claimed(...)."""
     import ast
 
-    tutorial, found = {p[:-3] for p in TUTORIAL}, []
-    for path in TUTORIAL:
+    modules = {p[:-3].replace("/", ".") for p in os.listdir(REPO) + [
+        f"operations/{f}" for f in os.listdir(f"{REPO}/operations")]
+        if p.endswith(".py") and not p.startswith(("test_", "operations/__init__"))}
+    assert modules == set(LAYERS)
+    allowed = {m.split(".")[0] for m in LAYERS} | PACKAGES | sys.stdlib_module_names
+    up, outside = [], []
+    for rank, module in enumerate(LAYERS):
+        path = module.replace(".", "/") + ".py"
         for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
             if isinstance(node, ast.Import):
-                found += [(path, a.name, None) for a in node.names]
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "operations":
+                names = [f"operations.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                found.append((path, node.module, [a.name for a in node.names]))
-    allowed = tutorial | PACKAGES | set(sys.stdlib_module_names)
-    others = [(path, module, names) for path, module, names in found
-              if module.split(".")[0] not in allowed and module != "operations"]
-    assert others == []
-    used = {name for _, module, names in found if module == "operations" for name in names}
-    assert used == OPERATIONS and len(used) <= 5
-    assert {f"{name}.py" for name in OPERATIONS} <= set(os.listdir(f"{REPO}/operations"))
-    # nothing of the operations lives beside the five files any more
-    assert not {f"{name}.py" for name in OPERATIONS} & set(os.listdir(REPO))
+                names = [node.module]
+            else:
+                continue
+            up += [f"{module} imports {n}" for n in names if n in LAYERS[rank:]
+                   or n.startswith("operations.") and n not in LAYERS]
+            if path in TUTORIAL and (isinstance(node, ast.Import) or node.module != "operations"):
+                outside += [f"{module} imports {n}" for n in names
+                            if n.split(".")[0] not in allowed or n.startswith("operations.")]
+    assert up == [] and outside == [], (up, outside)
 
 
 def test_reference_code_passes_ruff_at_100_columns():

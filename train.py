@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from operations import checkpoint, datasets, fast, housekeeping
+from operations import checkpoint, checks, cli, fast, out_dir, progress, runlog, streaming
 from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
-from data import IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, open_images, shard
+from data import IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, shard
 from probe import logged_metrics
 
 
@@ -121,9 +121,9 @@ def train(args, started=None):
     ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
                                       for name in ("ckpt.pt", "best.pt", "log.jsonl"))
     # out_dir: locked for the run, removed again if made and left empty (--eval_only writes none)
-    with housekeeping.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
+    with out_dir.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
                                       master and not cfg.eval_only), \
-            housekeeping.process_group_left(ddp):
+            progress.process_group_left(ddp):
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
         data, config = load_data(cfg, settings, device, rank, world, resumed or pretrained)
 
@@ -134,10 +134,10 @@ def train(args, started=None):
         model = Bamboo(config, explicit_attention=explicit).to(device)
         init_hash = checkpoint.weights_hash(model)  # before any training or loading
         if pretrained is not None and cfg.eval_only:  # scoring: every weight, the head too
-            housekeeping.load_whole(model, pretrained["model"], cfg.init_from)
+            checks.load_whole(model, pretrained["model"], cfg.init_from)
         elif pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
             loaded, skipped = model.load_encoder(pretrained["model"])
-            say(housekeeping.check_trunk_loaded(model, cfg.init_from, loaded, skipped))
+            say(checks.check_trunk_loaded(model, cfg.init_from, loaded, skipped))
             init_hash["loaded_trunk"] = checkpoint.weights_hash(model)["trunk"]
 
         # the optimizer and the data order, then a resumed run's state over all of it
@@ -148,12 +148,12 @@ def train(args, started=None):
         torch.manual_seed(cfg.seed + 1 + rank)  # masks and dropout differ across ranks
         step, best, saved_step = 0, None, None  # saved_step: what ckpt.pt holds (None: nothing)
         if resumed is not None:
-            housekeeping.check_same_data(resumed, data, cfg.data_dir, cfg.eval_samples, master)
+            checks.check_same_data(resumed, data, cfg.data_dir, cfg.eval_samples, master)
             step, best = checkpoint.load_states(resumed, ckpt_path, model, optimizer, scaler)
             checkpoint.restore_random_states(resumed, ckpt_path, generator, rank, world, device)
             saved_step, init_hash = step, resumed.get("init_hash") or init_hash  # the run's start
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
-                housekeeping.forget_unsaved_steps(log_path, step)
+                runlog.forget_unsaved_steps(log_path, step)
             say(f"resumed from {ckpt_path} at step {step}")
 
         # what the step calls: the model itself, or the same forward and loss compiled (--compile
@@ -172,14 +172,14 @@ def train(args, started=None):
         # the held-out samples probed at every evaluation (probe.py's)
         probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
         if master and cfg.overwrite:  # only now that every check has passed
-            housekeeping.remove_old_run(cfg.out_dir)
+            out_dir.remove_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
             "GFLOPs/sample, "
             f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
             f"{world} x {cfg.grad_accum} x {micro_batch}, peak lr {cfg.lr:.3g}, warmup "
             f"{cfg.warmup} steps")
-        say("\n".join(housekeeping.settings_lines(cfg, config, data, sources)))
+        say("\n".join(checks.settings_lines(cfg, config, data, sources)))
 
         if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
             metrics = evaluate(model, data, cfg, eval_batch, device)
@@ -193,13 +193,13 @@ def train(args, started=None):
             return 0
 
         # ------------------------------------------------------------------------- the loop
-        clock = housekeeping.Clock(t_begin, cfg, housekeeping.held_out_batches(
+        clock = progress.Clock(t_begin, cfg, progress.held_out_batches(
             data, cfg.eval_samples, eval_batch))
-        made_by = housekeeping.code_and_machine(device)  # the commit, command, torch and device
+        made_by = runlog.code_and_machine(device)  # the commit, command, torch and device
         metrics, t_start = None, time.time()
-        with housekeeping.stop_signals(ddp, master) as stop, \
-                housekeeping.log_file(log_path, cfg, master, made_by, step) as log, \
-                housekeeping.progress_bar(cfg.max_iters, step, master) as bar:
+        with progress.stop_signals(ddp, master) as stop, \
+                runlog.log_file(log_path, cfg, master, made_by, step) as log, \
+                progress.progress_bar(cfg.max_iters, step, master) as bar:
             while step < cfg.max_iters:
                 t0 = time.time()
                 # 1. the learning rate of this step; each group scales it by its layer-decay factor
@@ -234,11 +234,11 @@ def train(args, started=None):
                     stop.reason = stop.reason or "time limit reached"
                 stopping = stop.reason is not None
                 if ddp:  # the ranks agree, at the steps that read the loss anyway
-                    stopping = step % cfg.log_interval == 0 and housekeeping.any_rank(stopping,
+                    stopping = step % cfg.log_interval == 0 and progress.any_rank(stopping,
                                                                                       device)
                 evaluating = step % cfg.eval_interval == 0 or step == cfg.max_iters or stopping
                 if step % cfg.log_interval == 0 or evaluating:
-                    train_loss = housekeeping.read_loss(loss_sum, step, cfg, saved_step)
+                    train_loss = progress.read_loss(loss_sum, step, cfg, saved_step)
                     clock.show_progress(bar, step, train_loss, lr, master)
                 clock.step_times.append(time.time() - t0)  # up to the read: the wall clock's
                 if master and step % cfg.log_interval == 0:
@@ -258,19 +258,19 @@ def train(args, started=None):
                 # nothing non-finite is saved: every rank stops where rank 0 found it
                 finite = not master or (math.isfinite(metrics["val_loss"])
                                         and all(torch.isfinite(p).all() for p in params))
-                stop_all = housekeeping.any_rank(not finite, device) if ddp else not finite
+                stop_all = progress.any_rank(not finite, device) if ddp else not finite
                 if stop_all:  # every rank joins the all-reduce, then every rank stops
                     what = (f"the weights or the evaluation went non-finite at step {step}"
                             if not finite else "rank 0 stopped the run")
-                    raise housekeeping.diverged(what, cfg, saved_step)
+                    raise progress.diverged(what, cfg, saved_step)
                 if master:
-                    name, larger_is_better = housekeeping.selection_metric(config.objective)
+                    name, larger_is_better = runlog.selection_metric(config.objective)
                     improved = best is None or (metrics[name] > best if larger_is_better
                                                 else metrics[name] < best)
                     best = metrics[name] if improved else best
                     record = {"step": step, "train_loss": train_loss, **metrics,
                               "elapsed_s": time.time() - t_start}
-                    housekeeping.record_evaluation(log, bar, record, model, init_hash)
+                    runlog.record_evaluation(log, bar, record, model, init_hash)
                     state = {"config": config.to_dict(), "train": asdict(cfg),
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": step, "best": best,
@@ -283,13 +283,13 @@ def train(args, started=None):
                              "init_hash": init_hash, "made_by": made_by}
                     t_save = time.time()
                     checkpoint.save(ckpt_path, state)  # first: best.pt is never ahead of it
-                    housekeeping.save_correct(correct, cfg.out_dir)  # nor is eval_correct.npy
+                    runlog.save_correct(correct, cfg.out_dir)  # nor is eval_correct.npy
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
                     saved_step, clock.save_s = step, time.time() - t_save
                 if stopping:
                     if master:
-                        bar.write(housekeeping.how_to_resume(stop.reason, step, world, cfg.out_dir))
+                        bar.write(progress.how_to_resume(stop.reason, step, world, cfg.out_dir))
                     break
         say(clock.summary(model, metrics, best, stop.reason, device))
     return 130 if stop.reason == "interrupted" else 0
@@ -307,7 +307,7 @@ def build_parser():
     """Every TrainConfig and Config field as a flag, with its comment as the help."""
     recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
                          for name, recipe in RECIPES.items())
-    return housekeeping.parser_of(((TrainConfig, "training"),
+    return cli.parser_of(((TrainConfig, "training"),
                                    (Config, "model (defaults shown; a --preset sets its own)")),
                                   CHOICES, "a laptop preset also sets its training recipe (flags "
                                   "override it):\n" + recipes)
@@ -333,19 +333,19 @@ def resolve_settings(args):
     setting came from), checked before any work. Precedence, lowest first: defaults < the preset
     and its recipe < a resumed run's saved settings < the --init_from trunk's shape (under
     --eval_only, its whole model and its data) < flags."""
-    housekeeping.check_invocation(args)
+    checks.check_invocation(args)
     resumed = pretrained = None
-    given = {**housekeeping.flags_given(args, TrainConfig),
-             **housekeeping.flags_given(args, Config)}
+    given = {**cli.flags_given(args, TrainConfig),
+             **cli.flags_given(args, Config)}
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
-        cfg, resumed = housekeeping.resumed_settings(args, TrainConfig, Config, RESUMABLE,
+        cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE,
                                                      PER_INVOCATION)
         settings = dict(resumed["config"])
         saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
         sources = dict.fromkeys([*settings, *saved], "the resumed run")
     else:
         recipe = RECIPES.get(given.get("preset", ""), {})
-        cfg = TrainConfig(**{**recipe, **housekeeping.flags_given(args, TrainConfig)})
+        cfg = TrainConfig(**{**recipe, **cli.flags_given(args, TrainConfig)})
         settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
         sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
                    **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
@@ -360,14 +360,14 @@ def resolve_settings(args):
             cfg = replace(cfg, **saved)
             sources.update(dict.fromkeys([*kept, *saved], "the --init_from checkpoint"))
         if cfg.preset in RECIPES:  # on the data it will run on (--eval_only: the checkpoint's)
-            housekeeping.check_recipe_fits(cfg.preset, cfg.dataset,
+            checks.check_recipe_fits(cfg.preset, cfg.dataset,
                                            "seq_len" in PRESETS[cfg.preset])
-        settings.update(housekeeping.flags_given(args, Config))
+        settings.update(cli.flags_given(args, Config))
         if cfg.eval_only and pretrained is not None:
-            housekeeping.check_scored_as_trained(cfg.init_from, pretrained, settings)
+            checks.check_scored_as_trained(cfg.init_from, pretrained, settings)
     sources.update(dict.fromkeys(given, "flags"))
     objective = settings.get("objective", Config.objective)
-    housekeeping.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
+    checks.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
@@ -375,7 +375,7 @@ def resolve_settings(args):
     if cfg.crop_scale == -1 and objective in IMAGE_OBJECTIVES:  # MAE's: 0.2 pre-trains, 0.08 tunes
         cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
         sources["crop_scale"] = "the objective (-1)"
-    housekeeping.check_settings(cfg)
+    checks.check_settings(cfg)
     return cfg, resumed, pretrained, settings, sources
 
 
@@ -403,7 +403,7 @@ def start_processes(cfg):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
-        raise housekeeping.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
+        raise cli.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
                                          f"processes x grad_accum = {world} x {cfg.grad_accum}")
     return device, rank, world
 
@@ -414,21 +414,21 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
     checkpoint (saved) is seen as it was trained: its pixel statistics, its text windows."""
     saved = saved if cfg.resume or cfg.eval_only else None  # fine-tuning reads the data afresh
     if cfg.dataset in IMAGE_DATASETS:
-        data = open_images(cfg.dataset, cfg.data_dir, device,
-                           settings.get("image_size", Config.image_size),
-                           train_samples=cfg.train_samples, stream=cfg.stream,
-                           memory_gb=cfg.memory_gb, cache_dir=cfg.cache_dir,
-                           statistics=saved and saved.get("statistics"), crop_scale=cfg.crop_scale,
-                           workers=cfg.workers, rank=rank, world=world, grad_accum=cfg.grad_accum)
+        data = streaming.open_images(
+            cfg.dataset, cfg.data_dir, device, settings.get("image_size", Config.image_size),
+            train_samples=cfg.train_samples, stream=cfg.stream, memory_gb=cfg.memory_gb,
+            cache_dir=cfg.cache_dir, statistics=saved and saved.get("statistics"),
+            crop_scale=cfg.crop_scale, workers=cfg.workers, rank=rank, world=world,
+            grad_accum=cfg.grad_accum)
         # what the checkpoint keeps
-        cfg.stream = "on" if isinstance(data, datasets.ImageStream) else "off"
+        cfg.stream = "on" if isinstance(data, streaming.ImageStream) else "off"
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels, "num_classes": data.num_classes})
     next_token = settings.get("objective", Config.objective) == "next"
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,
                     next_token=next_token)
-    housekeeping.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
+    checks.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 
 
@@ -448,8 +448,8 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
             torch.compiler.set_stance("force_eager"):
         torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
         batches = data.eval_batches(batch_size, cfg.eval_samples or None)
-        total = housekeeping.held_out_batches(data, cfg.eval_samples, batch_size)
-        for x, y in housekeeping.evaluation_progress(batches, total):
+        total = progress.held_out_batches(data, cfg.eval_samples, batch_size)
+        for x, y in progress.evaluation_progress(batches, total):
             x = x.to(device)
             if objective == "cls":
                 y = y.to(device)
@@ -483,10 +483,10 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
 def main(argv=None, started=None):
     args = build_parser().parse_args(argv)
     out_dir = getattr(args, "out_dir", TrainConfig.out_dir)
-    with housekeeping.one_line_errors(out_dir) as outcome:  # a user's mistake: one line
+    with cli.one_line_errors(out_dir) as outcome:  # a user's mistake: one line
         outcome.code = train(args, started)
     return outcome.code
 
 
 if __name__ == "__main__":
-    housekeeping.exit_process(main(started=STARTED))
+    cli.exit_process(main(started=STARTED))

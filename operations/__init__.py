@@ -1,10 +1,19 @@
-"""The operations around the tutorial's five files, each module called by name where it is used:
+"""The operations around the tutorial's five files, one concern a module, each called by name where
+it is used. Imports point one way, down this list (test_all.py checks it):
 
-  checkpoint    what a run saves, written atomically; loading and resuming it
-  housekeeping  settings from flags, checks, the out_dir's lock, signals, progress, one-line errors
-  fast          device, dtype, compilation and CUDA graphs, kept off the reader's path
-  datasets      image folders streamed from disk, and downloads
-  adapters      timm and Hugging Face models as probe.py sees them
-  probing       probe.py's command line: models side by side, the table, JSON, the figure
-  export        a trained model out to timm or Hugging Face
+  cli         flags, model specs, output paths, and the one line a user's mistake becomes
+  checkpoint  what a run saves, written atomically; loading and resuming it
+  fast        device, dtype, compilation and CUDA graphs, kept off the reader's path
+  figures     matplotlib without a screen, figures written whole
+  files       image folders listed and decoded, text tokenized, caches, downloads
+  adapters    timm and Hugging Face models and tokenizers as probe.py sees them
+  (data.py)
+  streaming   image folders streamed from disk, and the choice between that and data.ImageData
+  checks      a run's settings checked before any work, and what a resume must find unchanged
+  out_dir     one run at a time in an out_dir, and never another run's files
+  runlog      log.jsonl, Weights & Biases, and the one reader of the log
+  progress    progress, the time limit, signals, a non-finite loss, the resume hint
+  (probe.py)
+  export      a trained model out to timm or Hugging Face
+  (train.py, look.py, bench.py)
 """

@@ -12,6 +12,8 @@ hidden_states: the first block's input and every block's output, taken with hook
 probabilities are computed again from each block's input and its Q and K projections, since fused
 kernels return none; a test checks them against the libraries' explicit attention.
 
+Hugging Face tokenizers (hf:NAME) stand in for tiktoken's Encoding where a run or the probe asks.
+
 Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
 """
 import os
@@ -25,7 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from neutreno import Attention, attention_probabilities
-from operations import housekeeping
+from operations import cli
+from operations.files import DataError
 
 FAMILIES = ("vit (timm)", "gpt2", "bert", "opt", "vit and vit_mae (Hugging Face)")
 
@@ -34,10 +37,10 @@ def parse(spec):
     """(library, name, settings) of 'timm:NAME,key=value,...'; values are int, float, a bool
     (true, false, yes, no in any case: never a text that reads as True) or text."""
     library, _, rest = spec.partition(":")
-    name, settings = housekeeping.split_spec(rest)
+    name, settings = cli.split_spec(rest)
     for key, value in settings.items():
-        if value.lower() in housekeeping.BOOLEANS and not value.isdigit():
-            settings[key] = housekeeping.BOOLEANS[value.lower()]
+        if value.lower() in cli.BOOLEANS and not value.isdigit():
+            settings[key] = cli.BOOLEANS[value.lower()]
             continue
         for kind in (int, float):
             try:
@@ -357,3 +360,32 @@ def heads_of(model, config):
             if hasattr(config, key):
                 return getattr(config, key)
     return block_list(model)[0].attn.num_heads
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer (hub name or folder) with the part of tiktoken's Encoding that
+    this project calls: name, n_vocab, encode_ordinary (no special tokens added) and decode."""
+
+    def __init__(self, name):
+        try:
+            import transformers
+        except ImportError:
+            raise DataError(f"--tokenizer hf:{name} needs transformers; pip install "
+                            "transformers") from None
+        if not os.path.isdir(name):  # offline: the hub's own switch, so no retries to sit out
+            hub_unreachable()
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e:  # offline, unknown name, no tokenizer files
+            raise DataError(f"could not load the Hugging Face tokenizer {name!r} "
+                            f"({str(e).splitlines()[0][:120]}); it needs the network once "
+                            "(then the cache), or pass --tokenizer bytes or a tiktoken "
+                            "encoding") from None
+        self.name = "hf-" + "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+        self.n_vocab = len(self.tokenizer)
+
+    def encode_ordinary(self, text):
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids)

@@ -30,32 +30,6 @@ class CheckpointError(ValueError):
 
 # ---------------------------------------------------------------- files written whole or not at all
 
-def check_output_path(flag, path):
-    """Raise ValueError where path, given with flag, cannot be written as a file: run before any
-    computation."""
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or "
-                         "write elsewhere")
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
-    if path.endswith(".pt") and os.path.exists(path):
-        raise ValueError(f"{flag} {path} is a checkpoint; write the output elsewhere")
-
-
-def unwritable(e):
-    """The one line for an OSError met while writing an output file (a full disk, a folder that
-    vanished)."""
-    return f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere"
-
-
-def save_figure(fig, path):
-    """A matplotlib figure written atomically as a PNG, then closed."""
-    import matplotlib.pyplot as plt
-
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)
-
 
 def atomic_write(path, write):
     """Call write(f) on a binary temp file unique to this process beside path, then rename it to

@@ -15,8 +15,8 @@ from functools import partial
 
 import torch.nn as nn
 
-from operations.checkpoint import check_output_path, model_from_checkpoint
-from operations.housekeeping import one_line_errors
+from operations.checkpoint import model_from_checkpoint
+from operations.cli import check_output_path, one_line_errors
 
 LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
 

@@ -25,7 +25,7 @@ def command_line(main):
     """Run an analysis's main() as a command: a failure it can explain (missing data, runs or records, a bad
     checkpoint, an output it cannot write) is one line on stderr and exit code 2, as train.py and probe.py do."""
     sys.path.insert(0, ROOT)
-    from data import DataError
+    from operations.files import DataError
     from operations.checkpoint import CheckpointError
 
     try:
@@ -59,10 +59,10 @@ def experiment_data(argv, image_size=16, train_samples=5000, device="cpu"):
 def probe_images(data_dir, model, samples=256):
     """The first `samples` test images of the CIFAR-10 folder, loaded as probe.py loads them for this model."""
     sys.path.insert(0, ROOT)
-    from operations import probing
+    import probe
 
     args = argparse.Namespace(dataset="folder", data_dir=data_dir, samples=samples, tokenizer="", val_file="")
-    return probing.load_samples(args, model, {})
+    return probe.load_samples(args, model, {})
 
 
 @torch.no_grad()

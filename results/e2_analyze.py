@@ -25,7 +25,6 @@ from analysis import (finished_run, ROOT, command_line, correct_per_image, exper
 
 sys.path.insert(0, ROOT)
 import probe  # noqa: E402
-from operations import probing  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METRICS = ("cos", "abs_cos_centered", "hc_dc", "erank", "std", "update", "attn_entropy")
@@ -69,7 +68,7 @@ def analyze_text(seed, data_dir):
     models = load_arms(TEXT, seed)
     args = argparse.Namespace(dataset="text", data_dir=os.path.join(data_dir, "wikitext-2"), samples=TEXT_WINDOWS,
                               tokenizer="r50k_base", val_file="test.txt")
-    windows = probing.load_samples(args, models["softmax"][0], models["softmax"][1]["train"])
+    windows = probe.load_samples(args, models["softmax"][0], models["softmax"][1]["train"])
     losses = {arm: window_losses(m, windows) for arm, (m, _) in models.items()}
     return {"same_init": same_init([c["config"] for _, c in models.values()], seed, ("",)),
             "ppl": {arm: math.exp(v.mean().item()) for arm, v in losses.items()},

@@ -17,7 +17,7 @@ from analysis import ROOT, command_line, keep_report, last_evaluation, paired_su
 
 sys.path.insert(0, ROOT)
 from bamboo import training_flops  # noqa: E402
-from operations.housekeeping import config_from_spec  # noqa: E402
+from operations.cli import config_from_spec  # noqa: E402
 
 SEEDS = (0, 1, 2)
 TRUNKS = {"6x256": "wikitext-small", "24x128": "wikitext-deep"}

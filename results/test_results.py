@@ -264,8 +264,8 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
     command line it gives passes its program's own argument checks."""
     import bench
     import look
+    import probe
     import train
-    from operations import probing  # probe.py's command line
 
     (tmp_path / "data" / "train").mkdir(parents=True)
     done = run_results_script(tmp_path, "gpu.sh", {"PYTHON": recording_interpreter(tmp_path),
@@ -280,7 +280,7 @@ def test_every_command_of_the_gpu_check_is_one_its_program_accepts(tmp_path, mon
             compile(argv[1], "gpu.sh", "exec")
             bench.check_args(bench.build_parser().parse_args(argv[2:]))
         elif argv[0] in ("train.py", "probe.py", "look.py"):
-            {"train.py": train, "probe.py": probing, "look.py": look}[argv[0]].build_parser().parse_args(argv[1:])
+            {"train.py": train, "probe.py": probe, "look.py": look}[argv[0]].build_parser().parse_args(argv[1:])
         else:
             continue
         seen[argv[0]] = seen.get(argv[0], 0) + 1

@@ -22,7 +22,7 @@ from analysis import ROOT, AnalysisError, command_line, finished_log, paired_sum
 
 sys.path.insert(0, ROOT)
 from bamboo import training_flops  # noqa: E402
-from operations.housekeeping import config_from_spec  # noqa: E402
+from operations.cli import config_from_spec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPYC_BF16 = "2-core AMD EPYC (AVX512-BF16), bf16"

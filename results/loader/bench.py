@@ -1,4 +1,4 @@
-"""The streaming loader (datasets.ImageStream) against MAE's own (torchvision ImageFolder, MAE's
+"""The streaming loader (streaming.ImageStream) against MAE's own (torchvision ImageFolder, MAE's
 transforms, a DataLoader: facebookresearch/mae main_pretrain.py), reading the same folder in the
 same process, turn about: images per second of the loader alone, and of a training step it feeds.
 
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bamboo import Bamboo, Config  # noqa: E402
-from operations.datasets import list_folder  # noqa: E402
-from operations.datasets import ImageStream  # noqa: E402
+from operations.files import list_folder  # noqa: E402
+from operations.streaming import ImageStream  # noqa: E402
 
 
 def make_folder(root, source, per_class, seed=0):

@@ -1,0 +1,276 @@
+"""A run's settings checked before any work: each bad flag one line naming the fix; what a resume
+may change and must find unchanged (the data); fine-tuning's trunk; the settings lines a run prints.
+
+Run: python train.py --help (every flag), or any run's first lines (its settings)
+"""
+import math
+import os
+from dataclasses import fields
+
+import torch
+
+from bamboo import TRUNK
+from data import IMAGE_DATASETS, TEXT_DATASETS
+from operations import checkpoint
+from operations.cli import TrainingError, flags_given
+from operations.streaming import ImageStream
+
+
+def check_invocation(args):
+    """What no setting can fix: torch too old, or --resume with --overwrite."""
+    if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
+        raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
+                            "this code runs on; pip install -r requirements.txt")
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        raise TrainingError("--resume continues the run in --out_dir and --overwrite "
+                            "replaces it; choose one")
+    if getattr(args, "eval_only", False) and getattr(args, "overwrite", False):
+        raise TrainingError("--eval_only saves nothing, so it replaces nothing; drop --overwrite")
+
+
+def check_settings(cfg):
+    """Every training setting (after schedule_defaults): one line naming the flag and the fix."""
+    checks = [
+        ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
+        ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
+        ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
+        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
+         "must be a finite number >= 0"),
+        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr),
+         "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
+        ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0),
+         f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
+        ("warmup", cfg.warmup >= 0, "must be >= 0, or -1 (max(100, 10 x depth))"),
+        ("weight_decay", cfg.weight_decay >= 0, "must be >= 0"),
+        ("beta2", 0 < cfg.beta2 < 1, "must be in (0, 1)"),
+        ("grad_clip", cfg.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
+        ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
+        ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
+        ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
+        ("train_samples", cfg.train_samples >= 0,
+         "must be >= 0 (0 means the whole training split)"),
+        ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
+        ("threads", cfg.threads >= 0, "must be >= 0 (0: torch's default)"),
+        ("probe_samples", cfg.probe_samples >= 0, "must be >= 0 (0 turns the per-layer metrics "
+         "off)"),
+        ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
+         "means no limit)"),
+        ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
+        ("seed", -2 ** 63 <= cfg.seed < 2 ** 63 - 1024, "must fit in 64 bits (at most 18 digits)"),
+        ("memory_gb", cfg.memory_gb >= 0, "must be >= 0 (0 streams every image folder)"),
+        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one, at most "
+         "8)"),
+        ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
+         "(MAE's for the objective)"),
+        ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS or cfg.resume,
+         f"reads image files; --dataset {cfg.dataset} is text, tokenized once "
+         "(drop --stream)"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise TrainingError(f"--{name} {getattr(cfg, name)!r} {why}")
+    if cfg.wandb_project:
+        try:
+            import wandb  # noqa: F401 (there before any work, or one line)
+        except ImportError:
+            raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
+                                "(WANDB_MODE=offline logs without network), or drop the flag") \
+                from None
+
+
+def check_dataset_fits(objective, dataset, image_objectives):
+    """An image objective needs an image dataset, a text objective a text one."""
+    image = objective in image_objectives
+    if image != (dataset in IMAGE_DATASETS):
+        wanted = IMAGE_DATASETS if image else TEXT_DATASETS
+        raise TrainingError(f"--objective {objective} needs "
+                            f"{'an image' if image else 'a text'} dataset "
+                            f"({', '.join(wanted)}), not --dataset {dataset}")
+
+
+def check_vocab_size(asked, tokenizer_ids):
+    """--vocab_size, if given, must be the tokenizer's number of ids."""
+    if asked is not None and asked != tokenizer_ids:
+        raise TrainingError(f"--vocab_size {asked} differs from the tokenizer's {tokenizer_ids} "
+                            "ids; drop --vocab_size (--tokenizer sets it)")
+
+
+def check_recipe_fits(preset, dataset, text_preset):
+    """A laptop preset carries a recipe for one modality: a text preset's on images, or the other
+    way round, would train with the wrong recipe."""
+    if text_preset == (dataset in IMAGE_DATASETS):
+        kind = "a text" if text_preset else "an image"
+        raise TrainingError(f"--preset {preset} is {kind} preset (its recipe is for "
+                            f"{'text' if text_preset else 'images'}), not for --dataset {dataset};"
+                            " choose a preset of the dataset's kind or set the model flags")
+
+
+def resumed_settings(args, train_config, model_config, resumable, per_invocation):
+    """(the saved run's train_config with the `resumable` flags given now, the checkpoint); any
+    other flag given must agree with the saved run."""
+    path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
+    ckpt = checkpoint.load(path)
+    saved = ckpt.get("train")
+    if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(train_config)}:
+        raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
+                                         "fine-tune from it with --init_from instead")
+    now = flags_given(args, train_config)
+    if now.get("init_from", saved.get("init_from")) != saved.get("init_from"):
+        raise TrainingError(f"--resume continues from {path}; --init_from counts only when a run "
+                            f"starts (this one started from {saved.get('init_from') or 'scratch'})"
+                            "; drop --init_from")
+    for name, value in {**now, **flags_given(args, model_config)}.items():
+        before = saved.get(name, ckpt["config"].get(name))
+        if name not in resumable + per_invocation and value != before:
+            hint = " or fine-tune from it with --init_from" if name == "objective" else ""
+            may = " ".join("--" + n for n in resumable)
+            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
+                                f"{name}={before!r}, not {value!r}; "
+                                f"--resume may change only {may}; drop --{name}{hint}")
+    # fields added since: defaults
+    settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}
+    for f in fields(train_config):
+        kinds = (int, float) if f.type is float else f.type
+        value = settings[f.name]
+        if not isinstance(value, kinds) or (f.type is not bool and isinstance(value, bool)):
+            raise checkpoint.CheckpointError(f"{path}: its training setting {f.name}={value!r} is "
+                                             "damaged; train again")
+    settings.update({name: getattr(train_config, name) for name in per_invocation})
+    settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
+    return train_config(**settings), ckpt  # every field, of its type: checked above
+
+
+def check_same_data(resumed, data, data_dir, eval_samples, master=True):
+    """A resumed image run must see the class folders it was trained on, in the same order (labels
+    are class indices: renamed or reordered folders would train on permuted labels), and a folder
+    the same files (added or removed ones would change the data order silently). Other data in the
+    same files (edited, or decoded by another PIL), or another --eval_samples, is said."""
+    saved, now = resumed.get("classes"), getattr(data, "classes", None)
+    if saved is not None and now is not None and list(saved) != list(now):
+        raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
+                            f"{data_dir} holds {now[:6]}; point --data_dir at the same "
+                            "class folders (same names, so the same order)")
+    saved, now = resumed.get("listing"), getattr(data, "listing", None)
+    if saved is not None and now is not None and saved != now:
+        raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
+                            "was trained on (files added, removed or renamed since); put the "
+                            "folder back as it was, or start a new run on it")
+    saved = resumed.get("checksum")  # read on rank 0 only: a stream's walks the whole folder
+    now = getattr(data, "checksum", None) if master and saved is not None else None
+    if now is not None and saved != now:
+        print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, copied "
+              "without their times, or decoded by another PIL version): training goes on with "
+              "them as they are now, and 'best' compares evaluations on both", flush=True)
+    before = resumed["train"].get("eval_samples", eval_samples)
+    if master and before != eval_samples:
+        print(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): 'best' "
+              "now compares evaluations on different held-out sets", flush=True)
+
+
+def check_scored_as_trained(path, ckpt, settings):
+    """--eval_only --init_from scores a checkpoint as it was trained: flags that reshape the model
+    or change its objective would score another model, a head that was never trained."""
+    changed = sorted(k for k, v in settings.items() if ckpt["config"].get(k, v) != v)
+    if changed:
+        raise TrainingError(f"--eval_only --init_from {path} scores that checkpoint as it was "
+                            f"trained; drop --{' --'.join(changed)} (to score another head, "
+                            "fine-tune it first: drop --eval_only)")
+
+
+def load_whole(model, state, path):
+    """Every weight of a checkpoint into model, or one line: data other than the checkpoint's
+    (another class count, image size or vocabulary) gives the model other shapes."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
+                     str(e).splitlines()[0])
+        raise TrainingError(f"--init_from {path} does not fit this data ({first[:160]}); score it "
+                            "on the data it was trained on (drop --dataset and --data_dir)") \
+            from None
+
+
+def check_trunk_loaded(model, path, loaded, skipped):
+    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
+    from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
+    would silently train from scratch. Fewer blocks than the checkpoint is allowed. Returns the
+    line that says what was loaded."""
+    missing = [name for name in model.state_dict() if name.startswith(TRUNK) and name not in loaded]
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise TrainingError(f"--init_from {path} does not hold this model's trunk: {len(missing)} "
+                            f"tensors are absent or shaped differently ({names}); fine-tune from "
+                            "a checkpoint of the same modality and tokenizer, without flags that "
+                            "reshape its trunk (--width, --mlp_ratio, --patch_size, --vo_param)")
+    return (f"init_from {path}: loaded {len(loaded)} tensors, skipped {len(skipped)} "
+            f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
+
+
+# Flags that only some objectives read: given to another, they would do nothing unsaid
+APPLIES_TO = {**dict.fromkeys(("mask_ratio", "decoder_depth", "decoder_width", "decoder_heads",
+                               "norm_pix_loss"), ("mae",)),
+              "mlm_prob": ("mlm",), "pool": ("cls",), "label_smoothing": ("cls",),
+              **dict.fromkeys(("image_size", "patch_size", "train_samples"), ("mae", "cls")),
+              **dict.fromkeys(("seq_len", "tokenizer", "train_file", "val_file"), ("mlm", "next"))}
+
+
+def settings_lines(cfg, config, data, sources):
+    """What streaming does, then every setting by where it came from; a note for each flag given
+    that does nothing here."""
+    lines = []
+    ignored = [f"--{k}" for k, objectives in APPLIES_TO.items()
+               if sources.get(k) == "flags" and config.objective not in objectives]
+    if ignored:
+        lines.append(f"note: {' '.join(ignored)} do nothing for --objective {config.objective}; "
+                     "this run ignores them")
+    if cfg.eval_only and not cfg.resume and not cfg.init_from:
+        lines.append("note: --eval_only without --resume or --init_from scores freshly "
+                     f"initialised weights; add --resume to score the run in {cfg.out_dir}")
+    if config.is_image and cfg.train_samples > data.num_train():
+        lines.append(f"note: --train_samples {cfg.train_samples} is more than the "
+                     f"{data.num_train()} training images; the run takes those")
+    if isinstance(data, ImageStream):
+        workers = data.workers
+        lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
+                     f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
+                     f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
+    elif config.is_image:  # crops and decoding processes are the stream's: say what applies
+        if sources.get("crop_scale") != "flags":
+            sources.pop("crop_scale", None)
+        unused = [f"--{k}" for k in ("crop_scale", "workers") if sources.get(k) == "flags"]
+        if unused:
+            lines.append(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
+                         "decodes its images into memory (--stream on to stream them)")
+    if cfg.probe_samples > data.num_held_out():
+        lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "
+                     f"{data.num_held_out()} held-out samples; the probe takes those")
+    dictated = ("channels", "num_classes") if config.is_image else ("vocab_size",)
+    overruled = [f"--{k} is the data's {getattr(config, k)}" for k in dictated
+                 if sources.get(k) == "flags"]
+    if overruled:
+        lines.append(f"note: {', '.join(overruled)} here: the data sets it")
+    sources.update(dict.fromkeys(dictated, "the data"))
+    lines += settings_block({**vars(cfg), **config.to_dict()}, sources)
+    if cfg.warmup >= cfg.max_iters:
+        lines.append(f"note: --warmup {cfg.warmup} is not shorter than --max_iters "
+                     f"{cfg.max_iters}: the rate never reaches its peak and never decays")
+    return lines
+
+
+def settings_block(values, sources, width=100):
+    """The settings a run uses, grouped by where each came from (flags, a resumed run, a preset or
+    its recipe, the --init_from trunk, derived); the defaults are left to --help."""
+    groups = {}
+    for name, source in sources.items():
+        if name in values:
+            groups.setdefault(source, []).append(f"{name}={values[name]}")
+    lines = []
+    for source, items in groups.items():
+        line = f"from {source}:"
+        for item in items:
+            if len(line) + 1 + len(item) > width:
+                lines.append(line)
+                line = "   "
+            line += " " + item
+        lines.append(line)
+    return lines + ["every other setting: its default (python train.py --help)"]

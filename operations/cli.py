@@ -1,0 +1,173 @@
+"""Command lines: flags from dataclass fields, model specs (NAME,key=value), output paths, and the
+one line a user's mistake becomes (one_line_errors), for every tool of the project.
+
+Run: python -c "from operations import cli; print(cli.config_from_spec('cifar-tiny,depth=3'))"
+"""
+import argparse
+import inspect
+import os
+import re
+import sys
+import types
+from contextlib import contextmanager
+from dataclasses import fields
+
+import torch
+
+from bamboo import Config
+
+
+class TrainingError(ValueError):
+    """The run cannot go on; the message is one line and says what to do."""
+
+
+def parser_of(groups, choices, epilog=""):
+    """Every field of each (dataclass, title) as a flag. Flags not given stay unset, so that a
+    preset, a pretrained trunk or a resumed checkpoint can fill them."""
+    parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
+                                     formatter_class=argparse.RawTextHelpFormatter, epilog=epilog)
+    for cls, title in groups:  # each flag's help: the comment after its field in cls
+        group = parser.add_argument_group(title)
+        comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        for f in fields(cls):
+            kwargs = dict(help=f"{comments.get(f.name, '')} (default: {f.default!r})",
+                          default=argparse.SUPPRESS)
+            if isinstance(f.default, bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = type(f.default)
+                if choices.get(f.name):
+                    kwargs["choices"] = choices[f.name]
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def flags_given(args, cls):
+    """The flags of dataclass cls that the command line set."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def split_spec(spec, known=None):
+    """'NAME,key=value,...' -> (NAME, {key: value text}): the one way every command line names a
+    model (bench.py's and probe.py's specs, timm and Hugging Face ones); each key once, and one of
+    `known` if given."""
+    name, *pairs = spec.split(",")
+    settings = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not key or not value or (known is not None and key not in known):
+            field = " with a Config field as key" if known is not None else ""
+            raise ValueError(f"bad setting {pair!r} in {spec!r}; write key=value{field}")
+        if key in settings:
+            raise ValueError(f"{key} is given twice in {spec!r}; give it once")
+        settings[key] = value
+    return name, settings
+
+
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def config_from_spec(spec, **defaults):
+    """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
+    types = {f.name: f.type for f in fields(Config)}
+    name, given = split_spec(spec, known=types)
+    settings = dict(defaults)
+    for key, value in given.items():
+        pair = f"{key}={value}"
+        try:  # a bool: one of BOOLEANS in any case, never a silent False
+            settings[key] = BOOLEANS[value.lower()] if types[key] is bool else types[key](value)
+        except (KeyError, ValueError):
+            kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+            kind = kinds[types[key]]
+            raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
+    return Config.from_preset(name, **settings)
+
+
+def check_output_path(flag, path):
+    """Raise ValueError where path, given with flag, cannot be written as a file: run before any
+    computation."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or "
+                         "write elsewhere")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
+    if path.endswith(".pt") and os.path.exists(path):
+        raise ValueError(f"{flag} {path} is a checkpoint; write the output elsewhere")
+
+
+def unwritable(e):
+    """The one line for an OSError met while writing an output file (a full disk, a folder that
+    vanished)."""
+    return f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere"
+
+
+def out_of_memory(e):
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def peer_lost(e):
+    """Whether e is a DDP collective that failed because another rank went away."""
+    words = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "nccl communicator was aborted", "timed out")
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1 and any(w in str(e).lower() for w in words)
+
+
+@contextmanager
+def one_line_errors(out_dir=None):
+    """with one_line_errors(out_dir) as outcome: ... Every failure a user can fix (a mistake, a
+    missing package, a full disk, running out of memory, a lost DDP peer, a second Ctrl-C) becomes
+    one line on stderr and outcome.code 2 (130 for Ctrl-C); out_dir: a training run's, whose
+    checkpoint the line speaks of. Anything else is a bug, and raises."""
+    outcome = types.SimpleNamespace(code=0)
+
+    def left():  # what the failure left to resume from, as it is now
+        if not out_dir:
+            return ""
+        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+            return "; the last checkpoint is as it was; continue with --resume"
+        return "; no checkpoint was written, so there is nothing to resume"
+
+    try:
+        yield outcome
+        return
+    except ValueError as e:  # TrainingError, DataError, CheckpointError: one line each
+        message = str(e)
+    except ImportError as e:
+        if out_dir:  # in training a missing module is a broken install or a bug, not a choice
+            raise
+        message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
+    except OSError as e:  # a full disk, a folder that vanished while writing
+        message = unwritable(e) if not out_dir else (
+            f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}){left()}, once "
+            "space is free or the path is back")
+    except RuntimeError as e:
+        if out_of_memory(e):
+            advice = ("--batch_size (with --grad_accum to keep the batch) or --eval_samples"
+                      if out_dir else "--batch_size or the model's size")
+            message = f"out of memory ({str(e).splitlines()[0][:120]}); lower {advice}{left()}"
+        elif out_dir and peer_lost(e):
+            message = (f"another rank of this DDP run stopped ({str(e).splitlines()[0][:100]})"
+                       f"{left()}, with every rank")
+        elif out_dir and "DataLoader worker" in str(e):  # torch raises it wherever the loop is
+            message = (f"a streaming worker died ({str(e).splitlines()[0][:100]}; killed, or out "
+                       f"of memory: fewer --workers use less){left()}")
+        else:
+            raise
+    except KeyboardInterrupt:  # training: a second Ctrl-C, which stops without saving this step
+        print(f"error: interrupted; stopped at once{left()}", file=sys.stderr)
+        outcome.code = 130
+        return
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    outcome.code = 2
+
+
+def exit_process(code):
+    """Exit with code. A finished DDP rank leaves without the interpreter's shutdown, where gloo's
+    threads can still touch Python objects and now and then abort a rank after a good run."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

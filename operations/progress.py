@@ -1,0 +1,230 @@
+"""Where a run is and how it stops: the progress bar (a line every 30 s in a log file), the time
+limit, Ctrl-C and SIGTERM, a non-finite loss, the command that resumes, and DDP ranks stopping
+together.
+
+Run: python train.py --time_limit 60 (a run that ends on time, evaluated and saved)
+"""
+import math
+import os
+import signal
+import sys
+import time
+import types
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from operations import fast
+from operations.cli import TrainingError
+from operations.runlog import selection_metric
+
+
+PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
+
+
+class Clock:
+    """The run's timing: the steps so far, the last evaluation and save; from them, where
+    --time_limit stops the run, the progress lines and the summary's speed."""
+
+    def __init__(self, t_begin, cfg, held_out_batches):
+        self.t_begin, self.cfg, self.held_out_batches = t_begin, cfg, held_out_batches
+        self.step_times = []  # seconds per step, evaluations left out
+        self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
+        self.said = 0.0  # wall clock of the last progress line in a log file
+
+    def step_s(self, last=None):
+        """The mean time of the steps so far (of the last ones, if given), the first step left out
+        as warm-up unless it is the only one; None before any step."""
+        timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
+        return sum(timed) / len(timed) if timed else None
+
+    def timed_step_s(self):
+        """Seconds per step once a step after the first (compilation, capture) is timed; or 0."""
+        return self.step_s() if len(self.step_times) > 1 else 0.0
+
+    def limit_left(self):
+        """Seconds of --time_limit left for training steps: the limit counts from the invocation's
+        start and keeps back what the final evaluation and checkpoint take (as last measured;
+        before the first evaluation, a third of a step per held-out batch), so a stop ends with
+        both."""
+        evaluation = self.eval_s
+        if evaluation is None:
+            evaluation = self.held_out_batches * self.timed_step_s() / 3
+        return (self.cfg.time_limit - (time.time() - self.t_begin) - evaluation
+                - (self.save_s or 0.0))
+
+    def out_of_time(self, step):
+        """Whether --time_limit leaves no room for another step before the final evaluation."""
+        cfg = self.cfg
+        return bool(cfg.time_limit) and step < cfg.max_iters and (
+            self.limit_left() < self.timed_step_s())
+
+    def show_progress(self, bar, step, train_loss, lr, master=True):
+        """The loss on the progress bar, whose end is where --time_limit will stop the run if it
+        comes first; in a log file (no bar), a progress line at most every 30 s with the time left,
+        which counts the evaluations once one is timed, and says where a time limit will stop."""
+        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+        step_s = self.step_s(last=50)
+        if step_s is None:
+            return
+        cfg = self.cfg
+        steps = cfg.max_iters - step
+        evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
+        whole = steps * step_s + evals * (self.eval_s or 0.0)
+        left, where = whole, ""
+        if cfg.time_limit:
+            fit = max(0.0, self.limit_left()) / step_s  # may be huge: --time_limit 1e308
+            steps = max(0, int(min(steps, fit)))
+            bar.total = step + steps
+            bar.refresh()
+            if step + steps < cfg.max_iters:
+                left = max(0.0, cfg.time_limit - (time.time() - self.t_begin))
+                where = (f": --time_limit stops the run at about step {step + steps} "
+                         f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
+        if bar.disable and master and time.time() - self.said >= PROGRESS_EVERY_S:
+            self.said = time.time()
+            print(f"step {step}/{cfg.max_iters}: loss {train_loss:.4f}, lr {lr:.2e}, "
+                  f"{step_s * 1000:.0f} ms/step, about {left / 60:.1f} min left{where}",
+                  flush=True)
+
+    def summary(self, model, metrics, best, stopped, device):
+        """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
+        c, cfg = model.config, self.cfg
+        name, _ = selection_metric(c.objective)
+        unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
+        step_s = self.step_s()
+        result = "not evaluated"
+        if metrics is not None:
+            result = f"{name} {metrics[name]:.4g} (best {best:.4g})"
+        line = (f"{'stopped' if stopped else 'done'}: {result}, {step_s * 1000:.1f} ms/step, "
+                f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
+        peak = fast.gpu_peak_tflops(device) if device.type == "cuda" else None
+        if peak:
+            flops = model.flops_per_sample() * cfg.batch_size / step_s
+            line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
+        line += f"; first step {self.step_times[0]:.1f} s (compilation, capture)"
+        if self.eval_s is not None:
+            line += f", last evaluation {self.eval_s:.1f} s"
+        return line
+
+
+def progress_bar(total, initial, master=True):
+    """A progress bar on a terminal; none in a log file (a scheduler's stdout), where
+    Clock.show_progress prints a line instead. As a context manager (tqdm's own), closed on the
+    way out, before any error line."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not (master and sys.stderr.isatty()),
+                dynamic_ncols=True, mininterval=1.0)
+
+
+def held_out_batches(data, eval_samples, batch_size):
+    """How many batches an evaluation takes: --eval_samples of the held-out split (0: all)."""
+    return math.ceil(min(eval_samples or math.inf, data.num_held_out()) / batch_size)
+
+
+def evaluation_progress(batches, total):
+    """The evaluation's batches as they go: a bar on a terminal, or in a log file a line at most
+    every 30 s with the time left, so that a long evaluation (a stop's, --eval_only's) is never
+    silent."""
+    from tqdm import tqdm
+
+    if int(os.environ.get("RANK", 0)) != 0:  # rank 0 speaks for the run
+        yield from batches
+        return
+    bar = tqdm(batches, total=total, desc="evaluating", leave=False, dynamic_ncols=True,
+               disable=not sys.stderr.isatty(), mininterval=1.0)
+    start = said = time.time()
+    for done, batch in enumerate(bar, 1):
+        yield batch
+        now = time.time()
+        if bar.disable and now - said >= PROGRESS_EVERY_S and done < total:
+            said = now
+            left = (now - start) / done * (total - done)
+            print(f"evaluating: {done}/{total} batches, about {left:.0f} s left", flush=True)
+
+
+def divergence_advice(cfg):
+    """What to change after a non-finite loss: the rate and the warmup first, then clipping."""
+    clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
+    return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
+
+
+def diverged(what, cfg, saved_step):
+    """The error for a run gone non-finite: what, that nothing was saved, where the last good
+    state is, and what to change."""
+    if saved_step is None:
+        where = (f"no checkpoint was written yet (the first comes at step {cfg.eval_interval}), "
+                 "so this run is lost")
+    else:
+        where = (f"{os.path.join(cfg.out_dir, 'ckpt.pt')} still holds step {saved_step}, the last "
+                 "good state; resume from it with --resume")
+    return TrainingError(f"{what}; nothing was saved; {where}; {divergence_advice(cfg)}")
+
+
+def read_loss(total, step, cfg, saved_step):
+    """The training loss as a number (a host sync), refusing a non-finite one before any save."""
+    train_loss = total.item()
+    if not math.isfinite(train_loss):
+        raise diverged(f"loss is {train_loss} at step {step} (read every --log_interval steps)",
+                       cfg, saved_step)
+    return train_loss
+
+
+def how_to_resume(reason, step, world, out_dir):
+    """After an early stop: why, where the checkpoint is, and the command that continues."""
+    return (f"{reason or 'stopped by another rank'} at step {step}; checkpoint saved to "
+            f"{os.path.join(out_dir, 'ckpt.pt')}; continue with: {launcher(world)} --resume "
+            f"--out_dir {out_dir}")
+
+
+def launcher(world):
+    """How this run was started, for the commands it prints: python, or torchrun with its processes
+    (a resume needs as many as the run had)."""
+    if world == 1:
+        return "python train.py"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = f" --nnodes={world // per_node}" if per_node != world else ""
+    return f"torchrun{nodes} --nproc_per_node={per_node} train.py"
+
+
+@contextmanager
+def stop_signals(ddp=False, master=True):
+    """with stop_signals() as stop: Ctrl-C and SIGTERM (what schedulers send) set stop.reason; the
+    loop finishes the step (under DDP, the steps up to the next one that logs the loss), saves and
+    exits; a second Ctrl-C stops at once. The handlers before are put back on the way out."""
+    stop = types.SimpleNamespace(reason=None)
+
+    def handler(signum, frame):
+        if stop.reason == "interrupted" and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.reason = "interrupted"
+        when = "the next step that logs the loss" if ddp else "this step"
+        if master:
+            print(f"\nstop requested: finishing {when}, then saving a checkpoint (Ctrl-C again "
+                  "stops at once, without saving)", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
+
+
+def any_rank(flag, device):
+    """Under DDP, True on every rank if it is True on any (so all ranks stop together)."""
+    value = torch.tensor([float(flag)], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+@contextmanager
+def process_group_left(ddp):
+    """A DDP rank leaves its group on the way out, however the run ended."""
+    try:
+        yield
+    finally:
+        if ddp:
+            dist.destroy_process_group()
