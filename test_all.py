@@ -2439,18 +2439,6 @@ def test_a_checkpoint_with_fields_of_the_wrong_type_is_one_line(capsys, tiny_dat
         assert str(tmp_path / "ckpt.pt") in err, err
 
 
-def test_the_settings_printed_are_those_that_apply(tiny_data, tmp_path):
-    """An in-memory image run does not list the stream's crop scale; a stream flag given to it is
-    one note, not silence."""
-    flags = image_flags(tiny_data, "cls", "--max_iters", "1")
-    code, out, _ = run_train(*flags, out_dir=tmp_path / "a")
-    assert code == 0 and "crop_scale" not in out and "streamed folder only" not in out, out
-    code, out, _ = run_train(*flags, "--crop_scale", "0.5", "--workers", "2",
-                             out_dir=tmp_path / "b")
-    assert code == 0 and ("note: --crop_scale and --workers apply to a streamed folder only; "
-                          "this run decodes its images into memory") in out, out
-
-
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
@@ -2875,6 +2863,39 @@ def test_a_damaged_log_line_is_one_line_on_resume(capsys, tiny_data, tmp_path):
     assert f"{tmp_path / 'log.jsonl'} is not a log train.py wrote (not UTF-8 text)" in err, err
 
 
+def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_data, tmp_path):
+    """One table says where each setting applies, a row for every training setting; a flag given
+    where it does nothing is named, never silent."""
+    from dataclasses import fields
+
+    import train
+    from operations import checks
+
+    rows = checks.where_flags_apply(train.TrainConfig(), Config(), False, set())
+    assert {f.name for f in fields(train.TrainConfig)} <= set(rows)
+    code, out, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--crop_scale",
+                                         "0.5", "--workers", "2", "--memory_gb", "4", "--stream",
+                                         "off", "--num_classes", "7", "--base_lr", "1e-3", "--lr",
+                                         "1e-3"), out_dir=tmp_path / "text")
+    assert code == 0, out
+    for line in ("--crop_scale --workers (read only for a streamed image folder)",
+                 "--stream (read only for an image folder)",
+                 "--num_classes (read only for images)",
+                 "--memory_gb (read only for an image folder under --stream auto)",
+                 "--base_lr (read only for --lr -1 (peak rate base_lr x batch / 256))"):
+        assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only", "--stream", "off",
+                                          "--memory_gb", "4", "--vocab_size", "100", "--max_iters",
+                                          "5", "--probe_samples", "3", "--lr", "0.1", "--warmup",
+                                          "3"), out_dir=tmp_path / "image")
+    assert code == 0 and "crop_scale" not in out, out  # the stream's own, not listed here
+    for line in ("--memory_gb (read only for an image folder under --stream auto)",
+                 "--vocab_size (read only for text)",
+                 "--max_iters --lr --warmup --log_interval --probe_samples (read only for "
+                 "training, not --eval_only)"):
+        assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
+
+
 def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
     err = cli_error(capsys, *text_flags(tiny_data, "next", "--vocab_size", "50257"), "--out_dir",
                     str(tmp_path / "v"))
@@ -2888,7 +2909,10 @@ def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
                              out_dir=tmp_path / "p")
     assert code == 0 and "--probe_samples 100000 is more than the " in out, out
     assert "--train_samples 100000 is more than the 96 training images" in out, out
-    assert "--decoder_heads --mlm_prob --seq_len do nothing for --objective cls" in out
+    assert "note: this run ignores --mlm_prob (read only for --objective mlm)" in out
+    assert ("note: this run ignores --decoder_depth --decoder_width --decoder_heads (read only "
+            "for --objective mae)") in out
+    assert "note: this run ignores --seq_len (read only for text)" in out
     assert "--num_classes is the data's 2 here: the data sets it" in out
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"), out_dir=tmp_path / "p")
     assert code == 0 and "--eval_only without --resume or --init_from scores freshly" in out
@@ -3062,11 +3086,41 @@ def test_probe_checks_its_output_paths_before_computing(capsys, tmp_path):
                        "--plot", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--plot" in err and "is a folder" in err and err.count("\n") == 1
-    (tmp_path / "out" / "best.pt").write_bytes(b"weights")  # an output never replaces a checkpoint
-    assert probe.main(["init:cifar-tiny", "--dataset", "folder", "--data_dir",
-                       str(tmp_path / "no-data"), "--json", str(tmp_path / "out" / "best.pt")]) == 2
-    assert "is a checkpoint; write the output elsewhere" in capsys.readouterr().err
-    assert (tmp_path / "out" / "best.pt").read_bytes() == b"weights"
+
+
+@pytest.mark.parametrize("tool, flag", [("probe", "--json"), ("probe", "--plot"), ("look", "--out"),
+                                        ("export", "--out"), ("bench", "--json")])
+def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(capsys, tmp_path,
+                                                                              tool, flag):
+    """One check of an output path for every tool that writes, before any work; the system's write
+    errors are one line too."""
+    import bench
+    import look
+    import probe
+    from operations import checkpoint, export
+    from operations.cli import RUN_FILES
+
+    model = Bamboo(tiny("cls"))
+    checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
+                                             "model": model.state_dict(), "window": None})
+    main, args = {"probe": (probe.main, ["init:cifar-tiny", "--dataset", "folder", "--data_dir",
+                                         str(tmp_path / "no-data")]),
+                  "look": (look.main, ["curves", str(tmp_path / "run")]),
+                  "export": (export.main, [str(tmp_path / "c.pt")]),
+                  "bench": (bench.main, ["cls:cifar-tiny", "--steps", "1", "--rounds", "1",
+                                         "--warmup", "1", "--batch_size", "2"])}[tool]
+    (tmp_path / "run").mkdir()
+    for name in RUN_FILES:
+        (tmp_path / "run" / name).write_text(name)
+        assert main([*args, flag, str(tmp_path / "run" / name)]) == 2
+        err = capsys.readouterr().err
+        assert "is a training run's own file; write the output elsewhere" in err, err
+        assert err.count("\n") == 1 and (tmp_path / "run" / name).read_text() == name
+    if tool in ("export", "bench"):  # written at once, without a temporary file's own checks
+        long = str(tmp_path / ("x" * 300 + ".json"))
+        assert main([*args, flag, long]) == 2
+        err = capsys.readouterr().err
+        assert "(File name too long); write elsewhere" in err and err.count("\n") == 1, err
 
 
 def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,

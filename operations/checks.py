@@ -206,41 +206,60 @@ def check_trunk_loaded(model, path, loaded, skipped):
             f"({', '.join(sorted({s.split('.')[0] for s in skipped})) or 'none'})")
 
 
-# Flags that only some objectives read: given to another, they would do nothing unsaid
-APPLIES_TO = {**dict.fromkeys(("mask_ratio", "decoder_depth", "decoder_width", "decoder_heads",
-                               "norm_pix_loss"), ("mae",)),
-              "mlm_prob": ("mlm",), "pool": ("cls",), "label_smoothing": ("cls",),
-              **dict.fromkeys(("image_size", "patch_size", "train_samples"), ("mae", "cls")),
-              **dict.fromkeys(("seq_len", "tokenizer", "train_file", "val_file"), ("mlm", "next"))}
+# What only training reads: given with --eval_only, it does nothing
+TRAINING_ONLY = ("max_iters", "lr", "min_lr", "warmup", "weight_decay", "beta2", "grad_clip",
+                 "layer_decay", "grad_accum", "eval_interval", "log_interval", "probe_samples",
+                 "time_limit", "wandb_project")
+
+
+def where_flags_apply(cfg, config, streamed, given):
+    """{setting: (whether it does anything in this run, where it would)}: a row for every training
+    setting (train.TrainConfig) and every model flag that only some runs read."""
+    image, folder, training = config.is_image, cfg.dataset == "folder", not cfg.eval_only
+    return {
+        **dict.fromkeys(("mask_ratio", "decoder_depth", "decoder_width", "decoder_heads",
+                         "norm_pix_loss"), (config.objective == "mae", "--objective mae")),
+        "mlm_prob": (config.objective == "mlm", "--objective mlm"),
+        **dict.fromkeys(("pool", "label_smoothing"),
+                        (config.objective == "cls", "--objective cls")),
+        **dict.fromkeys(("image_size", "patch_size", "channels", "num_classes", "train_samples"),
+                        (image, "images")),
+        **dict.fromkeys(("seq_len", "vocab_size", "tokenizer"), (not image, "text")),
+        **dict.fromkeys(("train_file", "val_file"), (cfg.dataset == "text", "--dataset text")),
+        "stream": (folder, "an image folder"),
+        "memory_gb": (folder and "stream" not in given, "an image folder under --stream auto"),
+        **dict.fromkeys(("crop_scale", "workers"), (streamed, "a streamed image folder")),
+        **dict.fromkeys(TRAINING_ONLY, (training, "training, not --eval_only")),
+        "base_lr": (training and "lr" not in given, "--lr -1 (peak rate base_lr x batch / 256)"),
+        **dict.fromkeys(("preset", "dataset", "data_dir", "cache_dir", "batch_size", "eval_samples",
+                         "out_dir", "overwrite", "seed", "device", "dtype", "threads", "compile",
+                         "resume", "init_from", "eval_only"), (True, "every run")),
+    }
 
 
 def settings_lines(cfg, config, data, sources):
     """What streaming does, then every setting by where it came from; a note for each flag given
     that does nothing here."""
-    lines = []
-    ignored = [f"--{k}" for k, objectives in APPLIES_TO.items()
-               if sources.get(k) == "flags" and config.objective not in objectives]
-    if ignored:
-        lines.append(f"note: {' '.join(ignored)} do nothing for --objective {config.objective}; "
-                     "this run ignores them")
+    lines, unused = [], {}
+    given, streamed = {k for k, v in sources.items() if v == "flags"}, isinstance(data, ImageStream)
+    for name, (applies, where) in where_flags_apply(cfg, config, streamed, given).items():
+        if name in given and not applies:
+            unused.setdefault(where, []).append(f"--{name}")
+    lines += [f"note: this run ignores {' '.join(names)} (read only for {where})"
+              for where, names in unused.items()]
     if cfg.eval_only and not cfg.resume and not cfg.init_from:
         lines.append("note: --eval_only without --resume or --init_from scores freshly "
                      f"initialised weights; add --resume to score the run in {cfg.out_dir}")
     if config.is_image and cfg.train_samples > data.num_train():
         lines.append(f"note: --train_samples {cfg.train_samples} is more than the "
                      f"{data.num_train()} training images; the run takes those")
-    if isinstance(data, ImageStream):
+    if streamed:
         workers = data.workers
         lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
                      f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
                      f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
-    elif config.is_image:  # crops and decoding processes are the stream's: say what applies
-        if sources.get("crop_scale") != "flags":
-            sources.pop("crop_scale", None)
-        unused = [f"--{k}" for k in ("crop_scale", "workers") if sources.get(k) == "flags"]
-        if unused:
-            lines.append(f"note: {' and '.join(unused)} apply to a streamed folder only; this run "
-                         "decodes its images into memory (--stream on to stream them)")
+    elif sources.get("crop_scale") != "flags":  # the stream's crops: not listed where unused
+        sources.pop("crop_scale", None)
     if cfg.probe_samples > data.num_held_out():
         lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "
                      f"{data.num_held_out()} held-out samples; the probe takes those")
@@ -251,7 +270,7 @@ def settings_lines(cfg, config, data, sources):
         lines.append(f"note: {', '.join(overruled)} here: the data sets it")
     sources.update(dict.fromkeys(dictated, "the data"))
     lines += settings_block({**vars(cfg), **config.to_dict()}, sources)
-    if cfg.warmup >= cfg.max_iters:
+    if cfg.warmup >= cfg.max_iters and not cfg.eval_only:
         lines.append(f"note: --warmup {cfg.warmup} is not shorter than --max_iters "
                      f"{cfg.max_iters}: the rate never reaches its peak and never decays")
     return lines

@@ -17,6 +17,9 @@ import torch
 from bamboo import Config
 
 
+RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")  # what train.py writes
+
+
 class TrainingError(ValueError):
     """The run cannot go on; the message is one line and says what to do."""
 
@@ -92,8 +95,8 @@ def check_output_path(flag, path):
                          "write elsewhere")
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; give the path of a file to write")
-    if path.endswith(".pt") and os.path.exists(path):
-        raise ValueError(f"{flag} {path} is a checkpoint; write the output elsewhere")
+    if os.path.basename(path) in RUN_FILES or (path.endswith(".pt") and os.path.exists(path)):
+        raise ValueError(f"{flag} {path} is a training run's own file; write the output elsewhere")
 
 
 def unwritable(e):

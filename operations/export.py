@@ -15,7 +15,7 @@ from functools import partial
 
 import torch.nn as nn
 
-from operations.checkpoint import model_from_checkpoint
+from operations.checkpoint import atomic_write, model_from_checkpoint
 from operations.cli import check_output_path, one_line_errors
 
 LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
@@ -133,12 +133,13 @@ def export(path, out):
         hf.load_state_dict(to_gpt2(model))
         hf.save_pretrained(out)
         return f"wrote {out}: transformers.GPT2LMHeadModel.from_pretrained({out!r})"
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     check_output_path("--out", out)
     if os.path.exists(out):
         raise ValueError(f"--out {out} exists; remove it or export to another file")
-    save_file({k: v.contiguous() for k, v in to_timm(model).items()}, out)
+    tensors = save({k: v.contiguous() for k, v in to_timm(model).items()})
+    atomic_write(out, lambda f: f.write(tensors))  # the system's write errors: one line
     return (f"wrote {out}: VisionTransformer(**{timm_kwargs(c)!r}, norm_layer=partial("
             f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."
             f"load_file({out!r}))")

@@ -8,11 +8,7 @@ import os
 import re
 from contextlib import contextmanager, suppress
 
-from operations.cli import TrainingError
-
-
-# what train.py writes into an out_dir
-RUN_FILES = ("ckpt.pt", "best.pt", "log.jsonl", "eval_correct.npy")
+from operations.cli import RUN_FILES, TrainingError
 
 
 @contextmanager
