@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from operations import fast
+from operations import export, fast
 from operations.checkpoint import atomic_write
 from operations.cli import check_output_path, config_from_spec, one_line_errors
 from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
@@ -57,22 +57,15 @@ def synthetic_batch(config, batch_size, device, generator, extra_token=False):
 # -------------------------------------------------------------------- what users would pick instead
 
 def timm_vit(c):
-    from timm.models.vision_transformer import VisionTransformer
-
-    model = VisionTransformer(img_size=c.image_size, patch_size=c.patch_size, in_chans=c.channels,
-                              num_classes=c.num_classes, embed_dim=c.width, depth=c.depth,
-                              num_heads=c.heads, mlp_ratio=c.mlp_ratio, class_token=False,
-                              global_pool="avg")
+    model = export.timm_model(c)  # the VisionTransformer our export loads into
     return "timm VisionTransformer", model, lambda m, x, y: F.cross_entropy(m(x), y)
 
 
 def hf_gpt2(c):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    hf = GPT2Config(vocab_size=c.vocab_size, n_positions=c.seq_len, n_embd=c.width, n_layer=c.depth,
-                    n_head=c.heads, n_inner=int(c.mlp_ratio * c.width), resid_pdrop=0.0,
-                    embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-    return "HF GPT2LMHeadModel", GPT2LMHeadModel(hf), lambda m, x, y: m(input_ids=x, labels=x).loss
+    model = GPT2LMHeadModel(export.gpt2_config(c))  # the one our export writes
+    return "HF GPT2LMHeadModel", model, lambda m, x, y: m(input_ids=x, labels=x).loss
 
 
 def hf_bert(c):

@@ -30,7 +30,7 @@ import zlib
 import numpy as np
 import torch
 
-from operations import adapters, files
+from operations import files, hub
 
 IMAGE_DATASETS = ("cifar10", "cifar100", "folder")
 TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
@@ -190,7 +190,7 @@ def get_tokenizer(name):
     import tiktoken
 
     if name.startswith("hf:"):
-        return adapters.HuggingFaceTokenizer(name[3:])
+        return hub.HuggingFaceTokenizer(name[3:])
     if name == "bytes":
         return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
                                  mergeable_ranks={bytes([i]): i for i in range(256)},

@@ -50,7 +50,7 @@ import torch
 
 from bamboo import Bamboo
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples
-from operations import adapters, checkpoint, cli, fast, figures, streaming
+from operations import checkpoint, cli, fast, figures, hub, streaming
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
 # defined from block 1 (attn_sim: block 2) on
@@ -263,10 +263,10 @@ def rounded(values):
 
 def load_model(spec, dataset):
     """A checkpoint path, init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
-    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (operations/adapters.py).
+    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (operations/hub.py).
     """
     if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
-        model = adapters.load(spec)
+        model = hub.load(spec)
         return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}
     if not spec.startswith("init:"):
         model, ckpt = checkpoint.model_from_checkpoint(spec)

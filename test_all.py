@@ -501,7 +501,7 @@ PACKAGES = {"torch", "torchvision", "numpy", "tiktoken", "tqdm", "PIL", "matplot
 
 # The import order, lowest first: a module imports only modules before it (operations/__init__.py)
 LAYERS = ("neutreno", "bamboo", "operations.cli", "operations.checkpoint", "operations.fast",
-          "operations.figures", "operations.files", "operations.adapters", "data",
+          "operations.figures", "operations.files", "operations.adapters", "operations.hub", "data",
           "operations.streaming", "operations.checks", "operations.out_dir", "operations.runlog",
           "operations.progress", "probe", "operations.export", "train", "look", "bench")
 
@@ -3461,27 +3461,27 @@ def test_silent_inputs_are_refused_or_recorded_as_run(capsys, tiny_data, tmp_pat
 
 
 def test_foreign_specs_refuse_unknown_doubled_or_mistyped_keys_with_what_they_take():
-    from operations import adapters
+    from operations import hub
 
     cases = {"timm:vit_tiny_patch16_224,pretrained=0,foo=1": "unexpected keyword argument 'foo'",
              "timm:vit_tiny_patch16_224,pretrained=0,depth=abc": "refuses the settings",
-             "hf:gpt2,pretrained=0,n_layer=abc": "gpt2's n_layer takes a number, not 'abc'",
+             "hf:gpt2,pretrained=0,n_layer=abc": "'n_layer=abc': n_layer takes an integer",
              "hf:gpt2,pretrained=0,n_layers=6": "gpt2 takes no setting 'n_layers'; it takes: ",
              "hf:gpt2,pretrained=0,n_layer=2,n_layer=3": "n_layer is given twice"}
     for spec, says in cases.items():
         with pytest.raises(ValueError, match=re.escape(says)):
-            adapters.load(spec)
-    assert "n_layer" in str(pytest.raises(ValueError, adapters.load,
+            hub.load(spec)
+    assert "n_layer" in str(pytest.raises(ValueError, hub.load,
                                           "hf:gpt2,pretrained=0,n_layers=6").value)
-    with pytest.raises(ValueError, match="gpt2's scale_attn_weights takes true or false, not 2"):
-        adapters.load("hf:gpt2,pretrained=0,scale_attn_weights=2")
-    with pytest.raises(ValueError, match="gpt2's n_layer is not true or false .its default: 12"):
-        adapters.load("hf:gpt2,pretrained=0,n_layer=yes")
+    with pytest.raises(ValueError, match="scale_attn_weights=2': scale_attn_weights takes true or"):
+        hub.load("hf:gpt2,pretrained=0,scale_attn_weights=2")
+    with pytest.raises(ValueError, match="'n_layer=yes': n_layer takes an integer"):
+        hub.load("hf:gpt2,pretrained=0,n_layer=yes")
     # true and false as words, in any case, never a text that reads as True (offline: no download)
-    vit = adapters.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
+    vit = hub.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
                         "qkv_bias=false,global_pool=avg").model
     assert vit.cls_token is None and vit.blocks[0].attn.qkv.bias is None
-    gpt2 = adapters.load(HF_TINY["gpt2"] + ",reorder_and_upcast_attn=TRUE,layer_norm_epsilon=1")
+    gpt2 = hub.load(HF_TINY["gpt2"] + ",reorder_and_upcast_attn=TRUE,layer_norm_epsilon=1")
     assert gpt2.model.config.reorder_and_upcast_attn is True
     assert gpt2.model.config.layer_norm_epsilon == 1.0
 
@@ -3518,26 +3518,26 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
     advises pretrained=0 only where it was not given."""
     import pickle
 
-    from operations import adapters
+    from operations import hub
 
     def refused(name, pretrained, settings):
         raise pickle.UnpicklingError("Weights only load failed")
 
-    monkeypatch.setattr(adapters, "hf_model", refused)
+    monkeypatch.setattr(hub, "hf_model", refused)
     with pytest.raises(ValueError, match="a pickle with more than tensors, which is not loaded"):
-        adapters.load("hf:./local-folder")
+        hub.load("hf:./local-folder")
 
     def offline(name, pretrained, settings):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
-    monkeypatch.setattr(adapters, "hf_model", offline)
-    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # the network is up
+    monkeypatch.setattr(hub, "hf_model", offline)
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # the network is up
     with pytest.raises(ValueError) as e:
-        adapters.load("hf:gpt3,pretrained=0")
+        hub.load("hf:gpt3,pretrained=0")
     assert "with pretrained=0 the name must be a model type (" in str(e.value)
     assert "pass pretrained=0" not in str(e.value)
     with pytest.raises(ValueError, match="check the name and the network, or pass pretrained=0"):
-        adapters.load("hf:gpt3")
+        hub.load("hf:gpt3")
 
 
 def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
@@ -4055,13 +4055,13 @@ def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
 def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monkeypatch):
     import transformers
 
-    from operations import adapters
+    from operations import hub
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", offline)
-    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # the network is up
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # the network is up
     code, out = probe_cli(capsys, "hf:gpt2", "--dataset", "text", "--data_dir", tiny_data / "text")
     assert code == 2 and "hf:gpt2: could not load the weights (We couldn't connect" in out.err
     assert "pass pretrained=0" in out.err and "Traceback" not in out.err
@@ -4149,11 +4149,11 @@ def test_a_timm_checkpoint_path_that_does_not_load_is_one_line(tmp_path):
     torch.load refuses, or another model's weights); the probe says it in one line."""
     import argparse
 
-    from operations import adapters
+    from operations import hub
 
     torch.save({"state_dict": {"x": argparse.Namespace(a=1)}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="could not load its checkpoint_path") as e:
-        adapters.load("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=1,"
+        hub.load("timm:vit_tiny_patch16_224,pretrained=0,img_size=16,patch_size=4,depth=1,"
                       f"embed_dim=32,num_heads=2,checkpoint_path={tmp_path / 'other.pt'}")
     assert "\n" not in str(e.value)
 
@@ -4162,7 +4162,7 @@ def test_attention_the_probe_cannot_recompute_is_refused_not_misprobed():
     """The probe recomputes softmax(q k^T / sqrt(head size)): a model whose attention adds to that
     (normalised queries, BEiT's relative positions, EVA's rotary embeddings, GPT-2's other
     scalings) is refused in one line rather than probed wrongly."""
-    from operations import adapters
+    from operations import hub
 
     small = "pretrained=0,img_size=16,patch_size=4,depth=1,embed_dim=48,num_heads=3"
     cases = {f"timm:vit_tiny_patch16_224,{small},qk_norm=True": "normalises inside attention "
@@ -4173,7 +4173,7 @@ def test_attention_the_probe_cannot_recompute_is_refused_not_misprobed():
              "otherwise than by 1/sqrt(head size)"}
     for spec, says in cases.items():
         with pytest.raises(ValueError, match=re.escape(says)):
-            adapters.load(spec)
+            hub.load(spec)
 
 
 def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data,
@@ -4203,12 +4203,12 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
     import transformers
 
-    from operations import adapters
+    from operations import cli, hub
 
     def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
-        _, name, settings = adapters.parse(spec)
+        name, settings = cli.split_spec(spec.removeprefix("hf:"))
         settings.pop("pretrained")
-        return adapters.hf_model(name, False, settings)
+        return hub.hf_model(name, False, settings)
 
     tiny = {"facebook/vit-mae-base": random_weights(HF_MAE),
             "facebook/opt-125m": random_weights(HF_TINY["opt"])}
@@ -4217,12 +4217,12 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda name, **kw: tiny[name])
     monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
                         lambda name: processor)
-    monkeypatch.setattr(adapters, "hub_unreachable", lambda: False)  # as if online
-    mae = adapters.load("hf:facebook/vit-mae-base")
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # as if online
+    mae = hub.load("hf:facebook/vit-mae-base")
     pixels = torch.full((1, 3, 16, 16), 0.485)
     assert mae.normalize(pixels)[0, 0].abs().max() < 1e-6 and mae.config.mask_ratio == 0.75
     assert mae.normalize(pixels)[0, 1, 0, 0] == pytest.approx((0.485 - 0.456) / 0.224)
-    assert adapters.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
+    assert hub.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
 
 
 def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatch):
@@ -4249,7 +4249,7 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
                                                                    monkeypatch):
     import transformers
 
-    from operations import adapters
+    from operations import hub
     import data
 
     folder = byte_level_tokenizer(tmp_path / "tok")
@@ -4261,9 +4261,9 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
     code, out = probe_cli(capsys, HF_TINY["opt"], *common)  # random weights: no tokenizer
     assert code == 2 and "has no tokenizer of its own (random weights); pass --tokenizer" in out.err
     gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
-    assert adapters.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
-    assert adapters.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
-    assert adapters.hf_tokenizer(opt, "opt", False) is None
+    assert hub.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
+    assert hub.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
+    assert hub.hf_tokenizer(opt, "opt", False) is None
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")

@@ -6,7 +6,8 @@ it is used. Imports point one way, down this list (test_all.py checks it):
   fast        device, dtype, compilation and CUDA graphs, kept off the reader's path
   figures     matplotlib without a screen, figures written whole
   files       image folders listed and decoded, text tokenized, caches, downloads
-  adapters    timm and Hugging Face models and tokenizers as probe.py sees them
+  adapters    timm and Hugging Face models as probe.py sees them
+  hub         timm and Hugging Face models and tokenizers from a spec, failing offline in one line
   (data.py)
   streaming   image folders streamed from disk, and the choice between that and data.ImageData
   checks      a run's settings checked before any work, and what a resume must find unchanged

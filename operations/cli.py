@@ -9,7 +9,7 @@ import os
 import re
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 
 import torch
@@ -68,22 +68,33 @@ def split_spec(spec, known=None):
 
 
 BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+
+
+def typed(key, text, kind=None):
+    """A spec's value text as `kind` (int, float, bool, str), or where kind is None the first of a
+    bool word, an integer, a number, text that it reads as. A bool is one of BOOLEANS in any case,
+    never a text that reads as True."""
+    if kind is None:
+        if text.lower() in BOOLEANS and not text.isdigit():
+            return BOOLEANS[text.lower()]
+        for kind in (int, float):
+            with suppress(ValueError):
+                return kind(text)
+        return text
+    try:
+        return BOOLEANS[text.lower()] if kind is bool else kind(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"bad value in {key + '=' + text!r}: {key} takes {KINDS[kind]}") \
+            from None
 
 
 def config_from_spec(spec, **defaults):
     """'PRESET[,key=value,...]', for command lines: 'bamboo-b,neutreno=0.6,objective=mae'."""
-    types = {f.name: f.type for f in fields(Config)}
-    name, given = split_spec(spec, known=types)
-    settings = dict(defaults)
-    for key, value in given.items():
-        pair = f"{key}={value}"
-        try:  # a bool: one of BOOLEANS in any case, never a silent False
-            settings[key] = BOOLEANS[value.lower()] if types[key] is bool else types[key](value)
-        except (KeyError, ValueError):
-            kinds = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
-            kind = kinds[types[key]]
-            raise ValueError(f"bad value in {pair!r}: {key} takes {kind}") from None
-    return Config.from_preset(name, **settings)
+    kinds = {f.name: f.type for f in fields(Config)}
+    name, given = split_spec(spec, known=kinds)
+    settings = {key: typed(key, text, kinds[key]) for key, text in given.items()}
+    return Config.from_preset(name, **{**defaults, **settings})
 
 
 def check_output_path(flag, path):
