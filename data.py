@@ -81,7 +81,6 @@ class ImageData:
         listed = classes = None
         if name == "folder":
             listed, classes = listing or files.list_folder(data_dir, train, train_samples)
-            self.listing = files.listing_fingerprint(listed["train"]) if train else None
         else:
             os.makedirs(data_dir, exist_ok=True)
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
@@ -90,8 +89,12 @@ class ImageData:
             _load_split(name, data_dir, "train", image_size, listed, train_samples, cache_dir)
             if train
             else (self.test_x[:0], self.test_y[:0], None))
-        train_crc = zlib.crc32(self.train_x.contiguous().numpy())  # a resume compares both splits'
-        self.checksum = zlib.crc32(self.test_x.contiguous().numpy(), train_crc) if train else None
+        self.fingerprint = None  # what a resume checks: a folder's files and labels, CIFAR's pixels
+        if train and listed:
+            self.fingerprint = files.listing_fingerprint(listed["train"] + listed["test"])
+        elif train:
+            train_crc = zlib.crc32(self.train_x.contiguous().numpy())
+            self.fingerprint = zlib.crc32(self.test_x.contiguous().numpy(), train_crc)
         self.classes = list(classes or test_classes)  # folder names, in label order
         self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
@@ -232,7 +235,7 @@ class TextData:
                                       "in it")
             tokens.append(files.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
-        self.checksum = zlib.crc32(self.val, zlib.crc32(self.train)) if train else None
+        self.fingerprint = zlib.crc32(self.val, zlib.crc32(self.train)) if train else None
         self.vocab_size, self.seq_len, self.device = self.tokenizer.n_vocab, seq_len, device
         self.window = seq_len + 1 if next_token else seq_len
         for split, tokens in (("train", self.train), ("val", self.val))[0 if train else 1:]:

@@ -275,8 +275,7 @@ def train(args, started=None):
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": step, "best": best,
                              "rng": rng, "classes": getattr(data, "classes", None),
-                             "listing": getattr(data, "listing", None),  # a folder's files
-                             "checksum": getattr(data, "checksum", None),  # of the data's
+                             "fingerprint": data.fingerprint,  # what a resume must find
                              "window": getattr(data, "window", None),  # tokens per text window
                              "statistics": ((data.mean.cpu(), data.std.cpu()) if config.is_image
                                             else None),  # the pixels' normalisation

@@ -141,26 +141,14 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
 
 
 def check_same_data(resumed, data, data_dir, eval_samples, master=True):
-    """A resumed image run must see the class folders it was trained on, in the same order (labels
-    are class indices: renamed or reordered folders would train on permuted labels), and a folder
-    the same files (added or removed ones would change the data order silently). Other data in the
-    same files (edited, or decoded by another PIL), or another --eval_samples, is said."""
-    saved, now = resumed.get("classes"), getattr(data, "classes", None)
-    if saved is not None and now is not None and list(saved) != list(now):
-        raise TrainingError(f"--resume: the run was trained on the classes {saved[:6]}, but "
-                            f"{data_dir} holds {now[:6]}; point --data_dir at the same "
-                            "class folders (same names, so the same order)")
-    saved, now = resumed.get("listing"), getattr(data, "listing", None)
-    if saved is not None and now is not None and saved != now:
-        raise TrainingError(f"--resume: the training images in {data_dir} are not the ones the run "
-                            "was trained on (files added, removed or renamed since); put the "
-                            "folder back as it was, or start a new run on it")
-    saved = resumed.get("checksum")  # read on rank 0 only: a stream's walks the whole folder
-    now = getattr(data, "checksum", None) if master and saved is not None else None
-    if now is not None and saved != now:
-        print(f"note: --resume: the data in {data_dir} differ from the run's (edited since, copied "
-              "without their times, or decoded by another PIL version): training goes on with "
-              "them as they are now, and 'best' compares evaluations on both", flush=True)
+    """A resumed run must see the data it was trained on: a folder's files with the same labels
+    (renamed or reordered class folders would permute the labels, added or removed files change
+    the data order), CIFAR's pixels, the same text. Another --eval_samples is said."""
+    saved = resumed.get("fingerprint")
+    if saved is not None and saved != data.fingerprint:
+        raise TrainingError(f"--resume: the data in {data_dir} are not those the run was trained "
+                            "on (files, class folders or text changed since); point --data_dir at "
+                            "them, or start a new run on these")
     before = resumed["train"].get("eval_samples", eval_samples)
     if master and before != eval_samples:
         print(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): 'best' "

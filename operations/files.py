@@ -117,17 +117,6 @@ def listing_fingerprint(samples):
     return key.hexdigest()[:16]
 
 
-def stat_checksum(files):
-    """A short sha1 of every listed file's size and modification time, split by split: a streamed
-    folder's stand-in for a checksum of its pixels, which a resume compares."""
-    key = hashlib.sha1()
-    for split in sorted(files):
-        for path, _ in files[split]:
-            stat = os.stat(path)
-            key.update(f"{split}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return key.hexdigest()[:16]
-
-
 def decode_folder(files, size, cache_dir=None):
     """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
     cache_dir, later runs load the saved array, keyed by every file's path, size and times, the

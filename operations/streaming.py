@@ -5,7 +5,6 @@ them and data.ImageData (open_images, held_out).
 Run: python -c "from operations import files, streaming;
      print(streaming.ImageStream(files.list_folder('DIR'), 'cpu', 224).num_train())"
 """
-import functools
 import itertools
 import os
 import signal
@@ -15,8 +14,7 @@ import numpy as np
 import torch
 
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, shard, to_device
-from operations.files import (DataError, as_batch, list_folder, listing_fingerprint, read_rgb,
-                              stat_checksum)
+from operations.files import DataError, as_batch, list_folder, listing_fingerprint, read_rgb
 
 
 # ImageNet's channel statistics, by which MAE and timm normalise: a stream is never read whole
@@ -39,7 +37,7 @@ class ImageStream:
     def __init__(self, listing, device, image_size, crop_scale=0.2, workers=0, rank=0, world=1,
                  grad_accum=1):
         self.files, classes = listing
-        self.listing = listing_fingerprint(self.files.get("train", ()))  # checked on resume
+        self.fingerprint = listing_fingerprint(self.files.get("train", []) + self.files["test"])
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8
@@ -52,11 +50,6 @@ class ImageStream:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
         self.replay = self.batches = None  # what the workers decode, and their micro-batches
-
-    @functools.cached_property
-    def checksum(self):
-        """Sizes and times, not pixels (too many to read): on demand, by rank 0 only."""
-        return stat_checksum(self.files)
 
     def num_train(self):
         return len(self.files.get("train", ()))
