@@ -2,9 +2,9 @@
 
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
-it top to bottom: the settings, the learning rate, then train(), which holds a run's whole state
-as its local variables: set-up, then the loop with the whole step. The step's path (which setting
-wins, resolve_settings, and the processes, start_processes, can wait for a second reading):
+it top to bottom: the settings (their defaults, the presets' recipes, the formulas of the peak
+rate and the warmup, and which setting wins), the learning rate, then train(), which holds a run's
+whole state as its local variables: set-up, then the loop with the whole step. The step's path:
 
   main -> train -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
@@ -91,6 +91,88 @@ RECIPES = {
     "wikitext-deep": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
                           eval_samples=1024),
 }
+
+
+def schedule_defaults(cfg, depth):
+    """--lr -1 and --warmup -1 made concrete. The peak rate grows with the batch, as DeiT and MAE
+    scale it; deep trunks get a longer warmup, which a 48-block trunk needed to stay finite."""
+    warmup = max(100, 10 * depth) if cfg.warmup == -1 else cfg.warmup
+    if cfg.lr != -1:
+        return replace(cfg, warmup=warmup)
+    lr = cfg.base_lr * cfg.batch_size / 256
+    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
+
+
+# What --resume may change: length and learning rate (the peak itself: --base_lr made it once),
+# where the data lives, logging. The settings of one invocation (machine, time limit) are never
+# taken from the checkpoint: given, or default.
+RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
+             "probe_samples", "log_interval", "data_dir", "cache_dir")
+
+
+PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
+                  "eval_only", "wandb_project", "memory_gb", "workers")
+
+
+# What --eval_only --init_from takes from the checkpoint: its data and batches (masks), as drawn
+HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
+            "eval_samples", "stream", "train_samples", "seed", "batch_size")
+
+
+# What fine-tuning keeps of the pretrained model: the trunk's shape
+TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
+               "seq_len", "neutreno", "vo_param")
+
+
+def resolve_settings(args):
+    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
+    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
+    and its recipe < a resumed run's saved settings < the --init_from trunk's shape (under
+    --eval_only, its whole model and its data) < flags."""
+    checks.check_invocation(args)
+    resumed = pretrained = None
+    given = {**cli.flags_given(args, TrainConfig),
+             **cli.flags_given(args, Config)}
+    if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
+        cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE,
+                                                     PER_INVOCATION)
+        settings = dict(resumed["config"])
+        saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
+        sources = dict.fromkeys([*settings, *saved], "the resumed run")
+    else:
+        recipe = RECIPES.get(given.get("preset", ""), {})
+        cfg = TrainConfig(**{**recipe, **cli.flags_given(args, TrainConfig)})
+        settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
+        sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
+                   **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
+        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape, and a text one's tokens
+            pretrained = checkpoint.load(cfg.init_from)
+            kept = list(pretrained["config"]) if cfg.eval_only else TRUNK_SHAPE
+            settings.update({k: pretrained["config"][k] for k in kept})
+            text = pretrained["config"].get("objective") not in IMAGE_OBJECTIVES
+            taken = HELD_OUT if cfg.eval_only else ("tokenizer",) if text else ()
+            saved = {k: v for k, v in pretrained.get("train", {}).items()
+                     if k in taken and k not in given}  # scoring: its data, as it was trained
+            cfg = replace(cfg, **saved)
+            sources.update(dict.fromkeys([*kept, *saved], "the --init_from checkpoint"))
+        if cfg.preset in RECIPES:  # on the data it will run on (--eval_only: the checkpoint's)
+            checks.check_recipe_fits(cfg.preset, cfg.dataset,
+                                           "seq_len" in PRESETS[cfg.preset])
+        settings.update(cli.flags_given(args, Config))
+        if cfg.eval_only and pretrained is not None:
+            checks.check_scored_as_trained(cfg.init_from, pretrained, settings)
+    sources.update(dict.fromkeys(given, "flags"))
+    objective = settings.get("objective", Config.objective)
+    checks.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
+    Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
+    derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
+    cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
+    sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
+    if cfg.crop_scale == -1 and objective in IMAGE_OBJECTIVES:  # MAE's: 0.2 pre-trains, 0.08 tunes
+        cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
+        sources["crop_scale"] = "the objective (-1)"
+    checks.check_settings(cfg)
+    return cfg, resumed, pretrained, settings, sources
 
 
 # ----------------------------------------------------------------------------- the learning rate
@@ -310,82 +392,6 @@ def build_parser():
                                    (Config, "model (defaults shown; a --preset sets its own)")),
                                   CHOICES, "a laptop preset also sets its training recipe (flags "
                                   "override it):\n" + recipes)
-
-
-# What --resume may change: length and learning rate (the peak itself: --base_lr made it once),
-# where the data lives, logging. The settings of one invocation (machine, time limit) are never
-# taken from the checkpoint: given, or default.
-RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
-             "probe_samples", "log_interval", "data_dir", "cache_dir")
-PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
-                  "eval_only", "wandb_project", "memory_gb", "workers")
-# What --eval_only --init_from takes from the checkpoint: its data and batches (masks), as drawn
-HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
-            "eval_samples", "stream", "train_samples", "seed", "batch_size")
-# What fine-tuning keeps of the pretrained model: the trunk's shape
-TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
-               "seq_len", "neutreno", "vo_param")
-
-
-def resolve_settings(args):
-    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
-    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
-    and its recipe < a resumed run's saved settings < the --init_from trunk's shape (under
-    --eval_only, its whole model and its data) < flags."""
-    checks.check_invocation(args)
-    resumed = pretrained = None
-    given = {**cli.flags_given(args, TrainConfig),
-             **cli.flags_given(args, Config)}
-    if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
-        cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE,
-                                                     PER_INVOCATION)
-        settings = dict(resumed["config"])
-        saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
-        sources = dict.fromkeys([*settings, *saved], "the resumed run")
-    else:
-        recipe = RECIPES.get(given.get("preset", ""), {})
-        cfg = TrainConfig(**{**recipe, **cli.flags_given(args, TrainConfig)})
-        settings = dict(PRESETS[cfg.preset]) if cfg.preset else {}
-        sources = {**dict.fromkeys(settings, f"the {cfg.preset} preset"),
-                   **dict.fromkeys(recipe, f"the {cfg.preset} recipe")}
-        if cfg.init_from:  # fine-tuning keeps the pretrained trunk's shape, and a text one's tokens
-            pretrained = checkpoint.load(cfg.init_from)
-            kept = list(pretrained["config"]) if cfg.eval_only else TRUNK_SHAPE
-            settings.update({k: pretrained["config"][k] for k in kept})
-            text = pretrained["config"].get("objective") not in IMAGE_OBJECTIVES
-            taken = HELD_OUT if cfg.eval_only else ("tokenizer",) if text else ()
-            saved = {k: v for k, v in pretrained.get("train", {}).items()
-                     if k in taken and k not in given}  # scoring: its data, as it was trained
-            cfg = replace(cfg, **saved)
-            sources.update(dict.fromkeys([*kept, *saved], "the --init_from checkpoint"))
-        if cfg.preset in RECIPES:  # on the data it will run on (--eval_only: the checkpoint's)
-            checks.check_recipe_fits(cfg.preset, cfg.dataset,
-                                           "seq_len" in PRESETS[cfg.preset])
-        settings.update(cli.flags_given(args, Config))
-        if cfg.eval_only and pretrained is not None:
-            checks.check_scored_as_trained(cfg.init_from, pretrained, settings)
-    sources.update(dict.fromkeys(given, "flags"))
-    objective = settings.get("objective", Config.objective)
-    checks.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
-    Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
-    derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
-    cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))
-    sources.update({k: "the batch and depth (-1)" for k, auto in derived.items() if auto})
-    if cfg.crop_scale == -1 and objective in IMAGE_OBJECTIVES:  # MAE's: 0.2 pre-trains, 0.08 tunes
-        cfg = replace(cfg, crop_scale=0.2 if objective == "mae" else 0.08)
-        sources["crop_scale"] = "the objective (-1)"
-    checks.check_settings(cfg)
-    return cfg, resumed, pretrained, settings, sources
-
-
-def schedule_defaults(cfg, depth):
-    """--lr -1 and --warmup -1 made concrete. The peak rate grows with the batch, as DeiT and MAE
-    scale it; deep trunks get a longer warmup, which a 48-block trunk needed to stay finite."""
-    warmup = max(100, 10 * depth) if cfg.warmup == -1 else cfg.warmup
-    if cfg.lr != -1:
-        return replace(cfg, warmup=warmup)
-    lr = cfg.base_lr * cfg.batch_size / 256
-    return replace(cfg, lr=lr, min_lr=min(cfg.min_lr, lr), warmup=warmup)  # the cosine never rises
 
 
 def start_processes(cfg):
