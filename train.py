@@ -6,7 +6,8 @@ it top to bottom: the settings (their defaults, the presets' recipes, the formul
 rate and the warmup, and which setting wins), the learning rate, then train(), which holds a run's
 whole state as its local variables: set-up, then the loop with the whole step. The step's path:
 
-  main -> train -> load_data -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
+  main -> train -> load_data (-> streaming.open_images: data.ImageData, or a stream)
+       -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
           model's own forward and loss, compiled or not), scaler.step(optimizer)
 
