@@ -28,6 +28,7 @@ from operations.cli import check_output_path, config_from_spec, one_line_errors
 from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
+WARM_S = 2.0  # untimed steps for at least this long before the rounds (results/bench/)
 
 
 def parse_spec(spec):
@@ -203,6 +204,10 @@ def build_runners(args, device):
         sync()  # the first step's kernels too, not only their compilation and launch
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
         for _ in range(args.warmup - 1):
+            runner.step()
+    warm_until = time.perf_counter() + WARM_S  # a machine settles in its first seconds of work
+    while time.perf_counter() < warm_until:
+        for runner in runners:
             runner.step()
     return entries, runners, {dtype: peak_tflops(device, dtype) for dtype in dtypes}
 

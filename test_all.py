@@ -312,6 +312,12 @@ def hand_built_block(gain):
     return block, eigs
 
 
+@pytest.fixture(autouse=True)
+def bench_without_settling(monkeypatch):
+    """bench.py's seconds of untimed steps before its rounds, left out of the suite's tiny runs."""
+    monkeypatch.setattr("bench.WARM_S", 0.0)
+
+
 @pytest.fixture(scope="module")
 def trained_checkpoints(tiny_data, tmp_path_factory):
     """A tiny cls checkpoint and a tiny next-token checkpoint, trained for two steps."""
@@ -4471,6 +4477,22 @@ def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
     assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
 
 
+def test_bench_times_its_rounds_only_after_seconds_of_untimed_steps(monkeypatch):
+    """A machine runs its first seconds of work slower: the rounds start after WARM_S."""
+    import time
+
+    import bench
+
+    monkeypatch.setattr(bench, "WARM_S", 0.5)
+    steps, step = [], bench.Runner.step
+    monkeypatch.setattr(bench.Runner, "step", lambda self: steps.append(time.perf_counter())
+                        or step(self))
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
+                                            "--warmup", "1", "--dtype", "float32"])
+    bench.build_runners(args, torch.device("cpu"))
+    assert steps[-1] - steps[0] >= 0.45 and len(steps) > 2
+
+
 def test_bench_profiles_one_step(capsys):
     import bench
 
@@ -4684,111 +4706,118 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
 # 11. CUDA: compilation modes, the step as one CUDA graph with per-step randomness
 # ==================================================================================================
 
-# Defined only where a GPU is, so CPU runs and CI never collect them; results/gpu.sh runs them.
-if torch.cuda.is_available():
-    from operations import fast
+# Collected everywhere, skipped without a GPU (shown as skipped); results/gpu.sh runs them on one.
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from operations import fast  # noqa: E402
 
-    CUDA = torch.device("cuda")
-
-    def cuda_batch(config):
-        return tuple(t.to(CUDA) if t is not None else None for t in batch(config))
+CUDA = torch.device("cuda")
 
 
-    @pytest.mark.parametrize("mode,objective",
-                             [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"),
-                                                ("blocks", "next"), ("graphs", "next")])
-    def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
-        torch.manual_seed(0)
-        model = Bamboo(tiny(objective, depth=4, width=64, vocab_size=100)).to(CUDA)
-        x, y = cuda_batch(model.config)
-        eager_out, eager = model(x, y)
-        eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-        # frees the eager autograd graph: a capture must not meet it
-        eager_out = None if eager_out is None else eager_out.detach()
-        eager = eager.detach()
-        module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
-        assert chosen == mode
-        for _ in range(3):  # the first call warms up and captures; then replays
-            out, loss = module(x, y)
-            grads = torch.autograd.grad(loss, list(model.parameters()))
-        assert torch.allclose(loss, eager, rtol=1e-3)
-        if objective == "next":  # the chunked loss holds no logits
-            assert out is None and eager_out is None
-        else:  # logits too
-            assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3,
-                                                                   atol=1e-4)
-        assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
+def cuda_batch(config):
+    return tuple(t.to(CUDA) if t is not None else None for t in batch(config))
 
 
-    def test_explicit_attention_under_cuda_graphs_gives_the_fused_kernels_loss():
-        """bench.py --attention explicit on the GPU: matmul-softmax-matmul captured in the graph,
-        the same loss."""
-        torch.manual_seed(0)
-        model = Bamboo(tiny("cls", depth=4, width=64)).to(CUDA)
-        x, y = cuda_batch(model.config)
-        fused = model(x, y)[1].item()
-        explicit = Bamboo(model.config, explicit_attention=True).to(CUDA)
-        explicit.load_state_dict(model.state_dict())
-        model = explicit
-        module, chosen, _ = fast.for_training(model, CUDA, torch.float32, "graphs")
-        losses = [module(x, y)[1].item() for _ in range(3)]  # warm-up and capture, then replays
-        assert chosen == "graphs" and all(m.explicit for m in model.modules()
-                                          if isinstance(m, Attention))
-        assert losses == pytest.approx([fused] * 3, rel=1e-4)
+@CUDA_ONLY
+@pytest.mark.parametrize("mode,objective",
+                         [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"),
+                                            ("blocks", "next"), ("graphs", "next")])
+def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
+    torch.manual_seed(0)
+    model = Bamboo(tiny(objective, depth=4, width=64, vocab_size=100)).to(CUDA)
+    x, y = cuda_batch(model.config)
+    eager_out, eager = model(x, y)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    # frees the eager autograd graph: a capture must not meet it
+    eager_out = None if eager_out is None else eager_out.detach()
+    eager = eager.detach()
+    module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
+    assert chosen == mode
+    for _ in range(3):  # the first call warms up and captures; then replays
+        out, loss = module(x, y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert torch.allclose(loss, eager, rtol=1e-3)
+    if objective == "next":  # the chunked loss holds no logits
+        assert out is None and eager_out is None
+    else:  # logits too
+        assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3,
+                                                               atol=1e-4)
+    assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 
-    @pytest.mark.parametrize("objective", ["mae", "mlm"])
-    def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(objective):
-        torch.manual_seed(0)
-        model = Bamboo(tiny(objective, depth=4, width=64, decoder_width=64)).to(CUDA)
-        x, y = cuda_batch(model.config)
-        module, chosen, _ = fast.for_training(model, CUDA, torch.bfloat16, "graphs")
-        assert chosen == "graphs"
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-            losses = [module(x, y)[1].item() for _ in range(5)]
-            # a new mask (MAE) or corruption (MLM) every replay, not the captured one
-            assert len(set(losses)) == 5
-            with pytest.raises(ValueError, match="replays the shapes it captured"):
-                # MLM corrupts inside the model: no targets passed
-                module(x[:1], None if y is None else y[:1])
+@CUDA_ONLY
+def test_explicit_attention_under_cuda_graphs_gives_the_fused_kernels_loss():
+    """bench.py --attention explicit on the GPU: matmul-softmax-matmul captured in the graph,
+    the same loss."""
+    torch.manual_seed(0)
+    model = Bamboo(tiny("cls", depth=4, width=64)).to(CUDA)
+    x, y = cuda_batch(model.config)
+    fused = model(x, y)[1].item()
+    explicit = Bamboo(model.config, explicit_attention=True).to(CUDA)
+    explicit.load_state_dict(model.state_dict())
+    model = explicit
+    module, chosen, _ = fast.for_training(model, CUDA, torch.float32, "graphs")
+    losses = [module(x, y)[1].item() for _ in range(3)]  # warm-up and capture, then replays
+    assert chosen == "graphs" and all(m.explicit for m in model.modules()
+                                      if isinstance(m, Attention))
+    assert losses == pytest.approx([fused] * 3, rel=1e-4)
 
 
-    def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path):
-        flags = image_flags(tiny_data, "mae", "--max_iters", "6", "--eval_interval", "3",
-                            "--compile", "graphs",
-                            "--dtype", "float32")
-        code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
-        assert code == 0 and "compile: graphs" in out, out
-        code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
-        assert code == 0, out
-        code, out, parts = run_train("--resume", "--compile", "graphs", out_dir=tmp_path / "parts")
-        assert code == 0, out
-        a, b = train_losses(parts), train_losses(whole)
-        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
-                                            for k in b), (a, b)
+@CUDA_ONLY
+@pytest.mark.parametrize("objective", ["mae", "mlm"])
+def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(objective):
+    torch.manual_seed(0)
+    model = Bamboo(tiny(objective, depth=4, width=64, decoder_width=64)).to(CUDA)
+    x, y = cuda_batch(model.config)
+    module, chosen, _ = fast.for_training(model, CUDA, torch.bfloat16, "graphs")
+    assert chosen == "graphs"
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        losses = [module(x, y)[1].item() for _ in range(5)]
+        # a new mask (MAE) or corruption (MLM) every replay, not the captured one
+        assert len(set(losses)) == 5
+        with pytest.raises(ValueError, match="replays the shapes it captured"):
+            # MLM corrupts inside the model: no targets passed
+            module(x[:1], None if y is None else y[:1])
 
 
-    def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data, tmp_path):
-        """The measurement at each evaluation runs on the plain model: under CUDA graphs the
-        replayed step is untouched (the same losses with and without it) and the metrics are
-        logged."""
-        flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2",
-                            "--compile", "graphs", "--dtype", "float32")
-        code, out, probed = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
-        assert code == 0 and "compile: graphs" in out, out
-        code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
-        assert code == 0, out
-        a, b = train_losses(probed), train_losses(plain)
-        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
-                                            for k in b), (a, b)
-        assert all(len(r["layers"]["erank"]) == 3 for r in probed if r.get("eval"))
+@CUDA_ONLY
+def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path):
+    flags = image_flags(tiny_data, "mae", "--max_iters", "6", "--eval_interval", "3",
+                        "--compile", "graphs",
+                        "--dtype", "float32")
+    code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
+    assert code == 0 and "compile: graphs" in out, out
+    code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
+    assert code == 0, out
+    code, out, parts = run_train("--resume", "--compile", "graphs", out_dir=tmp_path / "parts")
+    assert code == 0, out
+    a, b = train_losses(parts), train_losses(whole)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
+                                        for k in b), (a, b)
 
-    def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
-        """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it
-        would fail."""
-        from data import to_device
 
-        x = torch.arange(6, device="cuda:0")
-        assert to_device(x, torch.device("cuda")) is x
-        moved = to_device(torch.arange(6), torch.device("cuda"))
-        assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(6))
+@CUDA_ONLY
+def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data, tmp_path):
+    """The measurement at each evaluation runs on the plain model: under CUDA graphs the
+    replayed step is untouched (the same losses with and without it) and the metrics are
+    logged."""
+    flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2",
+                        "--compile", "graphs", "--dtype", "float32")
+    code, out, probed = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
+    assert code == 0 and "compile: graphs" in out, out
+    code, out, plain = run_train(*flags, "--probe_samples", "0", out_dir=tmp_path / "b")
+    assert code == 0, out
+    a, b = train_losses(probed), train_losses(plain)
+    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 * max(1, abs(b[k]))
+                                        for k in b), (a, b)
+    assert all(len(r["layers"]["erank"]) == 3 for r in probed if r.get("eval"))
+
+@CUDA_ONLY
+def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
+    """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it
+    would fail."""
+    from data import to_device
+
+    x = torch.arange(6, device="cuda:0")
+    assert to_device(x, torch.device("cuda")) is x
+    moved = to_device(torch.arange(6), torch.device("cuda"))
+    assert moved.is_cuda and torch.equal(moved.cpu(), torch.arange(6))
