@@ -73,7 +73,7 @@ class TrainConfig:
     seed: int = 1337                 # one seed for the init, the data order and the masks
     device: str = "auto"             # auto: cuda, then mps, then cpu; or cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto | float32 | bfloat16 | float16 (auto: bf16 where native)
-    threads: int = 0                 # CPU threads of this process; 0: torch's (1 on a shared CPU)
+    threads: int = 0                 # CPU threads; 0: torch's, one per core (busy CPU: try 1)
     compile: str = "auto"            # auto | off | model | blocks | graphs (see operations/fast.py)
     resume: bool = False             # continue from out_dir/ckpt.pt with its settings (RESUMABLE)
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
