@@ -2200,6 +2200,17 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
         assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
 
 
+def test_a_run_on_a_busy_cpu_names_threads_1(tiny_data, tmp_path, monkeypatch):
+    flags = image_flags(tiny_data, "cls", "--max_iters", "1", "--device", "cpu")
+    for load, said in ((99.0, True), (0.0, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        code, out, _ = run_train(*flags, out_dir=tmp_path / str(load))
+        assert code == 0 and ("note: this CPU is busy (load 99.0 on" in out) == said, out
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    code, out, _ = run_train(*flags, "--threads", "1", out_dir=tmp_path / "one")
+    assert code == 0 and "this CPU is busy" not in out  # chosen already
+
+
 def test_silent_flag_mixups_are_said(capsys, tiny_data, tmp_path):
     err = cli_error(capsys, *text_flags(tiny_data, "next", "--vocab_size", "50257"), "--out_dir",
                     str(tmp_path / "v"))

@@ -262,7 +262,7 @@ def train(args, started=None):
             f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
             f"{world} x {cfg.grad_accum} x {micro_batch}, peak lr {cfg.lr:.3g}, warmup "
             f"{cfg.warmup} steps")
-        say("\n".join(checks.settings_lines(cfg, config, data, sources)))
+        say("\n".join(checks.settings_lines(cfg, config, data, sources, device)))
 
         if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
             metrics = evaluate(model, data, cfg, eval_batch, device)

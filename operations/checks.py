@@ -225,10 +225,15 @@ def where_flags_apply(cfg, config, streamed, given):
     }
 
 
-def settings_lines(cfg, config, data, sources):
+def settings_lines(cfg, config, data, sources, device):
     """What streaming does, then every setting by where it came from; a note for each flag given
-    that does nothing here."""
+    that does nothing here, and for a CPU busy with other work."""
     lines, unused = [], {}
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if device.type == "cpu" and not cfg.threads and load > cores:  # threads then wait on each other
+        lines.append(f"note: this CPU is busy (load {load:.1f} on {cores} cores): --threads 1 is "
+                     "often faster then (docs/guide.md)")
     given, streamed = {k for k, v in sources.items() if v == "flags"}, isinstance(data, ImageStream)
     for name, (applies, where) in where_flags_apply(cfg, config, streamed, given).items():
         if name in given and not applies:
