@@ -337,9 +337,6 @@ def smoothing(args):
     save_figure(fig, args.out)
 
 
-# ----------------------------------------------------------------------------- probe.py's figure
-
-
 def build_parser():
     p = argparse.ArgumentParser(description="Look at what a model does.", allow_abbrev=False)
     commands = p.add_subparsers(dest="command", required=True)

@@ -2002,6 +2002,10 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
     assert code == 0 and "evaluated at step 0" in printed and not (tmp_path / "fresh").exists()
     err = cli_error(capsys, "--eval_only", "--overwrite", "--out_dir", str(out))
     assert "--eval_only saves nothing, so it replaces nothing; drop --overwrite" in err
+    err = cli_error(capsys, "--overwrite", "--init_from", str(out / "best.pt"), "--out_dir",
+                    str(out))  # the pretrained weights are never the old run's to remove
+    assert f"--overwrite would remove --init_from {out / 'best.pt'} with the run in" in err
+    assert (out / "best.pt").exists()
     # any checkpoint, best.pt too, scored as it was trained: its head, its data, its metric
     code, printed, _ = run_train("--eval_only", "--init_from", out / "best.pt",
                                  out_dir=tmp_path / "score")
@@ -2135,8 +2139,8 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
     assert not (tmp_path / "other").exists()
 
 
-def test_a_wandb_that_fails_to_start_is_one_line_before_any_log(capsys, tiny_data, tmp_path,
-                                                               monkeypatch):
+def test_a_wandb_failure_is_one_line_and_at_the_start_leaves_no_log(capsys, tiny_data, tmp_path,
+                                                                     monkeypatch):
     def not_logged_in(**kwargs):
         raise RuntimeError("api_key not configured (no-tty)")
 
@@ -2144,8 +2148,17 @@ def test_a_wandb_that_fails_to_start_is_one_line_before_any_log(capsys, tiny_dat
     err = cli_error(capsys, *image_flags(tiny_data, "cls", "--wandb_project", "p"), "--out_dir",
                     str(tmp_path / "login"))
     assert err.startswith("error: --wandb_project: wandb.init failed (RuntimeError: api_key not "
-                          "configured (no-tty)); run `wandb login`")  # one line: cli_error
+                          "configured (no-tty)); ") and "run `wandb login`" in err  # one line
     assert not (tmp_path / "login" / "log.jsonl").exists()  # nothing left to refuse a next run
+
+    def gone(numbers, step):  # wandb's service lost mid-run: one line, the checkpoint kept
+        raise ConnectionError("wandb backend went away")
+
+    run = types.SimpleNamespace(log=gone, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run))
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "2", "--wandb_project",
+                                         "p"), "--out_dir", str(tmp_path / "gone"))
+    assert "wandb.log failed (ConnectionError: wandb backend went away); what was logged" in err
 
 
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
@@ -2340,6 +2353,24 @@ def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_pa
     else:
         err = cli_error(capsys, *resume, "--out_dir", str(tmp_path / "run"))
         assert f"--resume: the data in {data} are not those the run was trained on" in err, err
+
+
+def test_a_checkpoint_without_a_data_fingerprint_is_not_resumed_unchecked(capsys, tiny_data,
+                                                                          tmp_path):
+    ckpt = torch.load(trained_checkpoint(tiny_data, "cls", tmp_path / "run"), weights_only=True)
+    del ckpt["fingerprint"]  # as 0bbb605 wrote it
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path / "run"))
+    assert "predates the data check of this version; resume it with commit 0bbb605" in err
+
+
+def test_a_folder_keeps_its_fingerprint_however_its_path_is_written(tiny_data, monkeypatch):
+    from operations import files
+
+    monkeypatch.chdir(tiny_data)
+    listed = [files.list_folder(d)[0]["test"] for d in ("images", "./images",
+                                                          str(tiny_data / "images"))]
+    assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
 
 
 def test_a_resume_on_another_held_out_set_says_that_best_compares_across_sets(tiny_data,

@@ -90,7 +90,7 @@ def random_states(generator, device, world=1):
 
 
 WEIGHTS = ("config", "train", "model", "step", "best", "classes", "statistics", "window",
-           "init_hash", "made_by")
+           "fingerprint", "init_hash", "made_by")
 
 
 def weights_only(state):

@@ -5,6 +5,7 @@ Run: python train.py --help (every flag), or any run's first lines (its settings
 """
 import math
 import os
+from contextlib import suppress
 from dataclasses import fields
 
 import torch
@@ -12,12 +13,13 @@ import torch
 from bamboo import TRUNK
 from data import IMAGE_DATASETS, TEXT_DATASETS
 from operations import checkpoint
-from operations.cli import TrainingError, flags_given
+from operations.cli import RUN_FILES, TrainingError, flags_given
 from operations.streaming import ImageStream
 
 
 def check_invocation(args):
-    """What no setting can fix: torch too old, or --resume with --overwrite."""
+    """What no setting can fix: torch too old, --overwrite with --resume, --eval_only or a file it
+    would remove."""
     if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
         raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
                             "this code runs on; pip install -r requirements.txt")
@@ -26,6 +28,11 @@ def check_invocation(args):
                             "replaces it; choose one")
     if getattr(args, "eval_only", False) and getattr(args, "overwrite", False):
         raise TrainingError("--eval_only saves nothing, so it replaces nothing; drop --overwrite")
+    init, out = getattr(args, "init_from", ""), getattr(args, "out_dir", "out")
+    if getattr(args, "overwrite", False) and init and os.path.basename(init) in RUN_FILES and (
+            os.path.realpath(os.path.dirname(init)) == os.path.realpath(out)):
+        raise TrainingError(f"--overwrite would remove --init_from {init} with the run in {out}; "
+                            "copy it elsewhere first, or choose another --out_dir")
 
 
 def check_settings(cfg):
@@ -144,8 +151,11 @@ def check_same_data(resumed, data, data_dir, eval_samples, master=True):
     """A resumed run must see the data it was trained on: a folder's files with the same labels
     (renamed or reordered class folders would permute the labels, added or removed files change
     the data order), CIFAR's pixels, the same text. Another --eval_samples is said."""
-    saved = resumed.get("fingerprint")
-    if saved is not None and saved != data.fingerprint:
+    if "fingerprint" not in resumed:  # written before 2026-11-28: it kept no data fingerprint
+        raise TrainingError(f"--resume: this checkpoint predates the data check of this version; "
+                            f"resume it with commit {checkpoint.LAST_TO_READ_OLD}, or fine-tune or "
+                            "score it with --init_from")
+    if resumed["fingerprint"] != data.fingerprint:
         raise TrainingError(f"--resume: the data in {data_dir} are not those the run was trained "
                             "on (files, class folders or text changed since); point --data_dir at "
                             "them, or start a new run on these")
@@ -229,8 +239,10 @@ def settings_lines(cfg, config, data, sources, device):
     """What streaming does, then every setting by where it came from; a note for each flag given
     that does nothing here, and for a CPU busy with other work."""
     lines, unused = [], {}
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = 0.0
+    with suppress(AttributeError, OSError):  # no load average: Windows
+        load = os.getloadavg()[0]
     if device.type == "cpu" and not cfg.threads and load > cores:  # threads then wait on each other
         lines.append(f"note: this CPU is busy (load {load:.1f} on {cores} cores): --threads 1 is "
                      "often faster then (docs/guide.md)")

@@ -110,10 +110,10 @@ def _decode(path, size):
 def listing_fingerprint(samples):
     """A short sha1 of a split's (file, label) list, paths below their common folder (so a moved
     data_dir keeps it): a resume checks that the folder still lists the same files."""
-    paths = [path for path, _ in samples]
-    root, key = len(os.path.commonpath(paths)) if paths else 0, hashlib.sha1()
-    for path, label in samples:
-        key.update(f"{path[root:]}|{label}\n".encode())
+    paths = [os.path.abspath(path) for path, _ in samples]
+    root, key = os.path.commonpath(paths) if paths else "", hashlib.sha1()
+    for path, (_, label) in zip(paths, samples):
+        key.update(f"{os.path.relpath(path, root)}|{label}\n".encode())
     return key.hexdigest()[:16]
 
 

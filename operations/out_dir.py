@@ -78,9 +78,11 @@ def lock_out_dir(out):
                             "it") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(os.path.join(out, ".lock")).st_ino:  # removed meanwhile
+            raise OSError(errno.EAGAIN, "a run ended as this one began")  # by a run that ended
     except OSError as e:
         os.close(fd)
-        if e.errno in (errno.EACCES, errno.EAGAIN):
+        if e.errno in (errno.EACCES, errno.EAGAIN, errno.ENOENT):
             raise TrainingError(f"another train.py is running in --out_dir {out}; wait for it to "
                                 "finish or choose another --out_dir") from None
         raise TrainingError(f"cannot lock --out_dir {out} ({e.strerror}); its file system may not "

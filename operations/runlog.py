@@ -32,27 +32,31 @@ def log_file(path, cfg, master, made_by, from_step):
     if not master:
         yield None
         return
-    run = start_wandb(cfg) if cfg.wandb_project else None  # before the log: a failure leaves none
+    run = None
+    if cfg.wandb_project:  # before the log: a failure leaves none
+        import wandb
+
+        run = wandb_call("init", wandb.init, project=cfg.wandb_project, config=vars(cfg),
+                         name=os.path.basename(os.path.abspath(cfg.out_dir)))
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     flags |= os.O_APPEND if cfg.resume else os.O_TRUNC
     with os.fdopen(os.open(path, flags, 0o644), "a" if cfg.resume else "w", buffering=1) as log:
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
         yield LogAlsoToWandb(log, run) if run else log
         if run:
-            run.finish()
+            wandb_call("finish", run.finish)
 
 
-def start_wandb(cfg):
-    """A Weights & Biases run for --wandb_project; one line where wandb cannot start one."""
-    import wandb
-
+def wandb_call(what, call, *args, **kwargs):
+    """A call into wandb; its failure (not logged in, offline, a service gone) is the common one
+    line, and the run's last checkpoint stays for --resume."""
     try:
-        return wandb.init(project=cfg.wandb_project, config=vars(cfg),
-                          name=os.path.basename(os.path.abspath(cfg.out_dir)))
-    except Exception as e:  # not logged in, offline, a bad project name: wandb's own errors
-        raise TrainingError(f"--wandb_project: wandb.init failed ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); run `wandb "
-                            "login`, set WANDB_MODE=offline, or drop the flag") from None
+        return call(*args, **kwargs)
+    except Exception as e:  # wandb's own error classes
+        raise TrainingError(f"--wandb_project: wandb.{what} failed ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); what was logged "
+                            "is in log.jsonl; run `wandb login`, set WANDB_MODE=offline, or drop "
+                            "the flag") from None
 
 
 class LogAlsoToWandb:
@@ -68,7 +72,7 @@ class LogAlsoToWandb:
         numbers = {k: v for k, v in record.items() if k != "step"
                    and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if "step" in record and numbers:
-            self.wandb.log(numbers, step=record["step"])
+            wandb_call("log", self.wandb.log, numbers, step=record["step"])
 
 
 def record_evaluation(log, bar, record, model, init_hash):

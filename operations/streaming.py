@@ -24,11 +24,6 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 WORKERS_GONE = (RuntimeError, OSError, EOFError)
 
 
-
-
-
-
-
 class ImageStream:
     """An image folder read from disk as training goes, for folders too large to decode whole
     (ImageNet-1k at 224: 190 GB of uint8): DataLoader workers decode ahead of the loop, each rank
