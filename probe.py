@@ -284,8 +284,8 @@ def load_samples(args, model, train_cfg):
         named = getattr(model, "spec", "a fresh model (init:)")  # a foreign model knows its spec
         raise ValueError(f"{named} has no tokenizer of its own (random weights); pass --tokenizer: "
                          "a tiktoken encoding, bytes, or hf:NAME")
-    data = streaming.held_out(model.config, train_cfg, args.dataset, args.data_dir, args.tokenizer,
-                    args.val_file)
+    data = streaming.held_out(model.config, train_cfg, args.dataset, args.data_dir,
+                              args.tokenizer, args.val_file)
     samples = first_samples(data, args.samples)
     if model.config.is_image and hasattr(model, "normalize"):  # a foreign model's own statistics
         samples = model.normalize(samples * data.std + data.mean)

@@ -2712,18 +2712,21 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
 def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
                                                                               tmp_path):
     """--time_limit counts from the invocation's start and stops training while the evaluation and
-    the checkpoint still fit: their last measured time, or before the first evaluation a third of a
-    step per held-out batch; inf is refused."""
+    the checkpoint still fit: their last measured time, or before the first evaluation a step per
+    held-out batch and one for the probe; inf is refused."""
     from operations import progress
     import train
 
-    cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0)
-    clock = progress.Clock(time.time() - 8, cfg, held_out_batches=2)  # 2 s left
+    cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0, probe_samples=0)
+    clock = progress.Clock(time.time() - 7.5, cfg, held_out_batches=1)  # 2.5 s left
     clock.step_times = [1.0, 1.0]  # 1 s per step
-    assert not clock.out_of_time(10)  # 1 s step + 2 batches x 1 s / 3 fit in 2 s
+    assert not clock.out_of_time(10)  # 1 s step + 1 batch x 1 s fit in 2.5 s
+    clock.cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0, probe_samples=64)
+    assert clock.out_of_time(10)  # and the probe's 1 s does not
+    clock.cfg = cfg
     clock.eval_s = 0.5
     assert not clock.out_of_time(10)
-    clock.eval_s, clock.save_s = 0.5, 0.6  # the step, the evaluation and the save: 2.1 s
+    clock.eval_s, clock.save_s = 1.0, 0.6  # the step, the evaluation and the save: 2.6 s
     assert clock.out_of_time(10)
     assert not clock.out_of_time(cfg.max_iters)  # at the last step there is nothing to stop
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
@@ -2754,15 +2757,15 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     import train
 
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
-    # an evaluation: 2 batches, 1/3 s each; 1 s per step, 5.5 s left
+    # an evaluation: 2 batches and the probe, a step each (1 s); 5.5 s left
     clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
     clock.step_times = [1.0] * 11
     bar = tqdm(total=1000, disable=True)
     clock.show_progress(bar, 10, 2.5, 1e-3)
     line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
-            "--time_limit stops the run at about step 14 (all 1000 steps would take about "
-            "16.5 min)")  # 5.5 s left, 0.7 s of them kept for the final evaluation
-    assert bar.total == 14 and line in capsys.readouterr().out
+            "--time_limit stops the run at about step 12 (all 1000 steps would take about "
+            "16.5 min)")  # 5.5 s left, 3 s of them kept for the final evaluation
+    assert bar.total == 12 and line in capsys.readouterr().out
     cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert bar.total == 1000

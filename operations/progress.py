@@ -46,11 +46,12 @@ class Clock:
     def limit_left(self):
         """Seconds of --time_limit left for training steps: the limit counts from the invocation's
         start and keeps back what the final evaluation and checkpoint take (as last measured;
-        before the first evaluation, a third of a step per held-out batch), so a stop ends with
-        both."""
+        before the first evaluation, a step per held-out batch and one for the probe), so a stop
+        ends with both."""
         evaluation = self.eval_s
         if evaluation is None:
-            evaluation = self.held_out_batches * self.timed_step_s() / 3
+            probe = 1 if self.cfg.probe_samples else 0  # the per-layer probe: about a batch
+            evaluation = (self.held_out_batches + probe) * self.timed_step_s()
         return (self.cfg.time_limit - (time.time() - self.t_begin) - evaluation
                 - (self.save_s or 0.0))
 
