@@ -22,6 +22,7 @@ import tempfile
 import time
 import types
 from contextlib import nullcontext, redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,13 +150,23 @@ def text_flags(tiny_data, objective, *extra):
             "--warmup", "2", *extra]
 
 
+TRAINED = {}  # (objective, steps, extra flags) -> a finished run of this process, to copy
+
+
 def trained_checkpoint(tiny_data, objective, out_dir, steps=1, *extra):
-    """Train a tiny `objective` model on the tiny data for `steps` steps (evaluated and saved at the
-    last); returns the path of its checkpoint."""
-    flags = (image_flags if objective in ("mae", "cls") else text_flags)(
-        tiny_data, objective, "--max_iters", str(steps), "--eval_interval", str(steps), *extra)
-    code, out, _ = run_train(*flags, out_dir=out_dir)
-    assert code == 0, out
+    """A tiny `objective` model trained on the tiny data for `steps` steps (evaluated and saved at
+    the last) in out_dir: trained once per process for the same flags, then copied; returns the
+    path of its checkpoint."""
+    key = (objective, steps, *map(str, extra))
+    if key not in TRAINED:
+        flags = (image_flags if objective in ("mae", "cls") else text_flags)(
+            tiny_data, objective, "--max_iters", str(steps), "--eval_interval", str(steps), *extra)
+        code, out, _ = run_train(*flags, out_dir=out_dir)
+        assert code == 0, out
+        TRAINED[key] = Path(tempfile.mkdtemp(prefix="bamboo-tests-")) / "run"
+        shutil.copytree(out_dir, TRAINED[key])
+    else:
+        shutil.copytree(TRAINED[key], out_dir, dirs_exist_ok=True)
     return out_dir / "ckpt.pt"
 
 
