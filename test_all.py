@@ -2745,6 +2745,19 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
 
 
+def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
+        tiny_data, tmp_path, monkeypatch):
+    from operations import progress
+
+    # out of time only once the first evaluation has been timed (at step 2)
+    monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
+                        "--time_limit", "60")
+    code, out, records = run_train(*flags, out_dir=tmp_path)
+    assert code == 0 and "time limit reached at step 2" in out, out
+    assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
+
+
 def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
     """python train.py passes the time taken before its imports: a limit already spent there stops
     the run after its first step, evaluated and saved."""

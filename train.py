@@ -369,6 +369,10 @@ def train(args, started=None):
                     if improved:  # the best weights so far, without the optimizer
                         checkpoint.save(best_path, checkpoint.weights_only(state))
                     saved_step, clock.save_s = step, time.time() - t_save
+                if cfg.time_limit and not stopping:  # no room left for a step and an evaluation
+                    stopping = clock.out_of_time(step)
+                    stopping = progress.any_rank(stopping, device) if ddp else stopping
+                    stop.reason = "time limit reached" if stopping else None
                 if stopping:
                     if master:
                         bar.write(progress.how_to_resume(stop.reason, step, world, cfg.out_dir))
