@@ -2758,6 +2758,23 @@ def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
     assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
 
 
+def test_a_time_limit_too_short_for_the_final_evaluation_says_so_once(capsys):
+    from tqdm import tqdm
+
+    from operations import progress
+    import train
+
+    cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
+    clock = progress.Clock(time.time() - 2, cfg, held_out_batches=20)  # 21 s of evaluation
+    clock.step_times = [1.0] * 3
+    bar = tqdm(total=1000, disable=True)
+    for step in (3, 4):
+        clock.show_progress(bar, step, 2.5, 1e-3)
+    out = capsys.readouterr().out
+    assert out.count("note: --time_limit 10 s cannot hold the final evaluation (about 21 s, 20 "
+                     "held-out batches)") == 1, out
+
+
 def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
     """python train.py passes the time taken before its imports: a limit already spent there stops
     the run after its first step, evaluated and saved."""

@@ -32,6 +32,7 @@ class Clock:
         self.step_times = []  # seconds per step, evaluations left out
         self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
         self.said = 0.0  # wall clock of the last progress line in a log file
+        self.said_too_short = False  # whether the run said its limit cannot hold an evaluation
 
     def step_s(self, last=None):
         """The mean time of the steps so far (of the last ones, if given), the first step left out
@@ -48,12 +49,15 @@ class Clock:
         start and keeps back what the final evaluation and checkpoint take (as last measured;
         before the first evaluation, a step per held-out batch and one for the probe), so a stop
         ends with both."""
-        evaluation = self.eval_s
-        if evaluation is None:
-            probe = 1 if self.cfg.probe_samples else 0  # the per-layer probe: about a batch
-            evaluation = (self.held_out_batches + probe) * self.timed_step_s()
-        return (self.cfg.time_limit - (time.time() - self.t_begin) - evaluation
+        return (self.cfg.time_limit - (time.time() - self.t_begin) - self.evaluation_s()
                 - (self.save_s or 0.0))
+
+    def evaluation_s(self):
+        """What an evaluation takes: as last measured, or before the first, a step per held-out
+        batch and one for the per-layer probe."""
+        if self.eval_s is not None:
+            return self.eval_s
+        return (self.held_out_batches + (1 if self.cfg.probe_samples else 0)) * self.timed_step_s()
 
     def out_of_time(self, step):
         """Whether --time_limit leaves no room for another step before the final evaluation."""
@@ -79,6 +83,12 @@ class Clock:
             steps = max(0, int(min(steps, fit)))
             bar.total = step + steps
             bar.refresh()
+            if self.limit_left() < 0 and not self.said_too_short and master:  # once
+                self.said_too_short = True
+                bar.write(f"note: --time_limit {cfg.time_limit:g} s cannot hold the final "
+                          f"evaluation (about {self.evaluation_s():.0f} s, "
+                          f"{self.held_out_batches} held-out batches): the run will end late; "
+                          "raise --time_limit or lower --eval_samples")
             if step + steps < cfg.max_iters:
                 left = max(0.0, cfg.time_limit - (time.time() - self.t_begin))
                 where = (f": --time_limit stops the run at about step {step + steps} "
