@@ -109,17 +109,11 @@ def schedule_defaults(cfg, depth):
 # taken from the checkpoint: given, or default.
 RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
              "probe_samples", "log_interval", "data_dir", "cache_dir")
-
-
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
                   "eval_only", "wandb_project", "memory_gb", "workers")
-
-
 # What --eval_only --init_from takes from the checkpoint: its data and batches (masks), as drawn
 HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
             "eval_samples", "stream", "train_samples", "seed", "batch_size")
-
-
 # What fine-tuning keeps of the pretrained model: the trunk's shape
 TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size", "vocab_size",
                "seq_len", "neutreno", "vo_param")
@@ -136,7 +130,7 @@ def resolve_settings(args):
              **cli.flags_given(args, Config)}
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
         cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE,
-                                                     PER_INVOCATION)
+                                               PER_INVOCATION)
         settings = dict(resumed["config"])
         saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
         sources = dict.fromkeys([*settings, *saved], "the resumed run")
@@ -157,8 +151,7 @@ def resolve_settings(args):
             cfg = replace(cfg, **saved)
             sources.update(dict.fromkeys([*kept, *saved], "the --init_from checkpoint"))
         if cfg.preset in RECIPES:  # on the data it will run on (--eval_only: the checkpoint's)
-            checks.check_recipe_fits(cfg.preset, cfg.dataset,
-                                           "seq_len" in PRESETS[cfg.preset])
+            checks.check_recipe_fits(cfg.preset, cfg.dataset, "seq_len" in PRESETS[cfg.preset])
         settings.update(cli.flags_given(args, Config))
         if cfg.eval_only and pretrained is not None:
             checks.check_scored_as_trained(cfg.init_from, pretrained, settings)
@@ -205,7 +198,7 @@ def train(args, started=None):
                                       for name in ("ckpt.pt", "best.pt", "log.jsonl"))
     # out_dir: locked for the run, removed again if made and left empty (--eval_only writes none)
     with out_dir.out_dir_claimed(cfg.out_dir, cfg.resume, cfg.overwrite,
-                                      master and not cfg.eval_only), \
+                                 master and not cfg.eval_only), \
             progress.process_group_left(ddp):
         say(f"loading {cfg.dataset} from {cfg.data_dir} ...")
         data, config = load_data(cfg, settings, device, rank, world, resumed or pretrained)
@@ -317,8 +310,7 @@ def train(args, started=None):
                     stop.reason = stop.reason or "time limit reached"
                 stopping = stop.reason is not None
                 if ddp:  # the ranks agree, at the steps that read the loss anyway
-                    stopping = step % cfg.log_interval == 0 and progress.any_rank(stopping,
-                                                                                      device)
+                    stopping = step % cfg.log_interval == 0 and progress.any_rank(stopping, device)
                 evaluating = step % cfg.eval_interval == 0 or step == cfg.max_iters or stopping
                 if step % cfg.log_interval == 0 or evaluating:
                     train_loss = progress.read_loss(loss_sum, step, cfg, saved_step)
@@ -394,9 +386,9 @@ def build_parser():
     recipes = "\n".join(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in recipe.items())
                          for name, recipe in RECIPES.items())
     return cli.parser_of(((TrainConfig, "training"),
-                                   (Config, "model (defaults shown; a --preset sets its own)")),
-                                  CHOICES, "a laptop preset also sets its training recipe (flags "
-                                  "override it):\n" + recipes)
+                          (Config, "model (defaults shown; a --preset sets its own)")),
+                         CHOICES, "a laptop preset also sets its training recipe (flags "
+                         "override it):\n" + recipes)
 
 
 def start_processes(cfg):
@@ -414,7 +406,7 @@ def start_processes(cfg):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % (world * cfg.grad_accum):
         raise cli.TrainingError(f"--batch_size {cfg.batch_size} must be divisible by "
-                                         f"processes x grad_accum = {world} x {cfg.grad_accum}")
+                                f"processes x grad_accum = {world} x {cfg.grad_accum}")
     return device, rank, world
 
 
