@@ -2487,10 +2487,10 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
     with pytest.raises(cli.TrainingError, match="--threads -1 must be >= 0"):
         checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5,
                                                       threads=-1))
-    assert progress.launcher(1) == "python train.py"
+    assert cli.resume_command("o", 1) == "python train.py --resume --out_dir o"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert progress.launcher(2) == "torchrun --nproc_per_node=2 train.py"
-    assert progress.launcher(4) == "torchrun --nnodes=2 --nproc_per_node=2 train.py"
+    assert cli.resume_command("o", 2) == "torchrun --nproc_per_node=2 train.py --resume --out_dir o"
+    assert cli.resume_command("o", 4).startswith("torchrun --nnodes=2 --nproc_per_node=2 train.py")
     line = progress.how_to_resume("time limit reached", 7, 2, "o")
     assert line == ("time limit reached at step 7; checkpoint saved to o/ckpt.pt; continue with: "
                     "torchrun --nproc_per_node=2 train.py --resume --out_dir o")
@@ -2875,6 +2875,7 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip",
                     "0")
     assert message in err and "still holds step 2" in err
+    assert f"continue from it with: python train.py --resume --out_dir {tmp_path}" in err
     # clipping was off here, so it is advised
     assert "lengthen --warmup" in err and "--grad_clip 1.0" in err
     assert (tmp_path / "ckpt.pt").read_bytes() == good
@@ -3025,7 +3026,8 @@ def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path
     assert "no checkpoint was written, so there is nothing to resume" in capsys.readouterr().err
     (tmp_path / "ckpt.pt").write_bytes(b"")
     assert train.main(["--out_dir", str(tmp_path)]) == 130
-    assert "the last checkpoint is as it was; continue with --resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the last checkpoint is as it was; continue with: python train.py --resume" in err
 
 
 # ==================================================================================================

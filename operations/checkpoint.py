@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bamboo import TRUNK, Bamboo, Config
+from operations.cli import resume_command
 
 
 LAST_TO_READ_OLD = "0bbb605"  # the last commit that reads checkpoints written before 2026-11-27
@@ -105,9 +106,9 @@ def save(path, state):
         atomic_write(path, lambda f: torch.save(state, f))
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         why = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][-80:]
-        raise CheckpointError(f"could not write {path} ({why}); free space in "
-                              f"{os.path.dirname(path) or '.'} or choose another --out_dir, then "
-                              "continue with --resume") from None
+        folder = os.path.dirname(path) or "."
+        raise CheckpointError(f"could not write {path} ({why}); free space in {folder}, then "
+                              f"continue with: {resume_command(folder)}") from None
 
 
 # ----------------------------------------------------------------------------- load and resume

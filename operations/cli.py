@@ -127,6 +127,18 @@ def peer_lost(e):
     return int(os.environ.get("WORLD_SIZE", 1)) > 1 and any(w in str(e).lower() for w in words)
 
 
+def resume_command(out_dir, world=None):
+    """The command that continues the run in out_dir, started as this one was: python, or torchrun
+    with its processes (a resume needs as many as the run had; world: WORLD_SIZE unless given)."""
+    world = world or int(os.environ.get("WORLD_SIZE", 1))
+    launcher = "python train.py"
+    if world > 1:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = f" --nnodes={world // per_node}" if per_node != world else ""
+        launcher = f"torchrun{nodes} --nproc_per_node={per_node} train.py"
+    return f"{launcher} --resume --out_dir {out_dir}"
+
+
 @contextmanager
 def one_line_errors(out_dir=None):
     """with one_line_errors(out_dir) as outcome: ... Every failure a user can fix (a mistake, a
@@ -139,7 +151,7 @@ def one_line_errors(out_dir=None):
         if not out_dir:
             return ""
         if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-            return "; the last checkpoint is as it was; continue with --resume"
+            return f"; the last checkpoint is as it was; continue with: {resume_command(out_dir)}"
         return "; no checkpoint was written, so there is nothing to resume"
 
     try:

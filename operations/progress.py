@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from operations import fast
-from operations.cli import TrainingError
+from operations.cli import TrainingError, resume_command
 from operations.runlog import selection_metric
 
 
@@ -170,7 +170,7 @@ def diverged(what, cfg, saved_step):
                  "so this run is lost")
     else:
         where = (f"{os.path.join(cfg.out_dir, 'ckpt.pt')} still holds step {saved_step}, the last "
-                 "good state; resume from it with --resume")
+                 f"good state; continue from it with: {resume_command(cfg.out_dir)}")
     return TrainingError(f"{what}; nothing was saved; {where}; {divergence_advice(cfg)}")
 
 
@@ -186,18 +186,7 @@ def read_loss(total, step, cfg, saved_step):
 def how_to_resume(reason, step, world, out_dir):
     """After an early stop: why, where the checkpoint is, and the command that continues."""
     return (f"{reason or 'stopped by another rank'} at step {step}; checkpoint saved to "
-            f"{os.path.join(out_dir, 'ckpt.pt')}; continue with: {launcher(world)} --resume "
-            f"--out_dir {out_dir}")
-
-
-def launcher(world):
-    """How this run was started, for the commands it prints: python, or torchrun with its processes
-    (a resume needs as many as the run had)."""
-    if world == 1:
-        return "python train.py"
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = f" --nnodes={world // per_node}" if per_node != world else ""
-    return f"torchrun{nodes} --nproc_per_node={per_node} train.py"
+            f"{os.path.join(out_dir, 'ckpt.pt')}; continue with: {resume_command(out_dir, world)}")
 
 
 @contextmanager
