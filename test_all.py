@@ -3948,6 +3948,7 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
                                                                      capsys):
     """The export writes what the library loads as-is (timm: the state dict, strict; Hugging Face:
     a save_pretrained folder), and the library's model then computes our logits or features."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
@@ -3958,8 +3959,9 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     for p in model.parameters():  # no zero-initialised head or bias hides a wrong mapping
         p.data.add_(torch.randn_like(p) * 0.02)
     ckpt = tmp_path / "ckpt.pt"
+    statistics = (torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.full((1, 3, 1, 1), 0.2))
     checkpoint.save(str(ckpt), {"config": model.config.to_dict(), "model": model.state_dict(),
-                                "window": None})
+                                "window": None, "statistics": statistics, "classes": ["a", "b"]})
     out = tmp_path / ("gpt2" if objective == "next" else "vit.safetensors")
     assert export.main([str(ckpt), "--out", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
@@ -3971,6 +3973,10 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
         else:
             vit = export.timm_model(model.config).eval()
             vit.load_state_dict(load_file(out))  # strict: every tensor named and shaped alike
+            with safe_open(out, "pt") as f:  # what a user needs beside the weights
+                meta = {k: json.loads(v) for k, v in f.metadata().items()}
+            assert meta == {"input_size": [3, 16, 16], "classes": ["a", "b"],
+                            "mean": pytest.approx([0.5, 0.4, 0.3]), "std": pytest.approx([0.2] * 3)}
             theirs = vit(x) if objective == "cls" else vit.forward_features(x)
             ours = model(x)[0] if objective == "cls" else model.forward_encoder(x, 0.0)[0]
     assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()

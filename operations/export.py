@@ -3,12 +3,14 @@ timm VisionTransformer state dict, a next-token model as a Hugging Face GPT2LMHe
 
 What has no counterpart there is refused in one line: NeuTRENO, the smooth/sharpen W_V W_O, the
 mlm objective, and a CLS-token pool (timm's would need its own position). LayerNorm's eps is ours
-(1e-5; timm's default is 1e-6), so build the timm model with the norm_layer that is printed.
+(1e-5; timm's default is 1e-6), so build the timm model with the norm_layer that is printed. The
+.safetensors file's metadata holds the input size, the pixel mean and std, and the class names.
 
 Run: python -m operations.export out/ckpt.pt --out vit.safetensors   (cls, mae: timm)
      python -m operations.export out/ckpt.pt --out gpt2/             (next: save_pretrained)
 """
 import argparse
+import json
 import os
 import sys
 from functools import partial
@@ -112,7 +114,7 @@ def to_gpt2(model):
 def export(path, out):
     """Write the checkpoint at path for timm (a .safetensors state dict, cls and mae) or Hugging
     Face (a save_pretrained folder, next); returns the line that says how to load it."""
-    model, _ = model_from_checkpoint(path)
+    model, ckpt = model_from_checkpoint(path)
     c = model.config
     check_exportable(c)
     if c.objective == "next":
@@ -138,11 +140,23 @@ def export(path, out):
     check_output_path("--out", out)
     if os.path.exists(out):
         raise ValueError(f"--out {out} exists; remove it or export to another file")
-    tensors = save({k: v.contiguous() for k, v in to_timm(model).items()})
+    tensors = save({k: v.contiguous() for k, v in to_timm(model).items()}, metadata=about(ckpt))
     atomic_write(out, lambda f: f.write(tensors))  # the system's write errors: one line
     return (f"wrote {out}: VisionTransformer(**{timm_kwargs(c)!r}, norm_layer=partial("
             f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."
             f"load_file({out!r}))")
+
+
+def about(ckpt):
+    """What a user of the weights needs beside them, as the safetensors file's metadata (text): the
+    input size, the pixel mean and std training normalised with, and the class names in order."""
+    c, statistics = ckpt["config"], ckpt.get("statistics")
+    meta = {"input_size": json.dumps([c["channels"], c["image_size"], c["image_size"]]),
+            "classes": json.dumps(ckpt.get("classes"))}
+    if statistics is not None:
+        meta.update(mean=json.dumps(statistics[0].flatten().tolist()),
+                    std=json.dumps(statistics[1].flatten().tolist()))
+    return meta
 
 
 def main(argv=None):
