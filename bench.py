@@ -198,11 +198,13 @@ def build_runners(args, device):
                for attention in (attentions[:1] if reference else attentions)]
     runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
     sync = device_sync(device)
-    for runner in runners:  # warm-up: allocator, compile, first-touch costs
+    for (spec, dtype, *_), runner in zip(entries, runners):  # warm-up: allocator, compile, ...
         t0 = time.perf_counter()
         runner.step()
         sync()  # the first step's kernels too, not only their compilation and launch
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
+        print(f"first step of {spec} ({runner.name}, {str(dtype).replace('torch.', '')}, "
+              f"{runner.compiled}): {runner.first_step_s:.1f} s", flush=True)  # never silent
         for _ in range(args.warmup - 1):
             runner.step()
     warm_until = time.perf_counter() + WARM_S  # a machine settles in its first seconds of work

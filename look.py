@@ -347,10 +347,12 @@ def build_parser():
     s.add_argument("--prompt_file", default="", help="read the prompt from this UTF-8 file")
     s.add_argument("--num_samples", type=int, default=3, help="continuations (default: 3)")
     s.add_argument("--max_new_tokens", type=int, default=100, help="tokens each (default: 100)")
-    s.add_argument("--temperature", type=float, default=0.8, help="> 0; lower is more conservative")
-    s.add_argument("--top_k", type=int, default=200, help="sample from the k likeliest; 0: all")
+    s.add_argument("--temperature", type=float, default=0.8,
+                   help="> 0; lower is more conservative (default: 0.8)")
+    s.add_argument("--top_k", type=int, default=200,
+                   help="sample from the k likeliest; 0: all (default: 200)")
     s.add_argument("--tokenizer", default="", help="an encoding, or bytes (default: the run's)")
-    s.add_argument("--seed", type=int, default=1337)
+    s.add_argument("--seed", type=int, default=1337, help="(default: 1337)")
     for name, what in (("reconstruct", "MAE reconstructions of held-out images as one grid"),
                        ("attention", "attention maps of chosen layers and heads")):
         q = commands.add_parser(name, help=what, allow_abbrev=False)
@@ -375,6 +377,9 @@ def build_parser():
     m.add_argument("--metric", default="abs_cos_centered",
                    choices=("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"))
     m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")
+    for command in commands.choices.values():
+        command.add_argument("--threads", type=int, default=0,
+                             help="CPU threads; 0: torch's, one per core (busy CPU: try 1)")
     return p
 
 
@@ -386,8 +391,8 @@ def check_args(args):
             raise ValueError(f"--{name} must be at least 1 ({what})")
     if getattr(args, "temperature", 1) <= 0 or not math.isfinite(getattr(args, "temperature", 1)):
         raise ValueError("--temperature must be a finite number > 0")
-    if getattr(args, "top_k", 0) < 0 or getattr(args, "index", 0) < 0:
-        raise ValueError("--top_k and --index must be >= 0")
+    if getattr(args, "top_k", 0) < 0 or getattr(args, "index", 0) < 0 or args.threads < 0:
+        raise ValueError("--top_k, --index and --threads must be >= 0")
     if getattr(args, "out", ""):
         check_output_path("--out", args.out)
 
@@ -398,6 +403,8 @@ def main(argv=None):
                 "curves": curves, "smoothing": smoothing}
     with one_line_errors() as outcome:
         check_args(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         commands[args.command](args)
     if outcome.code:
         return outcome.code

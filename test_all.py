@@ -2001,6 +2001,7 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tmp
               if r.get("eval")][-1]
     code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
     assert code == 0 and f"evaluated at step 2: val_loss {logged['val_loss']:.4g}" in printed
+    assert "peak lr" not in printed  # nothing here trains
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     out.chmod(0o555)  # a read-only folder: no lock taken, nothing written
     try:
@@ -3450,7 +3451,7 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
 
 
-def test_probe_and_bench_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
+def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
     import bench
 
     try:
@@ -3463,6 +3464,9 @@ def test_probe_and_bench_run_on_the_device_and_threads_they_are_given(capsys, ti
                            "--steps", "1", "--rounds", "1", "--warmup", "1"]) == 0
         assert "device cpu, batch 8, 1 rounds x 1 steps (fastest round), 2 threads" in (
             capsys.readouterr().out)
+        torch.set_num_threads(1)
+        code, out = look_cli(capsys, "curves", tiny_data / "no-run", "--threads", "2")
+        assert code == 2 and torch.get_num_threads() == 2  # set before any work
     finally:
         torch.set_num_threads(1)  # the suite's, for the tests after this one
 
@@ -4524,6 +4528,7 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
         assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
     assert "MFU %" in out and "peak: cpu (peak unknown: no MFU)" in out
+    assert "first step of cls:cifar-tiny,image_size=16 (bamboo, float32, off): " in out  # at once
 
 
 def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys,

@@ -253,8 +253,8 @@ def train(args, started=None):
             f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
             "GFLOPs/sample, "
             f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
-            f"{world} x {cfg.grad_accum} x {micro_batch}, peak lr {cfg.lr:.3g}, warmup "
-            f"{cfg.warmup} steps")
+            f"{world} x {cfg.grad_accum} x {micro_batch}"
+            + ("" if cfg.eval_only else f", peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps"))
         say("\n".join(checks.settings_lines(cfg, config, data, sources, device)))
 
         if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
