@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Experiment 6 (results/e6/PLAN.md): does depth pay under MAE at equal FLOPs? One command per stretch of GPU
-# time: it fixes the design once (results/e6_design.py's rule from bench.py's steps on this GPU), then runs
-# whole seeds while they fit in BUDGET seconds: per seed, the shallow then the deep trunk, each MAE then
-# fine-tuning from it, each run's final evaluation logging the per-layer probe. A seed starts only if the
-# longest seed measured so far (the design's estimate before the first) fits what is left of BUDGET. A
-# finished seed lands in results/e6/sN/ and is skipped by every later command, on this machine or a fresh
-# one; a seed that did not finish leaves nothing there (on this machine, the next command resumes it).
+# Experiments 6 and 11 (results/e6/PLAN.md, results/e11/PLAN.md): does depth pay under MAE at equal FLOPs?
+# One command per stretch of GPU time. Experiment 6 fixes its design once (results/e6_design.py's rule from
+# bench.py's steps on this GPU), then runs whole seeds: per seed, the shallow then the deep trunk, each MAE then
+# fine-tuning from it, each run's final evaluation logging the per-layer probe. Experiment 11's design is
+# committed (results/e11/design.json) and its unit is one arm: one trunk's MAE and fine-tuning. A unit starts
+# only if the longest such unit measured so far (the design's prediction before the first) fits what is left of
+# BUDGET. A finished unit lands in RESULTS/sN/ and is skipped by every later command, on this machine or a
+# fresh one; one that did not finish leaves nothing kept there (on this machine, the next command resumes it).
 #   DATA=DIR bash results/e6.sh             DIR holds cifar10-jpeg/; checkpoints and decoded images go to RUNS
-#   ARCHIVE=FILE                            also pack results/e6/ into FILE (a runner that returns few files)
-# SEEDS ("0 1 2 3 4 5"), BUDGET (570 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6), RUNS (/tmp/e6).
-# The suite's dry run puts a tiny design.json in RESULTS and runs with DEVICE=cpu.
+#   bash results/e11.sh                     the same with RESULTS=results/e11
+#   ARCHIVE=FILE                            also pack RESULTS into FILE (a runner that returns few files)
+# SEEDS ("0 1 2 3 4 5"), BUDGET (570 s), DEVICE (cuda), PROBE_SAMPLES (256), RESULTS (results/e6),
+# RUNS (/tmp/ and RESULTS' last name). The suite's dry runs put a tiny design.json in RESULTS, DEVICE=cpu.
 set -euo pipefail
 if [ $# -gt 0 ]; then
   echo "results/e6.sh takes no arguments (got '$*'): its settings are environment variables (see its head)" >&2
@@ -18,8 +20,8 @@ fi
 cd "$(dirname "$0")/.."
 source results/checks.sh
 PY=${PYTHON:-python}
-DATA=${DATA:-../shared/data} RUNS=${RUNS:-/tmp/e6} DEVICE=${DEVICE:-cuda} SEEDS=${SEEDS:-0 1 2 3 4 5}
-BUDGET=${BUDGET:-570} PROBE_SAMPLES=${PROBE_SAMPLES:-256} OUT=${RESULTS:-results/e6}
+OUT=${RESULTS:-results/e6} DATA=${DATA:-../shared/data} DEVICE=${DEVICE:-cuda} SEEDS=${SEEDS:-0 1 2 3 4 5}
+RUNS=${RUNS:-/tmp/$(basename "$OUT")} BUDGET=${BUDGET:-570} PROBE_SAMPLES=${PROBE_SAMPLES:-256}
 seed_list SEEDS
 for v in BUDGET PROBE_SAMPLES; do positive_whole $v ""; done
 if [ "$PROBE_SAMPLES" -lt 2 ]; then echo "PROBE_SAMPLES must be at least 2, got $PROBE_SAMPLES" >&2; exit 2; fi
@@ -32,7 +34,7 @@ if [ "$DEVICE" = cpu ] && [ ! -f "$OUT/design.json" ]; then
   exit 2
 fi
 if [ "$DEVICE" = cuda ] && ! $PY -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  echo "no CUDA device here: experiment 6 runs on a GPU (the suite's dry run uses DEVICE=cpu)"; exit 1
+  echo "no CUDA device here: this experiment runs on a GPU (the suite's dry run uses DEVICE=cpu)"; exit 1
 fi
 cifar_folder "$DATA"
 start=$SECONDS
@@ -58,6 +60,7 @@ if [ ! -f "$OUT/design.json" ]; then  # the rule, once: P1, and P2 only if no le
   done
   echo "design fixed in $((SECONDS - start)) s"
 fi
+declare -A PREDICTED  # seconds by unit, before one is measured
 eval "$($PY results/e6_design.py shell "$OUT/design.json")"
 
 COMMON="--dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES --eval_samples 0
@@ -65,7 +68,6 @@ COMMON="--dataset folder --data_dir $DATA/cifar10-jpeg --train_samples $SAMPLES 
 MAE="--objective mae --batch_size $MAE_BATCH --base_lr 1.5e-4 --norm_pix_loss --warmup $MAE_WARMUP"
 FT="--objective cls --batch_size $FT_BATCH --base_lr 5e-4 --drop_path 0.1 --label_smoothing 0.1
     --warmup $FT_WARMUP"
-REVISION=3  # of PLAN.md: the procedure a kept seed ran under (seed 0 ran under revision 2)
 
 finished() {  # finished RUN PLANNED: the run's log holds an evaluation at its planned step
   [ -f "$1/log.jsonl" ] && grep -q "\"eval\": true, \"step\": $2," "$1/log.jsonl"
@@ -93,64 +95,71 @@ trunk() {  # trunk SEED NAME FLAGS DECAY: MAE, then fine-tuning from it
   fi
 }
 
-seed_done() {  # every run of the seed at its planned step
-  local runs=$RUNS/s$1 name
-  for name in shallow deep; do
+unit_done() {  # unit_done SEED TRUNKS...: every run of the trunks at its planned step
+  local runs=$RUNS/s$1 name; shift
+  for name in "$@"; do
     finished "$runs/$name-mae" "$MAE_STEPS" && finished "$runs/$name-ft" "$FT_STEPS" || return 1
   done
 }
 
-keep_seed() {  # copy a finished seed's small outputs into OUT/sN, whole or not at all
-  local runs=$RUNS/s$1 part=$OUT/s$1.part run
-  rm -rf "$part" && mkdir -p "$part"
-  for run in shallow-mae shallow-ft deep-mae deep-ft; do
-    cp "$runs/$run/log.jsonl" "$part/$run.jsonl"
-    cp "$runs/$run.txt" "$part/"
-    if [ -f "$runs/$run/eval_correct.npy" ]; then cp "$runs/$run/eval_correct.npy" "$part/$run.npy"; fi
+keep() {  # keep SEED TAG SECONDS TRUNKS...: copy a finished unit's small outputs into OUT/sN, its seconds last
+  local runs=$RUNS/s$1 to=$OUT/s$1 tag=$2 seconds=$3 name run; shift 3
+  mkdir -p "$to"
+  for name in "$@"; do
+    for run in "$name-mae" "$name-ft"; do
+      cp "$runs/$run/log.jsonl" "$to/$run.jsonl"
+      cp "$runs/$run.txt" "$to/"
+      if [ -f "$runs/$run/eval_correct.npy" ]; then cp "$runs/$run/eval_correct.npy" "$to/$run.npy"; fi
+    done
   done
-  echo "$2" > "$part/seconds.txt"
-  echo "$REVISION" > "$part/revision.txt"
-  if [ -f "$OUT/gpu.txt" ]; then cp "$OUT/gpu.txt" "$part/"; fi  # the GPU this seed ran on
-  mv "$part" "$OUT/s$1"
+  echo "$REVISION" > "$to/revision.txt"
+  if [ -f "$OUT/gpu.txt" ]; then cp "$OUT/gpu.txt" "$to/${tag}gpu.txt"; fi  # the GPU this unit ran on
+  echo "$seconds" > "$to/${tag}seconds.txt"  # written last: a unit is kept when its seconds are
 }
 
-longest_seed() {  # the longest seed of this revision kept in OUT, or the design's estimate before the first
-  local longest=$SEQUENTIAL_SEED_S folder measured=0
-  for folder in "$OUT"/s*/; do
-    if [ "$(cat "$folder/revision.txt" 2> /dev/null)" = "$REVISION" ] && [ -f "$folder/seconds.txt" ]; then
-      measured=$(( $(cat "$folder/seconds.txt") > measured ? $(cat "$folder/seconds.txt") : measured ))
+longest() {  # longest TAG UNIT: the longest such unit of this revision kept in OUT, or its prediction
+  local file measured=0
+  for file in "$OUT"/s*/"$1"seconds.txt; do
+    if [ -f "$file" ] && [ "$(cat "$(dirname "$file")/revision.txt" 2> /dev/null)" = "$REVISION" ]; then
+      measured=$(( $(cat "$file") > measured ? $(cat "$file") : measured ))
     fi
   done
-  if [ "$measured" -gt 0 ]; then longest=$measured; fi
-  echo "$longest"
+  if [ "$measured" -gt 0 ]; then echo "$measured"; else echo "${PREDICTED[$2]}"; fi
 }
 
+if [ "$UNIT" = arm ]; then UNITS="shallow deep"; else UNITS="shallow+deep"; fi
 left_over=0 failed=0
 for seed in $SEEDS; do
-  if [ -d "$OUT/s$seed" ]; then continue; fi
-  need=$(longest_seed)
-  spent=$(cat "$RUNS/s$seed/seconds" 2> /dev/null || echo 0)  # a seed begun on this machine goes on
-  if [ "$spent" -gt 0 ]; then need=$(( need - spent > 60 ? need - spent : 60 )); fi
-  if [ $((BUDGET - (SECONDS - start))) -lt "$need" ]; then
-    echo "seed $seed: not started, $((BUDGET - (SECONDS - start))) s left, it needs about $need s"
-    left_over=1; break
-  fi
-  seed_start=$SECONDS
-  echo "seed $seed: the shallow then the deep trunk ($PAIR, MAE $MAE_STEPS steps, fine-tuning $FT_STEPS)"
-  mkdir -p "$RUNS/s$seed"
-  trunk "$seed" shallow "$SHALLOW_FLAGS" "$SHALLOW_DECAY"
-  trunk "$seed" deep "$DEEP_FLAGS" "$DEEP_DECAY"
-  spent=$(( spent + SECONDS - seed_start ))
-  echo "$spent" > "$RUNS/s$seed/seconds"  # a seed continued on this machine adds its commands' times
-  if seed_done "$seed"; then
-    keep_seed "$seed" "$spent"
-    echo "seed $seed: done in $spent s, kept in $OUT/s$seed"
-  else
-    echo "seed $seed: not finished in this command; run it again to continue (on this machine it resumes)"
-    left_over=1; break
-  fi
+  for unit in $UNITS; do
+    trunks=${unit/+/ } tag="" name="seed $seed"
+    if [ "$UNIT" = arm ]; then tag="$unit-" name="seed $seed, $unit arm"; fi
+    if [ -f "$OUT/s$seed/${tag}seconds.txt" ]; then continue; fi
+    need=$(longest "$tag" "$unit")
+    spent=$(cat "$RUNS/s$seed/${tag}seconds" 2> /dev/null || echo 0)  # a unit begun on this machine goes on
+    if [ "$spent" -gt 0 ]; then need=$(( need - spent > 60 ? need - spent : 60 )); fi
+    if [ $((BUDGET - (SECONDS - start))) -lt "$need" ]; then
+      echo "$name: not started, $((BUDGET - (SECONDS - start))) s left, it needs about $need s"
+      left_over=1; break 2
+    fi
+    unit_start=$SECONDS
+    echo "$name: $trunks ($PAIR, MAE $MAE_STEPS steps, fine-tuning $FT_STEPS)"
+    mkdir -p "$RUNS/s$seed"
+    for trunk_name in $trunks; do
+      flags=${trunk_name^^}_FLAGS decay=${trunk_name^^}_DECAY
+      trunk "$seed" "$trunk_name" "${!flags}" "${!decay}"
+    done
+    spent=$(( spent + SECONDS - unit_start ))
+    echo "$spent" > "$RUNS/s$seed/${tag}seconds"  # a unit continued on this machine adds its commands' times
+    if unit_done "$seed" $trunks; then
+      keep "$seed" "$tag" "$spent" $trunks
+      echo "$name: done in $spent s, kept in $OUT/s$seed"
+    else
+      echo "$name: not finished in this command; run it again to continue (on this machine it resumes)"
+      left_over=1; break 2
+    fi
+  done
 done
-if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" --exclude='*.part' "$OUT"; fi
+if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" "$OUT"; fi
 if [ "$failed" = 1 ]; then echo "a run failed (above); its output says why" >&2; exit 1; fi
-if [ "$left_over" = 1 ]; then echo "run bash results/e6.sh again for the seeds left ($((SECONDS - start)) s used)"
-else echo "every seed is done; then: python results/e6_analyze.py"; fi
+if [ "$left_over" = 1 ]; then echo "run the same command again for the units left ($((SECONDS - start)) s used)"
+else echo "every seed is done; then: python results/e6_analyze.py --root $OUT"; fi

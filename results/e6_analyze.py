@@ -1,4 +1,4 @@
-"""Experiment 6's verdict from the seeds results/e6.sh kept (results/e6/sN/), by the rule of PLAN.md.
+"""Experiment 6's or 11's verdict from the seeds results/e6.sh kept (RESULTS/sN/), by their PLAN.md's rule.
 
 Per seed and trunk: the fine-tuned test top-1 at its planned step (a run that did not reach it is refused),
 checked to come from that seed's MAE (equal initial-trunk hashes; since revision 3 also the trunk fine-tuning
@@ -7,8 +7,9 @@ Across seeds, paired by seed (analysis.paired_summary: mean, 95% t-interval, sig
   D = FT(deep) - FT(shallow)
 Verdict on D's interval [lo, hi], four regions that never overlap: direction confirmed (lo > 0, hi >= 0.9),
 positive, smaller than the paper's (lo > 0, hi < 0.9), refuted at this scale (hi < 0), inconclusive
-(lo <= 0 <= hi, with the smallest effect the design could detect). Writes e6.json, table.md and e6.png
-(abs_cos_centered and erank against relative depth, each trunk after MAE and after fine-tuning).
+(lo <= 0 <= hi, with the smallest effect the design could detect); before the plan's six seeds, an interim
+reading. Writes NAME.json, table.md and NAME.png, NAME the root's last name (abs_cos_centered and erank
+against relative depth, each trunk after MAE and after fine-tuning).
 
 Run: python results/e6_analyze.py [--root results/e6]; --power: the rule's chances for six seeds (PLAN.md)
 """
@@ -41,10 +42,22 @@ def final_eval(folder, run, planned):
     return last
 
 
+def kept(folder, trunk):
+    """(seconds, GPU, own) of a trunk's arm kept in a seed's folder: its own files (experiment 11,
+    own True), or the whole seed's (experiment 6); None if the arm is not kept there."""
+    for tag in (f"{trunk}-", ""):
+        path = os.path.join(folder, f"{tag}seconds.txt")
+        if os.path.isfile(path):
+            with open(path) as f:
+                return float(f.read()), seed_gpu(os.path.join(folder, f"{tag}gpu.txt")), bool(tag)
+    return None
+
+
 def seeds_in(root):
-    """The seeds kept under root (folders sN), in order."""
+    """The seeds kept under root (folders sN) with both trunks' arms, in order."""
     names = [n for n in os.listdir(root) if n[:1] == "s" and n[1:].isdigit()]
-    return sorted(int(n[1:]) for n in names if os.path.isdir(os.path.join(root, n)))
+    return sorted(int(n[1:]) for n in names
+                  if all(kept(os.path.join(root, n), t) for t in TRUNKS))
 
 
 def seed_top1(root, seed, design):
@@ -108,9 +121,9 @@ def analyze(root, seeds=None):
     d = paired_summary([top1[s]["deep"] - top1[s]["shallow"] for s in seeds])
     seconds, gpus = [], []
     for s in seeds:
-        with open(os.path.join(root, f"s{s}", "seconds.txt")) as f:
-            seconds.append(float(f.read()))
-        gpus.append(seed_gpu(os.path.join(root, f"s{s}")))
+        arms = {t: kept(os.path.join(root, f"s{s}"), t) for t in TRUNKS}
+        seconds.append(sum(arm[0] for arm in arms.values() if arm[2]) or arms["deep"][0])
+        gpus.append(" / ".join(sorted({arm[1] for arm in arms.values()})))
     by_gpu = {g: [top1[s]["deep"] - top1[s]["shallow"] for s, gs in zip(seeds, gpus) if gs == g]
               for g in sorted(set(gpus))}
     return {"seeds": seeds, "pair": design["pair"], "trunks": design["trunks"], "top1": top1, "D": d,
@@ -119,9 +132,8 @@ def analyze(root, seeds=None):
             "predicted_seed_s": design["predicted_seed_s"], "gpus": gpus, "D_by_gpu": by_gpu}
 
 
-def seed_gpu(folder):
-    """The GPU a seed ran on: the first field of its gpu.txt's second line (nvidia-smi's CSV)."""
-    path = os.path.join(folder, "gpu.txt")
+def seed_gpu(path):
+    """The GPU a unit ran on: the first field of its gpu.txt's second line (nvidia-smi's CSV)."""
     if not os.path.isfile(path):
         return "unknown"
     with open(path) as f:
@@ -172,7 +184,8 @@ def table(report):
                    f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sd {d['sd']:.2f}, sign test p {d['sign_test_p']:.3g}"),
               (f"- verdict on D ({len(seeds)} seed{'s' * (len(seeds) > 1)}): {report['verdict']}"
                if report["final"] else
-               f"- no verdict: {len(seeds)} of the plan's {PLANNED_SEEDS} seeds"),
+               f"- no verdict: {len(seeds)} of the plan's {PLANNED_SEEDS} seeds; interim reading "
+               f"({len(seeds)} of {PLANNED_SEEDS} seeds): {report['verdict']}"),
               f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})",
               "- D by GPU: " + "; ".join(f"{g}: {' '.join(f'{v:+.2f}' for v in ds)}"
                                          for g, ds in report["D_by_gpu"].items())]
@@ -205,8 +218,9 @@ def plot(root, seeds, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Experiment 6's verdict.", allow_abbrev=False)
-    p.add_argument("--root", default=os.path.join(HERE, "e6"), help="what e6.sh wrote (results/e6)")
+    p = argparse.ArgumentParser(description="Experiment 6's or 11's verdict.", allow_abbrev=False)
+    p.add_argument("--root", default=os.path.join(HERE, "e6"),
+                   help="what e6.sh wrote (results/e6, or results/e11)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: every seed kept")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the probe figure")
     p.add_argument("--power", action="store_true", help="print the rule's chances by simulation, and stop")
@@ -215,12 +229,13 @@ def main(argv=None):
         print(power_table())
         return None
     report = analyze(args.root, args.seeds)
-    with open(os.path.join(args.root, "e6.json"), "w") as f:
+    name = os.path.basename(os.path.normpath(args.root))
+    with open(os.path.join(args.root, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(args.root, "table.md"), "w") as f:
         f.write(table(report))
     if args.plot:
-        plot(args.root, report["seeds"], os.path.join(args.root, "e6.png"))
+        plot(args.root, report["seeds"], os.path.join(args.root, f"{name}.png"))
     print(table(report))
     return report
 

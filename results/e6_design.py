@@ -1,8 +1,10 @@
-"""Experiment 6's design rule (PLAN.md): the pair of trunks and the MAE epochs from measured steps.
+"""Experiment 6's design rule (PLAN.md): the pair of trunks and the MAE epochs from measured steps;
+and experiment 11's design (e11/PLAN.md): experiment 6's with Bamboo-B's trunks, one arm per command.
 
     python results/e6_design.py specs PAIR                 bench.py's specs of a pair, one a line
     python results/e6_design.py choose PAIR MAE.json FT.json OUT.json [--last]
                                                            the rule; exit 3 if nothing fits PAIR
+    python results/e6_design.py e11 E6.json OUT.json       experiment 11's design from experiment 6's
     python results/e6_design.py shell DESIGN.json          the design as shell variables for e6.sh
 """
 import json
@@ -23,6 +25,11 @@ PROCESS_S = 60  # per process: start, data, compilation, final evaluation, probe
 SEED_BUDGET_S = 270  # two whole seeds in one 10-minute command
 RUN_S = 30  # revision 3, per run: start (decoded images cached), compilation, evaluation, probe
 BASE_DECAY = 0.65  # MAE's layer decay for 12 blocks; depth L gets 0.65^(12 / L)
+E11_TRUNKS = {"shallow": (12, 768, 12), "deep": (48, 384, 6)}  # bamboo.py's base-12x768, bamboo-b
+# Experiment 11's cost model before its first arm (e11/PLAN.md): an arm's cold seconds (MAE, then
+# fine-tuning), costed from results/gpu/h200-ed2205c's steps and experiment 6's logged step times.
+# Once an arm of a trunk is kept, the longest measured one replaces it.
+E11_ARM_S = {"shallow": 310, "deep": 480}
 
 
 def spec(objective, shape):
@@ -92,6 +99,18 @@ def design(pair, epochs, mae_ms, ft_ms, trace):
             f"predicted seed of at most {SEED_BUDGET_S} s"}
 
 
+def e11_design(e6):
+    """Experiment 11's design: experiment 6's recipe, epochs, batches and layer decays, with
+    Bamboo-B's pair of trunks, run one arm (a trunk's MAE, then its fine-tuning) per command."""
+    trunks = {name: {"flags": f"--depth {depth} --width {width} --heads {heads}",
+                     "layer_decay": e6["trunks"][name]["layer_decay"]}
+              for name, (depth, width, heads) in E11_TRUNKS.items()}
+    kept = {k: e6[k] for k in ("mae_epochs", "ft_epochs", "train_samples", "mae", "ft")}
+    return {"pair": "12x768/48x384", "trunks": trunks, **kept, "unit": "arm", "revision": 1,
+            "predicted_arm_s": E11_ARM_S, "predicted_seed_s": sum(E11_ARM_S.values()),
+            "rule": "experiment 6's design (e6/design.json) with the trunks of e11/PLAN.md"}
+
+
 def shell(path):
     """The design as shell assignments (values quoted for eval)."""
     with open(path) as f:
@@ -100,19 +119,34 @@ def shell(path):
               "MAE_BATCH": d["mae"]["batch"], "MAE_STEPS": d["mae"]["steps"],
               "MAE_WARMUP": d["mae"]["warmup"], "FT_BATCH": d["ft"]["batch"],
               "FT_STEPS": d["ft"]["steps"], "FT_WARMUP": d["ft"]["warmup"],
-              "SEQUENTIAL_SEED_S": math.ceil(sequential_seed_seconds(d))}
+              "UNIT": d.get("unit", "seed"), "REVISION": d.get("revision", 3)}
     for name, trunk in d["trunks"].items():
         values[f"{name.upper()}_FLAGS"] = trunk["flags"]
         values[f"{name.upper()}_DECAY"] = trunk["layer_decay"]
+    # the seconds a unit (a seed's two trunks, or one arm) is predicted to take before one is measured
+    if values["UNIT"] == "arm":
+        for name, seconds in d["predicted_arm_s"].items():
+            values[f"PREDICTED[{name}]"] = seconds
+    else:
+        values["PREDICTED[shallow+deep]"] = math.ceil(sequential_seed_seconds(d))
     return "\n".join(f"{k}='{v}'" for k, v in values.items())
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: e6_design.py specs PAIR | choose PAIR MAE.json FT.json OUT.json [--last] | shell DESIGN.json"
-    if not argv or argv[0] not in ("specs", "choose", "shell"):
+    usage = ("usage: e6_design.py specs PAIR | choose PAIR MAE.json FT.json OUT.json [--last] | "
+             "e11 E6.json OUT.json | shell DESIGN.json")
+    if not argv or argv[0] not in ("specs", "choose", "e11", "shell"):
         raise AnalysisError(usage)
     verb, rest = argv[0], argv[1:]
+    if verb == "e11":
+        if len(rest) != 2:
+            raise AnalysisError(usage)
+        with open(rest[0]) as f:
+            e11 = e11_design(json.load(f))
+        with open(rest[1], "w") as f:
+            json.dump(e11, f, indent=1)
+        return 0
     if verb in ("specs", "choose") and (not rest or rest[0] not in PAIRS):
         raise AnalysisError(f"unknown pair {rest[:1]}; choose one of {', '.join(PAIRS)}")
     if verb == "specs":

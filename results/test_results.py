@@ -692,6 +692,81 @@ def test_experiment_6_design_rule_takes_the_longest_mae_that_fits_and_falls_back
         design.main(["choose", "P1", str(tmp_path / "mae.json"), str(tmp_path / "ft.json"), str(out)])
 
 
+# --------------------------------------------------------------- experiment 11 (results/e11/PLAN.md)
+
+def test_experiment_11_is_experiment_6s_design_with_bamboo_bs_trunks():
+    design = results_module("e6_design")
+    with open(os.path.join(REPO, "results", "e6", "design.json")) as f:
+        e6 = json.load(f)
+    with open(os.path.join(REPO, "results", "e11", "design.json")) as f:
+        e11 = json.load(f)
+    assert e11 == design.e11_design(e6)  # committed as the code derives it
+    assert {k: e11[k] for k in ("mae", "ft", "mae_epochs", "ft_epochs")} == \
+        {k: e6[k] for k in ("mae", "ft", "mae_epochs", "ft_epochs")}
+    from bamboo import PRESETS
+    for trunk, preset in (("shallow", "base-12x768"), ("deep", "bamboo-b")):
+        depth, width = PRESETS[preset]["depth"], PRESETS[preset]["width"]
+        assert e11["trunks"][trunk]["flags"] == f"--depth {depth} --width {width} --heads {width // 64}"
+        assert e11["trunks"][trunk]["layer_decay"] == pytest.approx(0.65 ** (12 / depth), abs=1e-4)
+    shell = design.shell(os.path.join(REPO, "results", "e11", "design.json"))
+    assert "UNIT='arm'" in shell and "PREDICTED[deep]='480'" in shell and "REVISION='1'" in shell
+
+
+def test_experiment_11_keeps_each_arm_and_starts_one_only_if_its_measured_time_fits(tiny_data,
+                                                                                   tmp_path):
+    """A dry run at tiny scale on the CPU through results/e11.sh: one arm (a trunk's MAE, then its
+    fine-tuning) is the unit; each lands in RESULTS/s0 as soon as it finishes, with its seconds; a
+    "fresh machine" does not start seed 1's first arm when less is left than that arm took."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
+    out = tmp_path / "e11"
+    out.mkdir()
+    (out / "design.json").write_text(json.dumps(
+        {**TINY_E6, "unit": "arm", "revision": 1, "predicted_arm_s": {"shallow": 60, "deep": 60}}))
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "SEEDS": "0",
+           "PROBE_SAMPLES": "4", "OMP_NUM_THREADS": "1", "DATA": str(tmp_path / "data"),
+           "RUNS": str(tmp_path / "runs"), "RESULTS": str(out), "BUDGET": "300"}
+    script = ["bash", os.path.join(REPO, "results", "e11.sh")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=240, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert re.findall(r"seed 0, (\w+) arm: done in", first.stdout) == ["shallow", "deep"]
+    kept = sorted(p.name for p in (out / "s0").iterdir())
+    assert kept == sorted([f"{t}-{r}{ext}" for t in ("shallow", "deep") for r in ("mae", "ft")
+                           for ext in (".jsonl", ".txt")]
+                          + [f"{t}-{x}" for t in ("shallow", "deep")
+                             for x in ("ft.npy", "seconds.txt")] + ["revision.txt"])
+    shallow_s = int((out / "s0" / "shallow-seconds.txt").read_text())
+    second = subprocess.run(script, capture_output=True, text=True, timeout=60,
+                            env={**env, "SEEDS": "0 1", "RUNS": str(tmp_path / "fresh"),
+                                 "BUDGET": str(shallow_s - 1)})
+    assert second.returncode == 0 and "seed 0" not in second.stdout
+    assert re.search(rf"seed 1, shallow arm: not started, \d+ s left, it needs about {shallow_s} s",
+                     second.stdout), second.stdout
+    assert not (out / "s1").exists()
+    e6 = results_module("e6_analyze")
+    report = e6.analyze(str(out), [0])
+    assert report["seed_seconds"] == [shallow_s + int((out / "s0" / "deep-seconds.txt").read_text())]
+
+
+def test_experiment_11_analysis_pairs_arms_by_seed_names_their_gpus_and_reads_four_seeds(tmp_path):
+    e6 = results_module("e6_analyze")
+    synthetic_e6(tmp_path, [-3.0, -2.5, -3.5, -2.0, 1.0])
+    for seed in range(5):  # as experiment 11 keeps them: seconds and GPU per arm
+        folder = tmp_path / f"s{seed}"
+        (folder / "seconds.txt").unlink()
+        for trunk, gpu in (("shallow", "NVIDIA H200"), ("deep", "NVIDIA H100" if seed else "NVIDIA H200")):
+            (folder / f"{trunk}-seconds.txt").write_text("300\n")
+            (folder / f"{trunk}-gpu.txt").write_text(f"name, memory.total\n{gpu}, 143771 MiB\n")
+    (tmp_path / "s4" / "deep-seconds.txt").unlink()  # seed 4's deep arm is not kept yet
+    report = e6.main(["--root", str(tmp_path), "--no-plot"])
+    assert report["seeds"] == [0, 1, 2, 3] and report["seed_seconds"] == [600.0] * 4
+    assert report["D_by_gpu"] == {"NVIDIA H100 / NVIDIA H200": [-2.5, -3.5, -2.0],
+                                  "NVIDIA H200": [-3.0]}
+    table = (tmp_path / "table.md").read_text()
+    assert "no verdict: 4 of the plan's 6 seeds; interim reading (4 of 6 seeds): refuted" in table
+    assert (tmp_path / f"{tmp_path.name}.json").exists()
+
+
 # ----------------------------------------------------------------------------- verdicts.py
 
 def write_log(path, evals, extra=None):
