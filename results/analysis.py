@@ -268,6 +268,14 @@ def paired_summary(differences):
             "sign_test_p": sign_test_p(wins, losses)}
 
 
+def detectable(sd, n):
+    """The smallest true mean difference that n seeds detect with 80% power at a two-sided 5%
+    level, given the paired differences' sd."""
+    if n < 2:
+        return math.inf
+    return (t_quantile(0.975, n - 1) + t_quantile(0.8, n - 1)) * sd / math.sqrt(n)
+
+
 def seed_bands(probes, metrics):
     """Per layer (mean, std) over seeds of each metric; probes is one probe_model result per seed."""
     layers = len(probes[0][metrics[0]])

@@ -91,6 +91,8 @@ def analyze(folder):
                      "the cosine gap lags" if lo > 0 else "neither shown"},
             "final_cos_gap": paired_summary([dc[s][PLANNED] for s in SEEDS]),
             "final_top1_gap": paired_summary([da[s][PLANNED] for s in SEEDS]),
+            "top1_gap_by_step": {t: paired_summary([da[s][t] for s in SEEDS])["mean"]
+                                 for t in sorted(da[SEEDS[0]])},
             "c": {arm: {s: [runs[s][arm][t][0] for t in sorted(runs[s][arm])] for s in SEEDS}
                   for arm in ARMS},
             "steps": sorted(runs[SEEDS[0]]["softmax"])}

@@ -21,7 +21,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import AnalysisError, command_line, paired_summary, t_quantile  # noqa: E402
+from analysis import (AnalysisError, command_line, detectable, paired_summary,  # noqa: E402
+                      t_quantile)
 
 TRUNKS = ("shallow", "deep")
 RUNS = ("mae", "ft")
@@ -91,13 +92,6 @@ def final_probe(folder, run):
     if not layers:
         raise AnalysisError(f"{folder}/{run}.jsonl: its final evaluation logged no probe (--probe_samples)")
     return layers
-
-
-def detectable(sd, n):
-    """The smallest true D that n seeds detect with 80% power at a two-sided 5% level, given sd."""
-    if n < 2:
-        return math.inf
-    return (t_quantile(0.975, n - 1) + t_quantile(0.8, n - 1)) * sd / math.sqrt(n)
 
 
 def verdict(d):

@@ -17,7 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from analysis import (AnalysisError, command_line, keep_report, last_evaluation,  # noqa: E402
+from analysis import (AnalysisError, command_line, detectable, keep_report, last_evaluation,  # noqa: E402
                       paired_summary)
 
 SEEDS_A, SEEDS_B = (0, 1, 2), (3, 4, 5)
@@ -68,6 +68,7 @@ def part_a(logs):
     return {"top1": {arm: [arms[arm][0] for arms in per_seed] for arm in ARMS},
             "late_abs_cos_centered": {arm: [arms[arm][1] for arms in per_seed] for arm in ARMS},
             "G": g, "F": f, "S": s, "E": e, "verdict": verdict(f, s),
+            "detectable_80": {k: detectable(d["sd"], d["n"]) for k, d in zip("GFSE", (g, f, s, e))},
             "E_reading": ("a gentler schedule helps softmax at 24 blocks" if above(e) else
                           "not shown")}
 

@@ -5,6 +5,7 @@ Run: python -m pytest -q results
 """
 import importlib
 import json
+import math
 import os
 import re
 import shlex
@@ -765,6 +766,136 @@ def test_experiment_11_analysis_pairs_arms_by_seed_names_their_gpus_and_reads_fo
     table = (tmp_path / "table.md").read_text()
     assert "no verdict: 4 of the plan's 6 seeds; interim reading (4 of 6 seeds): refuted" in table
     assert (tmp_path / f"{tmp_path.name}.json").exists()
+
+
+# ----------------------------------------------------------------------------- the record's prose
+
+NUMBER = r"[-+]?\d+(?:\.\d+)?"
+QUOTED = re.compile(rf"(?:({NUMBER})\s+)?\[({NUMBER}),\s+({NUMBER})\]|({NUMBER})\s+points"
+                    r"|(\d+)\s+of\s+(\d+)\s+seeds")
+# what names a verdict in prose, and what the interval it follows must be for the word to fit
+VOCABULARY = {"uninformative": lambda lo, hi: lo <= 0 <= hi,
+              "inconclusive": lambda lo, hi: lo <= 0 <= hi,
+              "spans zero": lambda lo, hi: lo <= 0 <= hi}
+
+
+def numbers_of(value):
+    """Every number in an analysis' result, and its magnitude."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return {n for v in value for n in numbers_of(v)}
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return {value, abs(value)}
+    return set()
+
+
+@pytest.fixture(scope="module")
+def record_sources():
+    """{page: (paired summaries, numbers)} its figures may quote, recomputed from the committed
+    logs by the analyses (experiments 1-5 read their analyses' JSON back: the checkpoints they
+    scored are not kept). The front page may quote any of them."""
+    verdicts = results_module("verdicts")
+    rows = [row for part in verdicts.build().values() for row in part]
+    sources = {}
+    for n in range(1, 11):
+        summaries = [v for r in rows if r.get("design", "").split("-")[0] == f"e{n}"
+                     for v in walk_dicts(r) if "ci95" in v]
+        folder = os.path.join(REPO, "results", f"e{n}")
+        try:
+            module = results_module(f"e{n}_analyze")
+            result = (module.analyze(folder) if n >= 6 else
+                      json.load(open(os.path.join(folder, f"e{n}.json"))))
+            if n == 7:
+                result["against_e4"] = module.against_e4(folder, os.path.join(REPO, "results", "e4"))
+        except FileNotFoundError:
+            result = {}
+        summaries += [v for v in walk_dicts(result) if "ci95" in v]
+        sources[f"results/e{n}/README.md"] = (summaries, numbers_of(result) | numbers_of(summaries))
+    own = dict(sources)
+    for page in own:  # a page may quote the experiments it names too
+        with open(os.path.join(REPO, page)) as f:
+            named = {f"results/e{m}/README.md" for m in re.findall(r"[Ee]xperiment (\d+)", f.read())}
+        quoted = [own[p] for p in named & own.keys() | {page}]
+        sources[page] = ([s for summaries, _ in quoted for s in summaries],
+                         set().union(*(numbers for _, numbers in quoted)))
+    everything = [s for summaries, _ in own.values() for s in summaries]
+    sources["README.md"] = sources["results/README.md"] = (
+        everything, set().union(*(numbers for _, numbers in own.values())))
+    sources["results/smoothing/README.md"] = sources["README.md"]
+    return sources
+
+
+def walk_dicts(value):
+    if isinstance(value, dict):
+        yield value
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            yield from walk_dicts(v)
+
+
+def fits(quoted, value):
+    """Whether a figure as written is the value rounded to the figure's decimals."""
+    places = len(quoted.split(".")[1]) if "." in quoted else 0
+    return abs(float(quoted) - value) <= 0.5 * 10 ** -places + 1e-9
+
+
+def interval_source(mean, lo, hi, summaries):
+    """The summary a quoted 'mean [lo, hi]' (or its negation, 'lower by ...') rounds from."""
+    for s in summaries:
+        for sign in (1, -1):
+            low, high = sorted((sign * s["ci95"][0], sign * s["ci95"][1]))
+            if fits(lo, low) and fits(hi, high) and (mean is None or fits(mean, sign * s["mean"])):
+                return s
+    return None
+
+
+def prose_problems(page, text, summaries, numbers):
+    """Each figure of a page's prose (the generated tables left out) that no analysis gives, and
+    each verdict word after an interval that the interval does not allow."""
+    begin, end = "<!-- verdicts.py: begin -->", "<!-- verdicts.py: end -->"
+    if begin in text:
+        text = text[:text.index(begin)] + text[text.index(end):]
+    problems = []
+    for match in QUOTED.finditer(text):
+        mean, lo, hi, points, k, n = match.groups()
+        if lo is not None:
+            source = interval_source(mean, lo, hi, summaries)
+            after = re.split(r"\[|\n|\. ", text[match.end():match.end() + 80])[0].lower()
+            words = [w for w, allowed in VOCABULARY.items() if w in after]
+            if source is None:
+                problems.append(f"{page}: {match.group(0)} has no source")
+            elif any(not VOCABULARY[w](float(lo), float(hi)) for w in words):
+                problems.append(f"{page}: {match.group(0)} is not {words}")
+            elif results_module("verdicts").hairline(source) and "hairline" not in after:
+                problems.append(f"{page}: {match.group(0)} is hairline, unlabelled")
+        elif points is not None and not any(fits(points, v) for v in numbers):
+            problems.append(f"{page}: {match.group(0)} has no source")
+        elif k is not None and not any(s["n"] == int(n) and int(k) in (
+                sum(v > 0 for v in s["per_seed"]), sum(v < 0 for v in s["per_seed"]))
+                for s in summaries):
+            problems.append(f"{page}: {match.group(0)} has no source")
+    return problems
+
+
+def test_every_figure_the_records_prose_quotes_is_recomputed_from_the_logs(record_sources):
+    """Each 'mean [lo, hi]', 'N points' and 'N of M seeds' of README.md and results/*/README.md
+    rounds from a number the analyses give; a verdict word after an interval fits it."""
+    problems = []
+    for page, (summaries, numbers) in record_sources.items():
+        path = os.path.join(REPO, page)
+        if os.path.isfile(path):
+            with open(path) as f:
+                problems += prose_problems(page, f.read(), summaries, numbers)
+    assert problems == [], "\n".join(problems)
+    page = "results/e6/README.md"
+    with open(os.path.join(REPO, page)) as f:
+        text = f.read()
+    changed = text.replace("[-6.86, -4.51]", "[-6.86, -4.41]").replace("-5.69 points", "-5.79 points")
+    assert len(prose_problems(page, changed, *record_sources[page])) == 4  # by hand: each fails
+    assert prose_problems(page, "-5.69 [-6.86, -4.51], uninformative", *record_sources[page]) == [
+        f"{page}: -5.69 [-6.86, -4.51] is not ['uninformative']"]
 
 
 # ----------------------------------------------------------------------------- verdicts.py
