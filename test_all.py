@@ -28,6 +28,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+# transformers binds its log handler to the stderr of its first import: here, not to a test's
+# capsys stream, which closes after the test
+import transformers.utils.logging  # noqa: F401
 
 from bamboo import PRESETS, TRUNK, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
 from neutreno import Attention, explicit_attention
@@ -154,6 +157,42 @@ def trained(tiny_data, tmp_path_factory):
         shutil.copytree(runs[objective], out_dir, dirs_exist_ok=True)
         return out_dir / "ckpt.pt"
     return copy
+
+
+@pytest.fixture
+def table_row(tiny_data, trained, tmp_path, monkeypatch):
+    """row(setup, argv, says) readies a refusal table's row: does its set-up and returns its argv
+    and the pieces of its line, with {tmp}, {run}, {images}, {text} and @OBJECTIVE (the tiny data's
+    flags) filled in. A set-up is an objective (a trained run copied into {run}), "OBJECTIVE:DIR"
+    (into {tmp}/DIR), a function of the context (it may return more names), or a list of them."""
+    c = types.SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", data=tiny_data, trained=trained,
+                              monkeypatch=monkeypatch)
+    where = {"{tmp}": str(tmp_path), "{run}": str(c.run), "{images}": str(tiny_data / "images"),
+             "{text}": str(tiny_data / "text")}
+    flags = {f"@{o}": (image_flags if o in ("mae", "cls") else text_flags)(tiny_data, o)
+             for o in ("mae", "cls", "next")}
+
+    def fill(text):
+        for key, value in where.items():
+            text = text.replace(key, value)
+        return text
+
+    def row(setup, argv, says):
+        for step in setup if isinstance(setup, list) else [setup] if setup else []:
+            if isinstance(step, str):
+                objective, _, folder = step.partition(":")
+                trained(objective, tmp_path / folder if folder else c.run)
+            else:
+                extra = step(c)
+                where.update(extra if isinstance(extra, dict) else {})
+        argv = [f for a in argv for f in flags.get(a, [fill(str(a))])]
+        return argv, [fill(piece) for piece in ((says,) if isinstance(says, str) else says)]
+    return row
+
+
+def tree(folder):
+    """{path: bytes} of every file under folder."""
+    return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
 
 
 def run_torchrun(*flags, out_dir):
@@ -2715,9 +2754,8 @@ MAE_NO_DATA = ["--objective", "mae", "--data_dir", "{tmp}/d"]
 RESUME = ["--resume", "--max_iters", "3"]
 WIKITEXT = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", "{tmp}/d",
             "--tokenizer", "bytes"]
-# train.py's refusals: (set-up, argv, what the one line says). A set-up is an objective (a trained
-# run copied into {run}), "OBJECTIVE:FOLDER" (into {tmp}/FOLDER), or a function of the context;
-# "@OBJECTIVE" stands for the tiny data's flags for it; --out_dir is {run} unless given.
+# train.py's refusals: (set-up, argv, what the one line says), as table_row reads them; --out_dir
+# is {run} unless given.
 TRAIN_REFUSALS = [
     (None, [*NO_DATA, "--log_interval", "0"], "--log_interval 0 must be at least 1"),
     (None, [*NO_DATA, "--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
@@ -2817,37 +2855,16 @@ TRAIN_REFUSALS = [
 ]
 
 
-def tree(folder):
-    return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
-
-
 @pytest.mark.parametrize("setup, argv, says", TRAIN_REFUSALS)
-def test_each_mistake_is_one_line_that_changes_no_file(capsys, tiny_data, trained, tmp_path,
-                                                      monkeypatch, setup, argv, says):
+def test_each_mistake_is_one_line_that_changes_no_file(capsys, tmp_path, table_row, setup, argv,
+                                                      says):
     """Refused before any work, in one line that says what to do; no file written or changed."""
-    c = types.SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", data=tiny_data, trained=trained,
-                              monkeypatch=monkeypatch)
-    where = {"{tmp}": str(tmp_path), "{run}": str(c.run), "{images}": str(tiny_data / "images")}
-    if isinstance(setup, str):
-        objective, _, folder = setup.partition(":")
-        trained(objective, tmp_path / folder if folder else c.run)
-    elif setup:
-        extra = setup(c)
-        where.update(extra if isinstance(extra, dict) else {})
-
-    def fill(text):
-        for key, value in where.items():
-            text = text.replace(key, value)
-        return text
-    flags = {f"@{o}": (image_flags if o in ("mae", "cls") else text_flags)(tiny_data, o)
-             for o in ("mae", "cls", "next")}
-    argv = [f for a in argv for f in flags.get(a, [fill(a)])]
-    argv += [] if "--out_dir" in argv else ["--out_dir", str(c.run)]
+    argv, says = table_row(setup, argv, says)
+    argv += [] if "--out_dir" in argv else ["--out_dir", str(tmp_path / "run")]
     out_dir = Path(argv[argv.index("--out_dir") + 1])
     before = tree(tmp_path), out_dir.exists()
     err = cli_error(capsys, *argv)
-    for piece in map(fill, (says,) if isinstance(says, str) else says):
-        assert piece in err and (err.startswith(piece) or not piece.startswith("error: ")), err
+    assert all(p in err and (err.startswith(p) or not p.startswith("error: ")) for p in says), err
     assert (tree(tmp_path), out_dir.exists()) == before
 
 
@@ -3002,10 +3019,6 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "a: erank of the last layer at steps [2, 4]: " in capsys.readouterr().out
     assert look.main(["smoothing", str(tmp_path / "b"), "--out", str(tmp_path / "t.png")]) == 2
     assert "logged no per-layer metrics (trained with --probe_samples 0" in capsys.readouterr().err
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    assert look.main(["smoothing", str(tmp_path / "d"), "--out", str(tmp_path / "t.png")]) == 2
-    assert "has no evaluation yet" in capsys.readouterr().err
     # what train.py writes when the probe met non-finite states ("layers": null), or a null value
     records = (tmp_path / "c" / "log.jsonl").read_text().splitlines()
     evals = [i for i, line in enumerate(records) if '"eval": true' in line]
@@ -3017,25 +3030,16 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
 
 
-def test_look_refuses_logs_train_py_never_writes_in_one_line(capsys, tmp_path):
+def test_look_draws_a_log_cut_short_and_says_when_a_run_diverged(capsys, tmp_path):
     import look
 
-    (tmp_path / "e").mkdir()  # records train.py never writes, and a log that is not text
-    for bad in ('"layers": [1, 2]', '"layers": 5', '"val_loss": null', '"val_loss": "NaN"'):
-        (tmp_path / "e" / "log.jsonl").write_text('{"step": 2, "eval": true, ' + bad + '}\n')
-        for command in ("smoothing", "curves"):
-            assert look.main([command, str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
-            err = capsys.readouterr().err
-            assert "line 1 is not a record train.py writes" in err and err.count("\n") == 1, err
+    (tmp_path / "e").mkdir()
     (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
     (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
                                               '"val_loss": Infinity}\n\n')  # a blank line too
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
     assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
-    (tmp_path / "e" / "log.jsonl").write_bytes(b"\x80\x81 not text")
-    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 2
-    assert "is not a log train.py wrote (not UTF-8 text)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tool, flag", [("probe", "--json"), ("probe", "--plot"), ("look", "--out"),
@@ -3299,14 +3303,12 @@ def test_beta_of_a_model_against_itself_is_one():
     assert qk == pytest.approx([4.0] * 3) and v == pytest.approx([2.0] * 3)
 
 
-def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained_checkpoints,
-                                                       tmp_path):
+def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained, tmp_path):
     import probe
 
-    argv = [trained_checkpoints / "cls" / "ckpt.pt", "init:cifar-tiny,image_size=16,neutreno=0.6",
+    argv = [trained("cls", tmp_path / "cls"), "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
-            "--samples", "8",
-            "--batch_size", "3"]
+            "--samples", "8", "--batch_size", "3"]
     code, out = probe_cli(capsys, *argv, "--json", tmp_path / "a.json", "--plot",
                           tmp_path / "a.png")
     assert code == 0, out.err
@@ -3334,10 +3336,10 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
 
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
-        capsys, tiny_data, trained_checkpoints, tmp_path):
+        capsys, tiny_data, trained, tmp_path):
     import probe
 
-    code, out = probe_cli(capsys, trained_checkpoints / "cls" / "ckpt.pt",
+    code, out = probe_cli(capsys, trained("cls", tmp_path / "cls"),
                           "init:cifar-tiny,image_size=16,depth=2,width=32",  # trained's shape
                           "--labels", "trained,fresh", "--dataset", "folder", "--data_dir",
                           tiny_data / "images", "--samples", "4", "--json", tmp_path / "p.json")
@@ -3391,23 +3393,10 @@ def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsy
         torch.set_num_threads(1)  # the suite's, for the tests after this one
 
 
-def test_silent_inputs_are_refused_or_recorded_as_run(capsys, tiny_data, tmp_path):
-    """A flag with no effect, a preset of the other modality,
-    an index past the data: one line each; --samples beyond the split records what was probed."""
-    import look
+def test_probe_samples_beyond_the_split_record_what_was_probed(capsys, trained, tmp_path):
     import probe
 
-    flags = image_flags(tiny_data, "mae", "--max_iters", "2", "--out_dir", str(tmp_path / "a"))
-    err = cli_error(capsys, *flags, "--label_smoothing", "0.1")
-    assert "label_smoothing=0.1 smooths a classifier's targets and does nothing for mae" in err
-    err = cli_error(capsys, "--preset", "wikitext-small", "--dataset", "folder", "--data_dir",
-                    str(tiny_data / "images"), "--out_dir", str(tmp_path / "b"))
-    assert "--preset wikitext-small is a text preset (its recipe is for text)" in err
-    ckpt = trained_checkpoint(tiny_data, "cls", tmp_path / "run")
-    assert look.main(["attention", str(ckpt), "--index", "100000", "--out",
-                      str(tmp_path / "a.png")]) == 2
-    err = capsys.readouterr().err
-    assert "--index 100000 is past the 32 held-out samples; choose 0 to 31" in err
+    ckpt = trained("cls", tmp_path / "run")
     report = probe.main([str(ckpt), "--samples", "1000", "--json", str(tmp_path / "p.json")])
     assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
     assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
@@ -3523,30 +3512,62 @@ def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
         probe.probe_model(model, batch(model.config, B=6)[0], 4)
 
 
-def test_probe_errors_are_one_line(capsys, tiny_data, trained_checkpoints, tmp_path):
-    cases = [
-        ([trained_checkpoints / "next" / "ckpt.pt", "--dataset", "folder", "--data_dir",
-          tiny_data / "images"],
-         "a text model (next) cannot be run on --dataset folder; use"),
-        ([tmp_path / "missing.pt"], "no checkpoint at"),
-        (["init:bamboo-zz"], "unknown preset"),
-        (["init:cifar-tiny,depth"], "bad setting"),
-        (["init:cifar-tiny", "--samples", "1"], "--samples must be at least 2"),
-        (["init:wikitext-small,depth=1,vocab_size=300", "init:wikitext-small,depth=1,vocab_size=99",
-          "--tokenizer", "bytes", "--dataset", "text", "--data_dir", tiny_data / "text"],
-         "the tokenizer has 256 ids but the model knows 99"),  # the second model checked too
-        (["init:cifar-tiny,objective=mae,image_size=8", "--mask", "--dataset", "folder",
-          "--data_dir", tiny_data / "images"], "each sample reaches the blocks as one token"),
-        (["init:cifar-tiny", "--batch_size", "0"], "--batch_size at least 1"),
-        (["init:wikitext-small,depth=1", "--dataset", "text", "--data_dir", tiny_data / "text"],
-         "a fresh model (init:) has no tokenizer of its own (random weights); pass --tokenizer"),
-    ]
-    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
-    cases.append(([tmp_path / "corrupt.pt"], "corrupt or truncated"))
-    for argv, message in cases:
-        code, out = probe_cli(capsys, *argv)
-        one_line = out.err.count("\n") == 1 and "Traceback" not in out.err
-        assert code == 2 and message in out.err and one_line, out.err
+def hub_offline(what, network_up=False):
+    """A set-up: transformers' `what` cannot reach the hub (and hub_unreachable says it can)."""
+    def setup(c):
+        import transformers
+
+        from operations import hub
+
+        def offline(*args, **kwargs):
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+        c.monkeypatch.setattr(getattr(transformers, what), "from_pretrained", offline)
+        if network_up:
+            c.monkeypatch.setattr(hub, "hub_unreachable", lambda: False)
+    return setup
+
+
+IMAGES, TEXT = ["--dataset", "folder", "--data_dir", "{images}"], ["--dataset", "text",
+                                                                   "--data_dir", "{text}"]
+T5 = "hf:t5,pretrained=0,num_layers=1,d_model=32,num_heads=2,d_ff=64,d_kv=16,vocab_size=300"
+PROBE_REFUSALS = [  # (set-up, argv, what the one line says), as table_row reads them
+    ("next", ["{run}/ckpt.pt", *IMAGES], "a text model (next) cannot be run on --dataset folder; "
+                                         "use"),
+    (None, ["{tmp}/missing.pt"], "no checkpoint at"),
+    (lambda c: (c.tmp / "corrupt.pt").write_bytes(b"not a checkpoint"), ["{tmp}/corrupt.pt"],
+     "corrupt or truncated"),
+    (None, ["init:bamboo-zz"], "unknown preset"),
+    (None, ["init:cifar-tiny,depth"], "bad setting"),
+    (None, ["init:cifar-tiny", "--samples", "1"], "--samples must be at least 2"),
+    (None, ["init:cifar-tiny", "--batch_size", "0"], "--batch_size at least 1"),
+    (None, ["init:wikitext-small,depth=1,vocab_size=300", "init:wikitext-small,depth=1,vocab_size="
+            "99", "--tokenizer", "bytes", *TEXT],  # the second model checked too
+     "the tokenizer has 256 ids but the model knows 99"),
+    (None, ["init:cifar-tiny,objective=mae,image_size=8", "--mask", *IMAGES],
+     "each sample reaches the blocks as one token"),
+    (None, ["init:wikitext-small,depth=1", *TEXT],
+     "a fresh model (init:) has no tokenizer of its own (random weights); pass --tokenizer"),
+    (None, ["timm:vit_tinyy_patch16_224,pretrained=0"], "timm knows no model 'vit_tinyy_patch"),
+    (None, [T5, *TEXT], "has no block list"),
+    (None, [HF_TINY["gpt2"], *IMAGES], "a text model (next) cannot be run on --dataset folder"),
+    (None, [TIMM_VIT, *IMAGES, "--mask"],
+     "--mask probes MAE's visible patches; it needs an MAE model"),
+    (hub_offline("AutoModel", network_up=True), ["hf:gpt2", *TEXT],
+     ("hf:gpt2: could not load the weights (We couldn't connect", "pass pretrained=0")),
+    (None, [HF_TINY["opt"], *TEXT, "--samples", "4"],  # random weights: no tokenizer
+     "has no tokenizer of its own (random weights); pass --tokenizer"),
+    (hub_offline("AutoTokenizer"), [HF_TINY["opt"], *TEXT, "--tokenizer", "hf:facebook/opt-125m"],
+     "could not load the Hugging Face tokenizer 'facebook/opt-125m' (We couldn't"),
+]
+
+
+@pytest.mark.parametrize("setup, argv, says", PROBE_REFUSALS)
+def test_probe_refuses_each_mistake_in_one_line(capsys, table_row, setup, argv, says):
+    argv, says = table_row(setup, argv, says)
+    code, out = probe_cli(capsys, *argv)
+    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
+    assert all(piece in out.err for piece in says), out.err
 
 
 # ==================================================================================================
@@ -3998,35 +4019,6 @@ def test_recomputed_attention_equals_the_libraries_explicit_attention():
     assert len(seen) == 3 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(attns, seen))
 
 
-def test_foreign_models_that_cannot_be_probed_are_one_line(capsys, tiny_data):
-    t5 = "hf:t5,pretrained=0,num_layers=1,d_model=32,num_heads=2,d_ff=64,d_kv=16,vocab_size=300"
-    cases = [(["timm:vit_tinyy_patch16_224,pretrained=0"], "timm knows no model 'vit_tinyy_patch"),
-             ([t5, "--dataset", "text", "--data_dir", tiny_data / "text"], "has no block list"),
-             ([HF_TINY["gpt2"], "--dataset", "folder", "--data_dir", tiny_data / "images"],
-              "a text model (next) cannot be run on --dataset folder"),
-             ([TIMM_VIT, "--dataset", "folder", "--data_dir", tiny_data / "images", "--mask"],
-              "--mask probes MAE's visible patches; it needs an MAE model")]
-    for argv, message in cases:
-        code, out = probe_cli(capsys, *argv)
-        lines = [line for line in out.err.splitlines() if line.startswith("error: ")]
-        assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in out.err
-
-
-def test_weights_that_cannot_be_downloaded_are_one_line(capsys, tiny_data, monkeypatch):
-    import transformers
-
-    from operations import hub
-
-    def offline(*args, **kwargs):
-        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
-
-    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", offline)
-    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # the network is up
-    code, out = probe_cli(capsys, "hf:gpt2", "--dataset", "text", "--data_dir", tiny_data / "text")
-    assert code == 2 and "hf:gpt2: could not load the weights (We couldn't connect" in out.err
-    assert "pass pretrained=0" in out.err and "Traceback" not in out.err
-
-
 def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
         capsys, tiny_data, monkeypatch):
     """No network: the hub's offline switch is set after one quick connection attempt, so a model
@@ -4218,20 +4210,10 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
     common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
     code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
     assert code == 0, out.err
-    code, out = probe_cli(capsys, HF_TINY["opt"], *common)  # random weights: no tokenizer
-    assert code == 2 and "has no tokenizer of its own (random weights); pass --tokenizer" in out.err
     gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
     assert hub.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
     assert hub.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
     assert hub.hf_tokenizer(opt, "opt", False) is None
-
-    def offline(*args, **kwargs):
-        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
-    code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", "hf:facebook/opt-125m")
-    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err
-    assert "could not load the Hugging Face tokenizer 'facebook/opt-125m' (We couldn't" in out.err
 
 
 # ==================================================================================================
@@ -4288,9 +4270,8 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
         Bamboo(tiny("mlm")).generate(prompt, 1)
 
 
-def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, trained_checkpoints,
-                                                         tmp_path):
-    ckpt = trained_checkpoints / "next" / "ckpt.pt"
+def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_path):
+    ckpt = trained("next", tmp_path / "next")
     code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
                          "--max_new_tokens", "12", "--seed", "3")
     texts = out.out.split("---------------\n")
@@ -4301,15 +4282,6 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, tiny_data, train
                          "--max_new_tokens", "12", "--top_k", "1")  # the likeliest id each time
     texts = out.out.split("---------------\n")[:3]
     assert code == 0 and texts[0] == texts[1] == texts[2] and len(texts[0]) > len("the quick")
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    for argv, message in ((["--prompt_file", tmp_path / "latin1.txt"], "is not UTF-8"),
-                          (["--prompt_file", tmp_path / "none.txt"], "cannot read --prompt_file"),
-                          (["--temperature", "0"], "--temperature must be"),
-                          (["--tokenizer", "no-such-encoding"], "unknown tokenizer")):
-        code, out = look_cli(capsys, "sample", ckpt, *argv)
-        assert code == 2 and message in out.err and out.err.count("\n") == 1, out.err
-    code, out = look_cli(capsys, "sample", trained_checkpoints / "cls" / "ckpt.pt")
-    assert code == 2 and "holds a cls model" in out.err
 
 
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
@@ -4338,30 +4310,63 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
     assert "cos" in panels and not panels & {"beta_qk", "beta_v"}
 
 
-def test_look_refuses_a_tokenizer_that_cannot_decode_the_models_ids(capsys, trained_checkpoints,
-                                                                    monkeypatch):
-    """A tokenizer with fewer ids than the model would fail on the first id it cannot decode
-    (a KeyError traceback): refused in one line that names the tokenizer the model was trained
-    with."""
+def half_tokenizer(c):
+    """A tokenizer with fewer ids than the model: it would fail on the first id it cannot decode."""
     import tiktoken
 
     import look
 
     half = tiktoken.Encoding("half", pat_str=r"[\s\S]", special_tokens={},
                              mergeable_ranks={bytes([i]): i for i in range(128)})
-    monkeypatch.setattr(look, "get_tokenizer", lambda name: half if name == "half" else
-                        tiktoken.get_encoding(name))
-    code, out = look_cli(capsys, "sample", trained_checkpoints / "next" / "ckpt.pt",
-                         "--tokenizer", "half", "--max_new_tokens", "50")
-    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err
-    assert "--tokenizer half has 128 ids, the model knows 256" in out.err
-    assert "drop --tokenizer to use the one it was trained with (bytes)" in out.err
+    c.monkeypatch.setattr(look, "get_tokenizer", lambda name: half if name == "half" else
+                          tiktoken.get_encoding(name))
+
+
+def log_with(text):
+    """A set-up: {tmp}/e/log.jsonl holding text."""
+    return lambda c: (c.tmp / "e").mkdir() or (c.tmp / "e" / "log.jsonl").write_bytes(text)
+
+
+SAMPLE, DRAW = ["sample", "{run}/ckpt.pt"], ["{tmp}/e", "--out", "{tmp}/v.png"]
+LOOK_REFUSALS = [  # (set-up, argv, what the one line says), as table_row reads them
+    (["next", lambda c: (c.tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))],
+     [*SAMPLE, "--prompt_file", "{tmp}/latin1.txt"], "is not UTF-8"),
+    ("next", [*SAMPLE, "--prompt_file", "{tmp}/none.txt"], "cannot read --prompt_file"),
+    ("next", [*SAMPLE, "--temperature", "0"], "--temperature must be"),
+    ("next", [*SAMPLE, "--tokenizer", "no-such-encoding"], "unknown tokenizer"),
+    (["next", half_tokenizer], [*SAMPLE, "--tokenizer", "half", "--max_new_tokens", "50"],
+     ("--tokenizer half has 128 ids, the model knows 256",
+      "drop --tokenizer to use the one it was trained with (bytes)")),
+    ("cls", SAMPLE, "holds a cls model"),
+    ("cls", ["attention", "{run}/ckpt.pt", "--layers", "5", "--out", "{tmp}/a.png"],
+     "--layers 5 is out of range: the model has 2 layers"),
+    ("cls", ["attention", "{run}/ckpt.pt", "--index", "100000", "--out", "{tmp}/a.png"],
+     "--index 100000 is past the 32 held-out samples; choose 0 to 31"),
+    (None, ["curves", "{tmp}", "--out", "{tmp}/c.png"], "no log at"),
+    (log_with(b'{"step": 1, "loss": 2.0}\n'), ["smoothing", *DRAW], "has no evaluation yet"),
+    (log_with(b"\x80\x81 not text"), ["curves", *DRAW],
+     "is not a log train.py wrote (not UTF-8 text)"),
+    *[(log_with(b'{"step": 2, "eval": true, ' + bad + b'}\n'), [command, *DRAW],
+       "line 1 is not a record train.py writes")  # records train.py never writes
+      for bad in (b'"layers": [1, 2]', b'"layers": 5', b'"val_loss": null', b'"val_loss": "NaN"')
+      for command in ("smoothing", "curves")],
+]
+
+
+@pytest.mark.parametrize("setup, argv, says", LOOK_REFUSALS)
+def test_look_refuses_each_mistake_in_one_line_and_draws_nothing(capsys, tmp_path, table_row,
+                                                                 setup, argv, says):
+    argv, says = table_row(setup, argv, says)
+    before = tree(tmp_path)
+    code, out = look_cli(capsys, *argv)
+    assert code == 2 and out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
+    assert all(piece in out.err for piece in says) and tree(tmp_path) == before, out.err
 
 
 def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, tiny_data, tmp_path):
     import look
 
-    ckpt = trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 2, "--norm_pix_loss")
+    ckpt = train_run(tiny_data, "mae", tmp_path / "mae", 2, "--norm_pix_loss")
     code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
     width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
     assert code == 0 and width > height > 400, out.err
@@ -4383,15 +4388,14 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
     assert not torch.allclose(recon, images)
 
 
-def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, trained_checkpoints,
-                                                      tmp_path):
-    for kind in ("cls", "next"):
-        png = tmp_path / f"{kind}.png"
-        code, out = look_cli(capsys, "attention", trained_checkpoints / kind / "ckpt.pt",
-                             "--layers", "0,-1", "--heads", "0,1", "--out", png)
-        assert code == 0 and png_size(png)[0] > 400, out.err
+def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path):
     import look
 
+    runs = [trained(kind, tmp_path / kind).parent for kind in ("cls", "next")]
+    for run in runs:
+        code, out = look_cli(capsys, "attention", run / "ckpt.pt", "--layers", "0,-1", "--heads",
+                             "0,1", "--out", tmp_path / f"{run.name}.png")
+        assert code == 0 and png_size(tmp_path / f"{run.name}.png")[0] > 400, out.err
     probs = torch.softmax(torch.randn(17, 17), -1)  # a CLS token and a 4 x 4 patch grid
     figure = look.attention_over_image(torch.rand(16, 16, 3), {(0, 0): probs, (1, 1): probs}, 4)
     assert [ax.get_title() for ax in figure.axes if ax.get_title()] == [
@@ -4404,26 +4408,19 @@ def test_look_draws_attention_maps_and_training_curves(capsys, tiny_data, traine
     figure = look.attention_over_tokens(["a", " cat", "\n"] * 20, {(0, 0): torch.rand(60, 60)})
     ticks = [label.get_text() for label in figure.axes[0].get_yticklabels()]
     assert ticks[:3] == ["a", " cat", "\\n"] and len(ticks) == 24  # one label per shown token
-    code, out = look_cli(capsys, "attention", trained_checkpoints / "cls" / "ckpt.pt", "--layers",
-                         "5", "--out", tmp_path / "a.png")
-    assert code == 2 and "--layers 5 is out of range: the model has 2 layers" in out.err
-    code, out = look_cli(capsys, "curves", trained_checkpoints / "cls",
-                         trained_checkpoints / "next", "--out", tmp_path / "c.png")
+    code, out = look_cli(capsys, "curves", *runs, "--out", tmp_path / "c.png")
     assert code == 0 and png_size(tmp_path / "c.png")[0] > 800, out.err
-    runs = [trained_checkpoints / "cls", trained_checkpoints / "next"]
     figure = look.curves_figure({d: look.read_log(d) for d in runs})
     panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}
     assert panels == {"training loss (cross-entropy)": 2, "held-out loss (cross-entropy)": 2,
                       "held-out top-1 (%)": 1, "held-out perplexity": 1}  # one metric an axis
-    mae = trained_checkpoint(tiny_data, "mae", tmp_path / "mae", 2).parent
+    mae = trained("mae", tmp_path / "mae").parent
     figure = look.curves_figure({d: look.read_log(d) for d in (mae, runs[0])})
     panels = {ax.get_title(): len(ax.get_lines()) for ax in figure.axes}
     assert panels == {"training loss (MAE, pixel MSE)": 1, "training loss (cross-entropy)": 1,
                       "held-out loss (MAE, pixel MSE)": 1, "held-out loss (cross-entropy)": 1,
                       "held-out top-1 (%)": 1}  # pixel MSE never beside cross-entropy
     assert all(ax.get_ylabel() == ax.get_title() for ax in figure.axes)
-    code, out = look_cli(capsys, "curves", tmp_path, "--out", tmp_path / "c.png")
-    assert code == 2 and "no log at" in out.err and out.err.count("\n") == 1
 
 
 # ==================================================================================================
