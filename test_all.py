@@ -547,7 +547,7 @@ def test_objective_shapes_loss_and_gradients(objective):
     assert missing == []
 
 
-def test_hidden_states_cover_every_layer_and_every_token():
+def test_hidden_states_cover_every_layer_and_token_and_match_the_forward_pass():
     for objective in ("mae", "cls", "mlm", "next"):
         c = tiny(objective, depth=3)
         x, _ = batch(c)
@@ -555,13 +555,9 @@ def test_hidden_states_cover_every_layer_and_every_token():
         T = c.num_patches() if c.is_image else c.seq_len
         assert len(hs) == c.depth + 1
         assert all(h.shape == (4, T, c.width) for h in hs)
-
-
-def test_hidden_states_match_the_forward_pass():
     torch.manual_seed(0)
-    c = tiny("cls")
-    model = Bamboo(c).eval()
-    x, y = batch(c)
+    model = Bamboo(tiny("cls")).eval()
+    x, y = batch(model.config)
     logits, _ = model(x, y)
     last = model.hidden_states(x)[-1]
     assert torch.allclose(model.head(model.fc_norm(last.mean(1))), logits, atol=1e-6)
@@ -589,38 +585,23 @@ def test_sdpa_path_equals_explicit_softmax_path():
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_fast_turns_on_explicit_attention_only_for_cpu_half_precision_short_sequences():
+def test_auto_picks_explicit_attention_only_for_cpu_half_precision_and_bench_may_ask_for_either():
     from operations import fast
 
-    def explicit(config, device, dtype):
-        model = Bamboo(config,
-                       explicit_attention=fast.use_explicit_attention("auto", torch.device(device),
-                                                                      dtype,
-                                                                             config))
-        return {m.explicit for m in model.modules() if isinstance(m, Attention)}
+    def explicit(config, device, dtype, asked="auto"):
+        chosen = fast.use_explicit_attention(asked, torch.device(device), dtype, config)
+        return {m.explicit for m in Bamboo(config, explicit_attention=chosen).modules()
+                if isinstance(m, Attention)}
 
     assert explicit(tiny("mae"), "cpu", torch.bfloat16) == {True}  # the decoder's blocks too
     assert explicit(tiny("cls"), "cpu", torch.float32) == {False}  # fp32: the fused kernel wins
     assert explicit(tiny("next", seq_len=257), "cpu", torch.bfloat16) == {False}  # long: memory
     assert explicit(tiny("cls"), "meta", torch.bfloat16) == {False}  # not a CPU
-
-
-def test_bench_can_ask_for_either_attention_whatever_auto_would_choose():
-    from operations import fast
-
-    def explicit(asked, device, dtype):
-        config = tiny("cls")
-        model = Bamboo(config,
-                       explicit_attention=fast.use_explicit_attention(asked, torch.device(device),
-                                                                      dtype,
-                                                                             config))
-        return {m.explicit for m in model.modules() if isinstance(m, Attention)}
-
-    assert explicit("sdpa", "cpu", torch.bfloat16) == {False}  # where auto would pick explicit
-    # where auto would pick the fused kernel
-    assert explicit("explicit", "meta", torch.float32) == {True}
+    # bench.py asks for either, where auto would pick the other
+    assert explicit(tiny("cls"), "cpu", torch.bfloat16, "sdpa") == {False}
+    assert explicit(tiny("cls"), "meta", torch.float32, "explicit") == {True}
     with pytest.raises(ValueError, match="--attention 'fused'"):
-        explicit("fused", "cpu", torch.float32)
+        explicit(tiny("cls"), "cpu", torch.float32, "fused")
 
 
 def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypatch):
@@ -683,20 +664,14 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
         assert torch.equal(shuffled[:, :keep], visible)
         kept = (mask == 0)
         assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
-
-
-def test_mae_stem_masks_before_embedding_with_the_same_result():
-    """The stem embeds only the visible patches; that equals embedding all, then masking (to
-    1e-6)."""
-    torch.manual_seed(0)
+    # the stem embeds only the visible patches: as embedding all, then masking (to 1e-6)
     model = Bamboo(tiny("mae")).eval()
     imgs, _ = batch(model.config)
     noise = torch.rand(4, model.config.num_patches())
     h, mask, ids_restore = model.embed(imgs, 0.75, noise)
-    everything = model.embed(imgs)[0]
     ids_keep = noise.argsort(1)[:, : h.shape[1]]
     assert h.shape[1] == round(0.25 * model.config.num_patches())
-    assert torch.allclose(h, take_tokens(everything, ids_keep), atol=1e-6)
+    assert torch.allclose(h, take_tokens(model.embed(imgs)[0], ids_keep), atol=1e-6)
 
 
 def test_patchify_round_trip():
@@ -744,8 +719,8 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     # "random" can land on the original id with probability 1/1000; it counts as unchanged here
     assert abs(unchanged.sum().item() / n - 0.10) < 0.015
     assert abs((chosen & ~masked & ~unchanged).sum().item() / n - 0.10) < 0.015
-    assert torch.equal(inputs[~chosen], tokens[~chosen]) and torch.equal(targets[chosen],
-                                                                         tokens[chosen])
+    assert torch.equal(inputs[~chosen], tokens[~chosen])
+    assert torch.equal(targets[chosen], tokens[chosen])
     # positions anywhere in the window are as likely (about 4,900 chosen per half: ~5 sigma is 0.01)
     first, second = chosen[:, :512].float().mean().item(), chosen[:, 512:].float().mean().item()
     assert abs(first - second) < 0.01 and chosen.any(0).float().mean() > 0.99
@@ -776,8 +751,8 @@ def test_training_flops_count_the_mlm_head_only_where_it_runs():
     trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
     # transform + vocabulary at round(15% of 32) = 5 positions
     head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
-    assert training_flops(Config(objective="mlm", mlm_prob=0.15,
-                                 **shape)) == pytest.approx(trunk + head)
+    assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(
+        trunk + head)
 
 
 @pytest.mark.parametrize("objective", ["mae", "next"])  # the image and the text path; every head
@@ -794,10 +769,14 @@ def test_bamboo_b_runs_forward_and_backward_on_cpu(objective):  # at small scale
     assert torch.isfinite(loss) and model.blocks[-1].mlp.fc.weight.grad is not None
 
 
-def test_every_preset_builds_a_valid_config():
+def test_every_preset_builds_a_valid_config_and_the_papers_is_maes_224_pixels():
     for name in PRESETS:
         c = Config.from_preset(name)
         assert c.width % c.heads == 0 and c.width // c.heads in (32, 64, 80, 96)
+    c = Config.from_preset("bamboo-b-224", objective="mae")  # in 16-pixel patches
+    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
+    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
+    assert c.norm_pix_loss
 
 
 @pytest.mark.parametrize("field,value", [
@@ -805,8 +784,7 @@ def test_every_preset_builds_a_valid_config():
     ("drop_path", -0.1), ("patch_size", 5), ("pool", "max"), ("num_classes", 1), ("vocab_size", 1),
     ("seq_len", 1), ("mask_ratio", 0.0), ("mask_ratio", 1.0), ("mask_ratio", 0.999),
     ("decoder_heads", 5), ("decoder_width", 30), ("mlm_prob", 1.5), ("neutreno", -0.1),
-                                         ("channels", 0),
-])
+    ("channels", 0)])
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}="):
         Config(**{field: value})
@@ -831,9 +809,8 @@ def test_wrong_input_shape_is_a_clear_error():
     assert text.next_token_features(torch.randint(0, 64, (2, 17)))[0].shape == (2, 16, 32)
 
 
-@pytest.mark.parametrize("objective,steps,lr",
-                         [("cls", 150, 3e-3), ("mae", 400, 2e-3), ("mlm", 800, 2e-3),
-                                                ("next", 150, 3e-3)])
+@pytest.mark.parametrize("objective,steps,lr", [("cls", 150, 3e-3), ("mae", 400, 2e-3),
+                                                ("mlm", 800, 2e-3), ("next", 150, 3e-3)])
 def test_tiny_model_overfits_one_batch(objective, steps, lr):
     torch.manual_seed(0)
     c = tiny(objective, width=64, depth=2, decoder_width=64, vocab_size=32)
@@ -862,8 +839,8 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
     cls = Bamboo(tiny("cls"))
     loaded, skipped = cls.load_encoder(mae.state_dict())
     assert loaded and all(n.startswith(("blocks.", "patch_embed")) for n in loaded)
-    assert {"ln_f.weight",
-            "ln_f.bias"} <= set(skipped) and any(n.startswith("decoder_") for n in skipped)
+    assert {"ln_f.weight", "ln_f.bias"} <= set(skipped)
+    assert any(n.startswith("decoder_") for n in skipped)
     own = cls.state_dict()
     assert all(torch.equal(own[n], mae.state_dict()[n]) for n in loaded)
     assert sorted(n for n in own if n not in loaded) == ["fc_norm.bias", "fc_norm.weight",
@@ -898,9 +875,8 @@ def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning()
 
 
 @pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
-@pytest.mark.parametrize("options",
-                         [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7},
-                          {"neutreno": 0.6}])
+@pytest.mark.parametrize("options", [{}, {"pool": "cls", "decoder_depth": 3, "num_classes": 7},
+                                     {"neutreno": 0.6}])
 def test_same_seed_gives_bit_identical_trunks_whatever_the_objective(pair, options):
     states = []
     for i, objective in enumerate(pair):
@@ -928,10 +904,9 @@ def test_vo_param_changes_the_blocks_but_not_the_stem():
 def test_residual_projections_get_the_depth_scaled_init():
     torch.manual_seed(0)
     model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
-    encoder = torch.cat([p.flatten() for n, p in model.blocks.named_parameters()
-                         if n.endswith("proj.weight")])
-    decoder = torch.cat([p.flatten() for n, p in model.decoder_blocks.named_parameters()
-                         if n.endswith("proj.weight")])
+    encoder, decoder = (torch.cat([p.flatten() for n, p in blocks.named_parameters()
+                                   if n.endswith("proj.weight")])
+                        for blocks in (model.blocks, model.decoder_blocks))
     assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
     assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
     assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -4095,7 +4070,8 @@ HUB_REFUSALS = [  # (spec, what the one line says)
     ("timm:vit_tiny_patch16_224,pretrained=0,depth=abc", "refuses the settings"),
     ("hf:gpt2,pretrained=0,n_layer=abc", "'n_layer=abc': n_layer takes an integer"),
     ("hf:gpt2,pretrained=0,n_layer=yes", "'n_layer=yes': n_layer takes an integer"),
-    ("hf:gpt2,pretrained=0,n_layers=6", ("gpt2 takes no setting 'n_layers'; it takes: ", "n_layer")),
+    ("hf:gpt2,pretrained=0,n_layers=6",
+     ("gpt2 takes no setting 'n_layers'; it takes: ", "n_layer")),
     ("hf:gpt2,pretrained=0,n_layer=2,n_layer=3", "n_layer is given twice"),
     ("hf:gpt2,pretrained=0,scale_attn_weights=2",
      "scale_attn_weights=2': scale_attn_weights takes true or"),
