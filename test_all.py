@@ -937,13 +937,6 @@ def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
 # 2. neutreno.py: attention, the NeuTRENO term, the W_V W_O eigen-parameterization
 # ==================================================================================================
 
-def test_neutreno_zero_lambda_is_plain_attention_exactly():
-    torch.manual_seed(0)
-    attn = Attention(32, 2, neutreno=0.0)
-    x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
-    assert torch.equal(attn(x, v0)[0], attn(x)[0])
-
-
 def test_neutreno_leaves_layer_zero_and_changes_later_layers():
     torch.manual_seed(0)
     plain = Bamboo(tiny("cls", depth=3))
@@ -955,7 +948,7 @@ def test_neutreno_leaves_layer_zero_and_changes_later_layers():
     assert not torch.allclose(hp[2], hn[2]) and not torch.allclose(hp[3], hn[3])
 
 
-def test_neutreno_term_matches_the_formula():
+def test_neutreno_term_matches_the_formula_and_lambda_zero_is_plain_attention_exactly():
     torch.manual_seed(0)
     attn = Attention(32, 2, neutreno=0.6)
     x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
@@ -963,6 +956,8 @@ def test_neutreno_term_matches_the_formula():
     o = explicit_attention(q, k, v)[0] + 0.6 * (v0 - v)
     expected = attn.proj(o.transpose(1, 2).reshape(2, 5, 32))
     assert torch.allclose(attn(x, v0)[0], expected, atol=1e-6)
+    attn = Attention(32, 2, neutreno=0.0)
+    assert torch.equal(attn(x, v0)[0], attn(x)[0])
 
 
 def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
@@ -1065,8 +1060,8 @@ def test_vo_param_eigenvalues_are_what_the_probe_reports():
 
 
 def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank():
-    """At init the last layer of a smooth trunk is more alike than a sharpen one's by cos, HC/DC
-    and effective rank; abs_cos_centered barely tells them apart there (0.363 against 0.367)."""
+    """At init a smooth trunk's last layer is more alike than a sharpen one's by cos, HC/DC and
+    effective rank (abs_cos_centered barely tells them apart there: 0.363 against 0.367)."""
     import probe
 
     last = {}
@@ -3085,28 +3080,26 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
 
 
-def test_identical_tokens_are_fully_smoothed():
+def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
     from probe import token_metrics
 
-    h = torch.randn(3, 1, 16).expand(3, 10, 16)
-    m = token_metrics(h)
+    m = token_metrics(torch.randn(3, 1, 16).expand(3, 10, 16))
     assert m["cos"] == pytest.approx(1.0) and m["std"] == pytest.approx(0.0, abs=1e-9)
     assert m["hc_dc"] == pytest.approx(0.0, abs=1e-9) and m["erank"] == pytest.approx(1.0)
-
-
-def test_orthogonal_tokens_have_zero_cosine():
-    from probe import token_metrics
-
+    m = token_metrics(torch.zeros(2, 5, 8))  # collapsed, exactly zero: identical all the same
+    assert m["cos"] == 1.0 and m["abs_cos_centered"] == 1.0 and m["std"] == 0.0
     h = (torch.eye(12)[:8] * torch.arange(1, 9)[:, None]).expand(2, 8, 12)  # 8 orthogonal tokens
     assert token_metrics(h)["cos"] == pytest.approx(0.0, abs=1e-12)
+    torch.manual_seed(0)
+    for k in (1, 3, 7):  # rank k: effective rank k
+        u, _ = torch.linalg.qr(torch.randn(20, k, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(32, k, dtype=torch.float64))
+        assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
 
 
 def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
-    """i.i.d. Gaussian tokens x_t ~ N(0, I_d), centred: c_t = x_t - xbar. Per coordinate, c_i and
-    c_j are jointly Gaussian with correlation rho = -1/(T-1), so for large d the cosine of a pair is
-    close to N(rho, (1 - rho^2) / d), and E|N(mu, s^2)| = s sqrt(2/pi) exp(-mu^2 / 2s^2) + mu (1 - 2
-    Phi(-mu/s)). Without centring's rho this is sqrt(2 / (pi d)); the signed centred mean would be
-    rho itself."""
+    """Centred i.i.d. N(0, I_d) tokens have pairwise cosines close to N(rho, (1 - rho^2) / d), rho
+    = -1/(T-1); E|N(mu, s^2)| = s sqrt(2/pi) exp(-mu^2 / 2s^2) + mu (1 - 2 Phi(-mu/s))."""
     from probe import token_metrics
 
     torch.manual_seed(0)
@@ -3153,27 +3146,15 @@ def test_pure_attention_stack_collapses_and_centred_metrics_do_not_call_it_diver
         assert m["hc_dc"][-1] < 1e-5 and m["std"][-1] < 1e-5 * m["std"][0]
 
 
-def test_collapsed_tokens_count_as_identical_even_when_exactly_zero():
-    from probe import token_metrics
-
-    m = token_metrics(torch.zeros(2, 5, 8))
-    assert m["cos"] == 1.0 and m["abs_cos_centered"] == 1.0 and m["std"] == 0.0
-
-
-def test_attention_entropy_of_uniform_and_one_hot_attention():
-    from probe import attention_entropy
+def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio():
+    from probe import attention_entropy, update_ratio
 
     T = 10
     uniform = torch.full((2, 3, T, T), 1 / T)
     one_hot = torch.eye(T).expand(2, 3, T, T)
     assert attention_entropy(uniform).tolist() == pytest.approx([math.log(T)] * 2)
     assert attention_entropy(one_hot).tolist() == [0.0, 0.0]
-
-
-def test_update_ratio_is_the_relative_change_of_the_stream():
-    from probe import update_ratio
-
-    before = torch.randn(3, 6, 8)
+    before = torch.randn(3, 6, 8)  # the update: the relative change of the stream
     assert update_ratio(before, 1.5 * before).tolist() == pytest.approx([0.5] * 3)
     assert update_ratio(before, before).tolist() == [0.0] * 3
 
@@ -3194,16 +3175,6 @@ def test_probe_reports_entropy_and_update_for_every_block():
     expected = np.mean([(b - a).norm().item() / a.norm().item() for a, b in
                         zip(hiddens[1][:, None], hiddens[2][:, None])])  # block 2, sample by sample
     assert report["update"][2] == pytest.approx(expected, rel=1e-5)
-
-
-def test_effective_rank_of_rank_k_matrices():
-    from probe import token_metrics
-
-    torch.manual_seed(0)
-    for k in (1, 3, 7):
-        u, _ = torch.linalg.qr(torch.randn(20, k, dtype=torch.float64))
-        v, _ = torch.linalg.qr(torch.randn(32, k, dtype=torch.float64))
-        assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
 
 
 @pytest.mark.parametrize("tokens,width", [(16, 48), (48, 16)])
