@@ -161,10 +161,8 @@ def trained(tiny_data, tmp_path_factory):
 
 @pytest.fixture
 def table_row(tiny_data, trained, tmp_path, monkeypatch):
-    """row(setup, argv, says) readies a refusal table's row: does its set-up and returns its argv
-    and the pieces of its line, with {tmp}, {run}, {images}, {text} and @OBJECTIVE (the tiny data's
-    flags) filled in. A set-up is an objective (a trained run copied into {run}), "OBJECTIVE:DIR"
-    (into {tmp}/DIR), a function of the context (it may return more names), or a list of them."""
+    """row(setup, argv, says): a refusal table's row with its set-up done and {tmp}, {run},
+    {images}, {text}, @OBJECTIVE filled in (set-ups: see TRAIN_REFUSALS); returns argv, pieces."""
     c = types.SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", data=tiny_data, trained=trained,
                               monkeypatch=monkeypatch)
     where = {"{tmp}": str(tmp_path), "{run}": str(c.run), "{images}": str(tiny_data / "images"),
@@ -1422,9 +1420,8 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
 
 def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_restarts_them(
         mixed_jpegs):
-    """A signal to every process ends the workers, maybe before they hand over the micro-batch
-    the step waits for (torch's DataLoader then raises): the same pixels, decoded here; the next
-    step starts new workers where the data order stands. An evaluation reads on here too."""
+    """Workers ended by a signal before handing over a micro-batch: the same pixels, decoded here;
+    the next step starts new workers where the data order stands; an evaluation reads on here."""
     from operations.files import list_folder
     from operations.streaming import ImageStream
 
@@ -1455,9 +1452,8 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
 
 
 def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
-    """A streaming worker killed (the OOM killer's SIGKILL) while the run goes: the batch it owed
-    is decoded here, new workers start where the data order stands, and every batch is the one a
-    run without the kill reads; torch's error never comes from elsewhere in the step."""
+    """A worker SIGKILLed mid-run (the OOM killer): its batch is decoded here, new workers start,
+    every batch is the one a run without the kill reads; torch's error never leaks into the step."""
     from operations.files import list_folder
     from operations.streaming import ImageStream
 
@@ -1580,9 +1576,8 @@ def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_
 
 def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
         mixed_jpegs, tmp_path):
-    """A scheduler's SIGTERM (or Ctrl-C, the same handler: tried in the test after) reaches the
-    workers too: the main process still finishes its step and saves, with no traceback, and no
-    worker outlives it."""
+    """A scheduler's SIGTERM (Ctrl-C's handler too) reaches the workers: the main process finishes
+    its step and saves, with no traceback, and no worker outlives it."""
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
              "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
@@ -1640,9 +1635,8 @@ def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, obje
 
 def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data, tmp_path,
                                                                       monkeypatch):
-    """A GPU only queues the steps between two reads of the loss, and the read waits for them: the
-    speed in the last line must count that wait (a 50 ms sleep in every read stands in for it here;
-    run_train reads every step)."""
+    """The speed must count the device's queued steps the loss read waits for (a 50 ms sleep in
+    every read stands in for that here; run_train reads every step)."""
     from operations import progress
 
     read_loss = progress.read_loss
@@ -1703,11 +1697,8 @@ def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
 
 
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
-    """bamboo-b's 48 blocks at width 16, on 32x32 RGB images in 8x8 patches, through the CLI with
-    the defaults' rate and warmup for a batch of 256 (the flagship's), on batches of 8 (far noisier
-    than 256), 80 steps past the warmup's peak, with the default clip and AdamW. In float32: the
-    schedule is under test here, and bf16 made these steps about 1.7x slower on the development CPU
-    (results/gpu.sh runs the full width in bf16 on a GPU)."""
+    """bamboo-b's 48 blocks (width 16) through the CLI with the defaults' rate and warmup for a
+    batch of 256, on batches of 8, 80 steps past the peak; float32 (bf16 is 1.7x slower on CPU)."""
     import train
 
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
@@ -2145,9 +2136,8 @@ def test_resume_continues_exactly(tiny_data, tmp_path):
 
 
 def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
-    """MAE draws its masks from each rank's own RNG; an interrupted, resumed run must repeat them
-    exactly. The ranks agree to stop only at steps that log the loss (a host sync each): a time
-    limit met at step 1 stops at step 2."""
+    """Each rank's MAE masks repeat exactly after a resume; the ranks stop only at steps that log
+    the loss (a host sync each): a time limit met at step 1 stops at step 2."""
     flags = image_flags(tiny_data, "mae", "--eval_interval", "4", "--batch_size", "8", "--dtype",
                         "float32",
                         "--grad_accum", "2", "--max_iters", "4")
@@ -2477,9 +2467,8 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
 
 def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
                                                                               tmp_path):
-    """--time_limit counts from the invocation's start and stops training while the evaluation and
-    the checkpoint still fit: their last measured time, or before the first evaluation a step per
-    held-out batch and one for the probe; inf is refused."""
+    """Training stops while the evaluation and the checkpoint still fit (their last time, or before
+    the first, a step per held-out batch and one for the probe); inf is refused."""
     from operations import progress
     import train
 
@@ -2724,8 +2713,9 @@ MAE_NO_DATA = ["--objective", "mae", "--data_dir", "{tmp}/d"]
 RESUME = ["--resume", "--max_iters", "3"]
 WIKITEXT = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", "{tmp}/d",
             "--tokenizer", "bytes"]
-# train.py's refusals: (set-up, argv, what the one line says), as table_row reads them; --out_dir
-# is {run} unless given.
+# train.py's refusals: (set-up, argv, what the one line says); --out_dir is {run} unless given. A
+# set-up: an objective (a trained run copied into {run}), "OBJECTIVE:DIR" (into {tmp}/DIR), a
+# function of the context (it may return more names to fill in), or a list of them.
 TRAIN_REFUSALS = [
     (None, [*NO_DATA, "--log_interval", "0"], "--log_interval 0 must be at least 1"),
     (None, [*NO_DATA, "--layer_decay", "-0.5"], "--layer_decay -0.5 must be in (0, 1]"),
@@ -2944,9 +2934,8 @@ def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path
 
 def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_nothing(
         capsys, tiny_data, tmp_path, monkeypatch):
-    """Over-smoothing as it forms: every evaluation record holds probe.py's per-layer metrics on
-    the first N held-out samples, equal to probe.py's own numbers for the checkpoint; a run with
-    them trains bit for bit as one without; look.py draws them for several runs."""
+    """Each evaluation logs probe.py's own per-layer metrics for the checkpoint; a run with them
+    trains bit for bit as one without; look.py draws them for several runs."""
     import shutil
 
     import look
@@ -3587,9 +3576,8 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
 
 
 def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
-    """Run one after another as written, the README's and the guide's commands never collide: each
-    new run has an out_dir of its own, and every checkpoint, run or output path they use lies in
-    an out_dir an earlier command made."""
+    """The README's and the guide's commands, run in order, never collide: each new run has its own
+    out_dir, and every path they use lies in an out_dir an earlier command made."""
     made, shapes = [], {}  # shapes: out_dir -> (depth, heads) of the model trained there
     commands = readme_commands("README.md", "docs/guide.md")
     assert len(commands) > 10
@@ -3761,9 +3749,8 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
 
 
 def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
-    """make_graphed_callables takes tensors only: MAE's and next-token's y=None must reach the model
-    as None. The graphed callable returns the loss alone; out is kept beside it without gradient (a
-    graphed output that requires grad would get a zero gradient of its size at every step)."""
+    """MAE's and next-token's y=None reach the model as None; the graphed callable returns the
+    loss alone, out is kept beside it without gradient (else it gets a zero gradient each step)."""
     from operations import fast
 
     model = Bamboo(tiny("mae"))
@@ -3989,9 +3976,8 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
 
 
 def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data, tmp_path):
-    """Every patch, in order, by default (the library masks 75% unless told otherwise): the hooked
-    hidden states equal the library's own; --mask keeps a quarter of the patches, the same ones in
-    every run, and changes the numbers."""
+    """Every patch, in order, by default: the hooked states equal the library's own; --mask keeps
+    a quarter of the patches, the same ones in every run, and changes the numbers."""
     import probe
 
     model, _ = probe.load_model(HF_MAE, "")
@@ -4229,9 +4215,8 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_pat
 
 
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
-    """One model, or others of another shape: no beta panels (the first alone is 1 against itself);
-    a metric that moves by 1e-4 near 1 is drawn flat (its y-range at least 5% of its size); y-labels
-    wrap, never overlapping the next panel."""
+    """No beta panels without a pair; a metric that moves by 1e-4 near 1 is drawn flat (a y-range
+    of at least 5% of its size); y-labels wrap, never overlapping the next panel."""
     import probe
 
     wobble = [0.9999, 1.0, 0.99995]
@@ -4551,10 +4536,8 @@ def test_bf16_autocast_tracks_fp32_training():
 @pytest.mark.parametrize("compile_mode", ["off", "model", "blocks", "graphs", "auto"])
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
-    """fast.for_training returns the model or a wrapper that names what it calls; it never assigns a
-    method or an attribute on the model or its modules (nn.Module.compile's own slot,
-    _compiled_call_impl, aside), so the methods of Bamboo, Block and Attention that a reader studies
-    are the ones that train."""
+    """fast.for_training never assigns a method or attribute on the model or its modules (torch's
+    compile slot aside): the methods a reader studies are the ones that train."""
     from operations import fast
 
     model = Bamboo(tiny(objective, neutreno=0.4))
@@ -4589,10 +4572,8 @@ def test_measurement_tools_do_not_import_the_trainer():
 
 
 def test_imports_point_one_way_down_the_stated_order():
-    """Every module of the project has its place in LAYERS and imports only modules before it,
-    imports inside functions included: no circle. The tutorial's five files import besides only
-    the standard library and the packages the user named, and operations/ as modules
-    (`from operations import out_dir`), so that each call reads out_dir.out_dir_claimed(...)."""
+    """Every module imports only modules before it in LAYERS (inside functions too); the tutorial's
+    files import only named packages besides, and operations/ as modules: out_dir.out_dir_claimed"""
     import ast
 
     modules = {p[:-3].replace("/", ".") for p in os.listdir(REPO) + [
@@ -4649,9 +4630,8 @@ def test_the_readme_links_each_name_to_its_lines(tmp_path):
 
 
 def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
-    """No function over 60 lines, except train.train, which holds a run's whole state as its local
-    variables (nanoGPT's script body: set-up, then the loop); the loop shows each of the step's
-    verbs itself, in order."""
+    """No function over 60 lines but train.train (a run's state as its locals, as nanoGPT's
+    script); its loop shows each of the step's verbs itself, in order."""
     import ast
     import inspect
 
@@ -4768,9 +4748,8 @@ def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path
 
 @CUDA_ONLY
 def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data, tmp_path):
-    """The measurement at each evaluation runs on the plain model: under CUDA graphs the
-    replayed step is untouched (the same losses with and without it) and the metrics are
-    logged."""
+    """Under CUDA graphs the evaluation's measurement leaves the replayed step untouched (the same
+    losses with and without it), and the metrics are logged."""
     flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2",
                         "--compile", "graphs", "--dtype", "float32")
     code, out, probed = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
