@@ -1251,13 +1251,11 @@ def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_
     # the constant channel is centred, not divided by 0
     assert x.isfinite().all() and x[:, 2].eq(0).all()
     code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
-                                   "--max_iters", "3",
-                                   out_dir=tmp_path / "o")
+                                   "--max_iters", "3", out_dir=tmp_path / "o")
     assert code == 0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records
                              if "loss" in r), out
     assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
-                       str(images),
-                       "--samples", "8"]) == 0, capsys.readouterr().err
+                       str(images), "--samples", "8"]) == 0, capsys.readouterr().err
 
 
 # The mistakes users make with their data -> the line train.py answers with (before any training)
@@ -1336,8 +1334,7 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
     err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"),
-                    "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
     assert str(target / "train.txt") in err and str(target / "valid.txt") in err
     assert (target / "train.txt").read_text() == "the user's own file"
     # following the message: now it trains, offline
@@ -1347,8 +1344,7 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
                              "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
                              *TINY_TEXT_FLAGS[:6],
                              "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
-                             "--batch_size", "2",
-                             out_dir=tmp_path / "o")
+                             "--batch_size", "2", out_dir=tmp_path / "o")
     assert code == 0, out
 
 
@@ -1616,8 +1612,7 @@ def test_cli_trains_every_objective_and_the_loss_falls(tiny_data, tmp_path, obje
     flags = (image_flags if objective in ("mae", "cls") else text_flags)(tiny_data, objective)
     steps = 120 if objective == "mae" else 40  # the tiny MAE needs more steps to fall by a fifth
     code, out, records = run_train(*flags, "--max_iters", str(steps), "--eval_interval",
-                                   str(steps // 2),
-                                   out_dir=tmp_path)
+                                   str(steps // 2), out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps
@@ -1647,8 +1642,7 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
 
     monkeypatch.setattr(progress, "read_loss", waiting_read)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
-                                          "3"),
-                             out_dir=tmp_path)
+                                          "3"), out_dir=tmp_path)
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
@@ -1707,8 +1701,7 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
                                    "--heads", "1",
                                    "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
                                    "--data_dir", tiny_data / "images", "--batch_size", "8",
-                                   "--cache_dir", IMAGE_CACHE,
-                                   "--max_iters", steps,
+                                   "--cache_dir", IMAGE_CACHE, "--max_iters", steps,
                                    "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr,
                                    "--warmup", cfg.warmup, out_dir=tmp_path)
     assert code == 0, out
@@ -1737,8 +1730,7 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
     monkeypatch.setattr(train, "Bamboo", Kept)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip",
-                                          "0.01",
-                                          "--dtype", "float32"), out_dir=tmp_path)
+                                          "0.01", "--dtype", "float32"), out_dir=tmp_path)
     assert code == 0, out
     assert len(norms) == 3 and all(before > 0.01 and after < 0.01 * 1.001
                                    for before, after in norms), norms
@@ -2072,8 +2064,7 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
                                          "1e-3"), out_dir=tmp_path / "text")
     assert code == 0, out
     for line in ("--crop_scale --workers (read only for a streamed image folder)",
-                 "--stream (read only for an image folder)",
-                 "--num_classes (read only for images)",
+                 "--stream (read only for an image folder)", "--num_classes (read only for images)",
                  "--memory_gb (read only for an image folder under --stream auto)",
                  "--base_lr (read only for --lr -1 (peak rate base_lr x batch / 256))"):
         assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
@@ -2139,8 +2130,7 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     """Each rank's MAE masks repeat exactly after a resume; the ranks stop only at steps that log
     the loss (a host sync each): a time limit met at step 1 stops at step 2."""
     flags = image_flags(tiny_data, "mae", "--eval_interval", "4", "--batch_size", "8", "--dtype",
-                        "float32",
-                        "--grad_accum", "2", "--max_iters", "4")
+                        "float32", "--grad_accum", "2", "--max_iters", "4")
     code, out, whole = run_torchrun(*flags, out_dir=tmp_path / "whole")
     assert code == 0, out
     code, out, _ = run_torchrun(*flags, "--time_limit", "1e-9", "--log_interval", "2",
@@ -2254,8 +2244,7 @@ def test_a_log_of_whole_records_that_lost_its_last_newline_resumes(trained, tmp_
     assert code == 0 and [r.get("step") for r in records][-3:] == [None, 3, 3], out  # run, step
 
 
-def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys,
-                                                                               monkeypatch):
+def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys, monkeypatch):
     from operations import checks, cli, progress
     import train
 
@@ -2267,8 +2256,7 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
         torch.set_num_threads(before)
     assert "threads" in train.PER_INVOCATION  # a resume on another machine sets its own
     with pytest.raises(cli.TrainingError, match="--threads -1 must be >= 0"):
-        checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5,
-                                                      threads=-1))
+        checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5, threads=-1))
     assert cli.resume_command("o", 1) == "python train.py --resume --out_dir o"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert cli.resume_command("o", 2) == "torchrun --nproc_per_node=2 train.py --resume --out_dir o"
@@ -2312,14 +2300,9 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
     script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
               "from operations import out_dir\n"
               "claimed = out_dir.out_dir_claimed(sys.argv[1], False, False)\n"
-              "claimed.__enter__()\n"
-              "if os.fork() == 0:\n"
-              "    os.close(1)\n"
-              "    time.sleep(10)\n"
-              "    os._exit(0)\n"
-              "print('claimed', flush=True)\n"
-              "sys.stdin.read()\n"
-              "os._exit(0)  # killed: no clean-up\n")
+              "claimed.__enter__()\n" "if os.fork() == 0:\n" "    os.close(1)\n"
+              "    time.sleep(10)\n" "    os._exit(0)\n" "print('claimed', flush=True)\n"
+              "sys.stdin.read()\n" "os._exit(0)  # killed: no clean-up\n")
     run = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert run.stdout.readline() == "claimed\n"
@@ -2609,11 +2592,9 @@ def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypa
     (["--max_iters", "3", "--lr", "1e30", "--min_lr", "1e30"], "non-finite at step 3"),
 ])
 def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, tiny_data, tmp_path,
-                                                                        resume_flags,
-                                                                         message):
+                                                                        resume_flags, message):
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval",
-                                          "1"),
-                             out_dir=tmp_path)
+                                          "1"), out_dir=tmp_path)
     assert code == 0, out
     good = (tmp_path / "ckpt.pt").read_bytes()
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip",
@@ -2637,8 +2618,7 @@ def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, t
     err = cli_error(capsys,
                     *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
                                          "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
-                                 "--min_lr", "1e30"),
-                    "--out_dir", str(tmp_path))
+                                 "--min_lr", "1e30"), "--out_dir", str(tmp_path))
     assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
 
 
@@ -2846,8 +2826,7 @@ def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
 
 
 def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data,
-                                                                             tmp_path,
-                                                                             monkeypatch):
+                                                                             tmp_path, monkeypatch):
     import train
 
     calls = {"n": 0}
@@ -3054,8 +3033,7 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
         raise OSError(28, "No space left on device")
 
     argv = ["init:cifar-tiny,image_size=16,depth=1", "--dataset", "folder", "--data_dir",
-            str(tiny_data / "images"),
-            "--samples", "2", "--json", str(tmp_path / "p.json")]
+            str(tiny_data / "images"), "--samples", "2", "--json", str(tmp_path / "p.json")]
     monkeypatch.setattr(probe.json, "dumps", full_disk)
     assert probe.main(argv) == 2
     monkeypatch.undo()
@@ -3254,8 +3232,7 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["labels"] == ["trained", "init"] and report["layers"] == [0, 1, 2, 3, 4]
     for name in ("std", "cos", "abs_cos_centered", "hc_dc", "erank", "update", "attn_entropy",
-                 "attn_sim",
-                 "vo_dominant", "vo_positive", "beta_qk", "beta_v"):
+                 "attn_sim", "vo_dominant", "vo_positive", "beta_qk", "beta_v"):
         for label in report["labels"]:
             assert len(report["metrics"][name][label]) == 5
     # itself; padded to 5
@@ -3350,8 +3327,7 @@ def test_foreign_specs_take_true_and_false_as_words_in_any_case():
     assert cli.config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
 
 
-def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys,
-                                                                                   tmp_path,
+def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys, tmp_path,
                                                                                    monkeypatch):
     """The tools share one mapping of errors to lines; an output that cannot be written is named
     as the user gave it, never as its hidden temporary file."""
@@ -3808,8 +3784,7 @@ def test_tiny_timm_and_hugging_face_models_probe_end_to_end(capsys, tiny_data, t
 
 
 @pytest.mark.parametrize("objective", ["cls", "mae", "next"])
-def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective, tmp_path,
-                                                                     capsys):
+def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective, tmp_path, capsys):
     """The export writes what the library loads as-is (timm: the state dict, strict; Hugging Face:
     a save_pretrained folder), and the library's model then computes our logits or features."""
     from safetensors import safe_open
@@ -4004,8 +3979,7 @@ def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data,
     assert masked == again and masked["cos"] != unmasked["cos"]
 
 
-def test_a_models_metrics_do_not_depend_on_the_models_probed_beside_it(capsys, tiny_data,
-                                                                       tmp_path):
+def test_a_models_metrics_do_not_depend_on_the_models_probed_beside_it(capsys, tiny_data, tmp_path):
     """Each model sees the samples normalised by its own statistics (DeiT's are ImageNet's, this
     ViT's 0.5), whichever model was probed first on the same data."""
     deit = TIMM_VIT.replace("vit_tiny", "deit_tiny")
@@ -4058,8 +4032,7 @@ def test_a_foreign_spec_that_cannot_be_probed_as_given_is_one_line(tmp_path, spe
     assert "\n" not in str(e.value)
 
 
-def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data,
-                                                                       tmp_path):
+def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data, tmp_path):
     import probe
 
     T = 12
@@ -4097,8 +4070,7 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     processor = types.SimpleNamespace(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224,
                                                                                   0.225])
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda name, **kw: tiny[name])
-    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
-                        lambda name: processor)
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", lambda name: processor)
     monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # as if online
     mae = hub.load("hf:facebook/vit-mae-base")
     pixels = torch.full((1, 3, 16, 16), 0.485)
@@ -4377,8 +4349,7 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert "first step of cls:cifar-tiny,image_size=16 (bamboo, float32, off): " in out  # at once
 
 
-def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys,
-                                                                            monkeypatch):
+def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys, monkeypatch):
     """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
     it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
     import bench
@@ -4547,18 +4518,15 @@ def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
         after = instance_attributes(model)
         for name, attributes in after.items():
             changed = {
-                key
-                for key in attributes.keys() | before[name].keys()
+                key for key in attributes.keys() | before[name].keys()
                 if attributes.get(key) is not before[name].get(key)
             } - {
-                "_compiled_call_impl",
-                "_is_torch_compile",
+                "_compiled_call_impl", "_is_torch_compile",
             }  # torch.compile's own
             assert not changed, (name, changed)
         for module_name, submodule in model.named_modules():
             shadowed = [
-                key for key in vars(submodule) if callable(getattr(type(submodule), key, None))
-            ]
+                key for key in vars(submodule) if callable(getattr(type(submodule), key, None))]
             assert not shadowed, (module_name, shadowed)
 
 
@@ -4647,8 +4615,7 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
     source = inspect.getsource(train.train)
     loop = source[source.index("while step < cfg.max_iters"):]
     verbs = ["get_lr(", ".backward()", "clip_grad_norm_(", "scaler.step(", "zero_grad(",
-             "read_loss(", "evaluate(",
-             "checkpoint.save("]
+             "read_loss(", "evaluate(", "checkpoint.save("]
     where = [loop.find(verb) for verb in verbs]
     assert all(i >= 0 for i in where) and where == sorted(where), dict(zip(verbs, where))
 
@@ -4690,8 +4657,7 @@ def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, obj
     if objective == "next":  # the chunked loss holds no logits
         assert out is None and eager_out is None
     else:  # logits too
-        assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3,
-                                                               atol=1e-4)
+        assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 
@@ -4733,8 +4699,7 @@ def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(ob
 @CUDA_ONLY
 def test_train_py_runs_under_cuda_graphs_and_resumes_exactly(tiny_data, tmp_path):
     flags = image_flags(tiny_data, "mae", "--max_iters", "6", "--eval_interval", "3",
-                        "--compile", "graphs",
-                        "--dtype", "float32")
+                        "--compile", "graphs", "--dtype", "float32")
     code, out, whole = run_train(*flags, out_dir=tmp_path / "whole")
     assert code == 0 and "compile: graphs" in out, out
     code, out, _ = run_train(*flags, "--time_limit", "1e-9", out_dir=tmp_path / "parts")
