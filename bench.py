@@ -13,7 +13,6 @@ Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
 """
 import argparse
 import json
-import platform
 import sys
 import time
 from contextlib import nullcontext
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from operations import export, fast
+from operations import export, fast, runlog
 from operations.checkpoint import atomic_write
 from operations.cli import check_output_path, config_from_spec, one_line_errors
 from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
@@ -182,8 +181,7 @@ def peak_tflops(device, dtype):
 # ----------------------------------------------------------------------------- the table
 
 def device_sync(device):
-    """A call that waits for the device's queued work (CUDA runs asynchronously), or does nothing on
-    CPU."""
+    """A call that waits for the device's queued work (CUDA runs asynchronously)."""
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
@@ -232,13 +230,10 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak
               else f"peak: {source}")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} "
-          f"steps (fastest round), "
-          f"{torch.get_num_threads()} threads")
-    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} "
-              f"{'params':>8} {'step ms':>9} "
-              f"{'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} "
-              f"{'peak MiB':>9} {'1st s':>6} "
-              f"{'vs first':>8}")
+          f"steps (fastest round), {torch.get_num_threads()} threads")
+    header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8} "
+              f"{'step ms':>9} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} "
+              f"{'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
     print(header)
     print("-" * len(header))
     rows = []
@@ -251,12 +246,10 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
         rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
                      "compiled": runner.compiled, "attention": runner.attention,
-                     "step_ms": step * 1000,
-                     "samples_s": args.batch_size / step,
+                     "step_ms": step * 1000, "samples_s": args.batch_size / step,
                      "tokens_s": args.batch_size * tokens / step, "tflops": tflops,
                      "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem,
-                     "params_m": params,
-                     "first_step_s": runner.first_step_s})
+                     "params_m": params, "first_step_s": runner.first_step_s})
         r = rows[-1]
         print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} "
               f"{r['attention']:<8} {params:>7.2f}M "
@@ -273,8 +266,7 @@ def run(args):
         torch.set_num_threads(args.threads)
     entries, runners, peaks = build_runners(args, device)
     step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds,
-                         args.steps,
-                         device_sync(device))
+                         args.steps, device_sync(device))
     rows = print_table(args, device, entries, runners, step_ms,
                        peak_memory(device, runners), peaks)
     if args.profile:
@@ -282,18 +274,15 @@ def run(args):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})",
                          args.profile)
     if args.json:
-        name = platform.processor() or device.type
-        if device.type == "cuda":
-            name = torch.cuda.get_device_name(device)
-        report = {"device": name, "torch": torch.__version__, "batch_size": args.batch_size,
-                  "rows": rows}
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else runlog.cpu_model()
+        report = {"device": name or device.type, "torch": torch.__version__,
+                  "batch_size": args.batch_size, "rows": rows}
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     return rows
 
 
 def profile_step(runner, title, rows):
-    """torch.profiler on one training step: the operators that take the most time, for finding
-    bottlenecks."""
+    """torch.profiler on one training step: the operators that take the most time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda"

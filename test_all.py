@@ -34,6 +34,7 @@ import transformers.utils.logging  # noqa: F401
 
 from bamboo import PRESETS, TRUNK, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
 from neutreno import Attention, explicit_attention
+from operations import fast, runlog
 
 # The suite's models are tiny: one thread each costs less in hand-offs and leaves the other core
 # to the subprocesses of the tests.
@@ -1954,8 +1955,8 @@ def test_runs_record_their_initial_trunk_and_each_images_correctness(tiny_data, 
     assert code == 0 and resumed["step"] == 3 and resumed["init_hash"] == hashes["cls"], out
 
 
-def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_data, tmp_path,
-                                                                           monkeypatch):
+def test_each_run_records_the_commit_command_torch_machine_and_dtype_that_made_it(
+        tiny_data, tmp_path, monkeypatch):
     """The first record of log.jsonl and the checkpoint say what made the run; a resume adds its
     own record, so that every invocation of a run is on file."""
     flags = [*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")]
@@ -1969,6 +1970,8 @@ def test_each_run_records_the_commit_command_torch_and_device_that_made_it(tiny_
     assert isinstance(made["uncommitted_changes"], bool) == bool(head)
     assert made["command"] == " ".join([os.path.basename(sys.executable), "train.py", *flags])
     assert made["torch"] == torch.__version__ and made["device"] == "cpu"
+    assert made["cpu"] == runlog.cpu_model() and made["cpu"]  # a pooled analysis can name both
+    assert made["dtype"] == str(fast.pick_dtype("auto", torch.device("cpu"))).split(".")[1]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["made_by"] == made
     code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
     resumes = [r for r in records if "run" in r]
@@ -4626,7 +4629,6 @@ def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
 
 # Collected everywhere, skipped without a GPU (shown as skipped); results/gpu.sh runs them on one.
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-from operations import fast  # noqa: E402
 
 CUDA = torch.device("cuda")
 

@@ -271,7 +271,7 @@ def train(args, started=None):
         # ------------------------------------------------------------------------- the loop
         clock = progress.Clock(t_begin, cfg, progress.held_out_batches(
             data, cfg.eval_samples, eval_batch))
-        made_by = runlog.code_and_machine(device)  # the commit, command, torch and device
+        made_by = runlog.code_and_machine(device, dtype)  # commit, command, torch, machine
         metrics, t_start = None, time.time()
         with progress.stop_signals(ddp, master) as stop, \
                 runlog.log_file(log_path, cfg, master, made_by, step) as log, \

@@ -94,6 +94,7 @@ def hf_model(name, pretrained, settings):
     spec's texts, each typed as its default is)."""
     import transformers
 
+    transformers.logging.set_verbosity_error()  # its config warnings are not the probe's output
     if pretrained:
         return transformers.AutoModel.from_pretrained(
             name, attn_implementation="eager", **{k: cli.typed(k, v) for k, v in settings.items()})

@@ -6,6 +6,7 @@ Run: python -c "from operations import runlog; print(runlog.read_log('out/log.js
 """
 import json
 import os
+import platform
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -145,9 +146,9 @@ def forget_unsaved_steps(log_path, step):
         checkpoint.atomic_write(log_path, lambda f: f.write(text.encode()))
 
 
-def code_and_machine(device):
+def code_and_machine(device, dtype):
     """What made a run: the commit (and whether the tree had uncommitted changes), the command
-    line, torch and the device. Outside a git checkout the commit is None."""
+    line, torch, the device (a CPU by its model) and the dtype. Outside git the commit is None."""
     here = os.path.dirname(os.path.abspath(__file__))
 
     def git(*args):
@@ -163,4 +164,15 @@ def code_and_machine(device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return {"commit": commit, "uncommitted_changes": bool(changes) if commit else None,
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "torch": str(torch.__version__), "device": name}
+            "torch": str(torch.__version__), "device": name, "cpu": cpu_model(),
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def cpu_model():
+    """The CPU's model name as Linux reports it, or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or None

@@ -17,7 +17,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from test_all import REPO, trained_checkpoint
+from test_all import REPO, train_run
 
 
 def analyze_argv(data, runs, out, *seeds, flags=()):
@@ -54,7 +54,7 @@ def image_runs(tiny_data, tmp_path_factory):
     runs = root / "runs" / "s0"
     for arm, objective, extra in (("cls", "cls", []), ("mae", "mae", []),
                                   ("ft", "cls", ["--init_from", runs / "mae" / "ckpt.pt"])):
-        trained_checkpoint(tiny_data, objective, runs / arm, 2, *extra, "--seed", "0", "--dtype", "float32")
+        train_run(tiny_data, objective, runs / arm, 2, *extra, "--seed", "0", "--dtype", "float32")
     (root / "data").mkdir()
     (root / "data" / "cifar10-jpeg").symlink_to(tiny_data / "images")
     return root / "data", root / "runs"
@@ -108,9 +108,9 @@ def test_experiment_1_paired_differences_are_taken_within_each_seed():
 
 def test_no_analysis_reads_a_run_that_stopped_before_its_planned_step(tiny_data, tmp_path):
     analysis = results_module("analysis")
-    done = trained_checkpoint(tiny_data, "cls", tmp_path / "done", 2)
+    done = train_run(tiny_data, "cls", tmp_path / "done", 2)
     assert analysis.finished_run(str(done))[1]["step"] == 2
-    cut = trained_checkpoint(tiny_data, "cls", tmp_path / "cut", 3, "--time_limit", "1e-9")
+    cut = train_run(tiny_data, "cls", tmp_path / "cut", 3, "--time_limit", "1e-9")
     with pytest.raises(analysis.AnalysisError, match="stopped at step 1 of its planned 3; finish it"):
         analysis.finished_run(str(cut))
 
@@ -345,7 +345,7 @@ def test_experiment_3_analysis_measures_the_runs_there_and_reads_back_the_others
     runs = tmp_path / "runs"
     folder = {run: runs / path.format(seed=0) for run, path in e3_analyze.RUNS.items()}
     for run in ("next", "mlm"):
-        trained_checkpoint(tiny_data, run, folder[run], 2, "--seed", "0", "--dtype", "float32")
+        train_run(tiny_data, run, folder[run], 2, "--seed", "0", "--dtype", "float32")
     for run in set(e3_analyze.RUNS) - {"next", "mlm"}:
         shutil.copytree(folder["mlm"], folder[run])
     out = tmp_path / "e3"
