@@ -1,12 +1,9 @@
 """Benchmark training steps of any configs side by side, on synthetic data, in one run.
 
-Each spec is OBJECTIVE:PRESET[,key=value,...]. All configs are timed round-robin in one process,
-so every ratio comes from one machine state; the fastest round counts, as with timeit. Per config:
-step time, samples/s, tokens/s, TFLOP/s, MFU and peak memory on a GPU, and the first step
-(compilation).
---against adds what a user would otherwise pick at the same shape: timm's VisionTransformer (cls),
-Hugging Face GPT-2 (next) and BERT (mlm), vit-pytorch's MAE (mae); --compile, --dtype and
---attention take comma lists to compare in the same run.
+Specs are OBJECTIVE:PRESET[,key=value,...], timed round-robin in one process so that every ratio
+comes from one machine state (the fastest round counts, as with timeit). --against adds timm's ViT,
+Hugging Face GPT-2 and BERT and vit-pytorch's MAE of the same shape; --compile, --dtype and
+--attention take comma lists to compare.
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
@@ -21,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from bamboo import Bamboo, Config, training_flops
-from operations import export, fast, runlog
+from operations import export, fast
 from operations.checkpoint import atomic_write
 from operations.cli import check_output_path, config_from_spec, one_line_errors
-from operations.fast import gpu_peak_tflops, pick_device, pick_dtype
+from operations.fast import pick_device, pick_dtype
 
 LEARNING_RATE = 1e-4  # any finite rate: the step's time does not depend on it
 WARM_S = 2.0  # untimed steps for at least this long before the rounds (results/bench/)
@@ -168,14 +165,10 @@ def fastest_ms(calls, rounds, reps, sync=lambda: None):
 
 
 def peak_tflops(device, dtype):
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(device)
-        if peak is None:
-            return None, f"{name} (peak unknown)"
-        # fp32 runs as TF32
-        return (peak if dtype != torch.float32 else peak / 2), f"{name}, table peak"
-    return None, f"{device.type} (peak unknown: no MFU)"
+    """(peak TFLOP/s or None, where it comes from) for the table's MFU."""
+    peak = fast.peak_tflops(device, dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return peak, f"{name}, table peak" if peak else f"{name} (peak unknown: no MFU)"
 
 
 # ----------------------------------------------------------------------------- the table
@@ -214,14 +207,13 @@ def build_runners(args, device):
 
 def peak_memory(device, runners):
     """Per runner, peak MiB of one step: CUDA's max allocated; None where torch counts none."""
+    if device.type != "cuda":
+        return [None] * len(runners)
     memory = []
     for runner in runners:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            runner.step()
-            memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
-        else:
-            memory.append(None)
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.step()
+        memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
     return memory
 
 
@@ -274,7 +266,7 @@ def run(args):
             profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})",
                          args.profile)
     if args.json:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else runlog.cpu_model()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else fast.cpu_model()
         report = {"device": name or device.type, "torch": torch.__version__,
                   "batch_size": args.batch_size, "rows": rows}
         atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))

@@ -1,15 +1,5 @@
-"""Look at what a model does: text samples, MAE reconstructions, attention maps, training curves.
-
-Five commands, one for each way of looking; each reads checkpoints written by train.py (or out_dirs,
-for the curves and the smoothing) and writes one file or prints text:
-
-  sample       continue a prompt with a next-token model (nanoGPT's sample.py): temperature, top-k
-  reconstruct  MAE on held-out images as one grid, as the MAE paper's demo shows it: original,
-               masked, reconstruction, and reconstruction with the visible patches pasted back
-  attention    the attention of chosen layers and heads for one held-out sample: over the
-               image's patch grid, or as a queries x keys map labelled with the tokens
-  curves       training loss and held-out metric against steps, for one or more out_dirs
-  smoothing    a probe metric per layer at each evaluation (train.py logs them), for out_dirs
+"""Look at what a model does: text samples (as nanoGPT's sample.py), MAE reconstructions, attention
+maps, training curves, and each layer's over-smoothing as training went (python look.py -h).
 
 Run: python look.py sample out/ckpt.pt --prompt "The meaning of" --max_new_tokens 100
 """
@@ -17,12 +7,13 @@ import argparse
 import math
 import os
 import sys
+from functools import partial
 
 import torch
 
 from bamboo import patchify, unpatchify
 from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples, get_tokenizer
-from probe import AXES
+from probe import AXES, TOKEN_METRICS
 from operations import runlog
 from operations.checkpoint import data_settings, model_from_checkpoint
 from operations.cli import check_output_path, one_line_errors
@@ -72,7 +63,6 @@ def sample(args):
     for text in texts:
         print(prompt + text)
         print("---------------")
-    return texts
 
 
 # ----------------------------------------------------------------------------- reconstruct
@@ -91,10 +81,7 @@ def mae_columns(model, images, seed=0):
         mean, var = patches.mean(-1, keepdim=True), patches.var(-1, keepdim=True)
         pred = pred * (var + 1e-6).sqrt() + mean
     hidden = mask[..., None]  # (N, L, 1), 1 = hidden
-
-    def image(p):
-        return unpatchify(p, c.patch_size, c.channels)
-
+    image = partial(unpatchify, p=c.patch_size, channels=c.channels)
     visible = patches * (1 - hidden)
     hidden_pixels = image(hidden.expand_as(patches))[:, :1].bool()
     return images, image(visible), image(pred), image(visible + pred * hidden), hidden_pixels
@@ -118,8 +105,7 @@ def reconstruct(args):
             ax = axes[row, col]
             ax.imshow(batch[row].permute(1, 2, 0).squeeze(-1).numpy(),
                       cmap="gray" if c.channels == 1 else None, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.axis("off")
             if row == 0:
                 ax.set_title(names[col], fontsize=9)
     fig.suptitle(f"MAE reconstructions of {rows} held-out images: {args.checkpoint}, step {step}",
@@ -169,7 +155,6 @@ def attention(args):
     fig.suptitle(f"Attention, held-out {kind} {args.index}", fontsize=11)
     fig.tight_layout()
     save_figure(fig, args.out)
-    return {"layers": layers, "heads": heads}
 
 
 def attention_over_image(image, maps, grid):
@@ -191,8 +176,7 @@ def attention_over_image(image, maps, grid):
             ax.axvline(edge - 0.5, color="white", linewidth=0.3)
         ax.set_title(f"block {layer}, head {head}: attention received", fontsize=8)
     for ax in axes[0]:
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.axis("off")
     return fig
 
 
@@ -287,7 +271,6 @@ def curves(args):
     """Training loss and each held-out metric against steps, one line per out_dir."""
     logs = {out_dir: read_log(out_dir) for out_dir in args.out_dirs}
     save_figure(curves_figure(logs), args.out)
-    return {d: (len(t), len(e)) for d, (t, e) in logs.items()}
 
 
 def smoothing(args):
@@ -315,7 +298,7 @@ def smoothing(args):
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3.8),
                              squeeze=False, layout="constrained")
     for ax, (label, (steps, rows)) in zip(axes[0], runs.items()):
-        by_layer = [[float("nan") if v is None else v for v in layer] for layer in zip(*rows)]
+        by_layer = list(zip(*rows))
         image = ax.imshow(by_layer, origin="lower", aspect="auto", vmin=min(values),
                           vmax=max(values), extent=(0, len(steps), -0.5, len(by_layer) - 0.5))
         every = max(1, len(steps) // 8)  # at most about 8 labels: they never overlap
@@ -339,9 +322,9 @@ def smoothing(args):
 
 def build_parser():
     p = argparse.ArgumentParser(description="Look at what a model does.", allow_abbrev=False)
-    commands = p.add_subparsers(dest="command", required=True)
-    s = commands.add_parser("sample", help="continue a prompt with a next-token model",
-                            allow_abbrev=False)
+    commands = p.add_subparsers(dest="command", required=True,
+                                parser_class=partial(argparse.ArgumentParser, allow_abbrev=False))
+    s = commands.add_parser("sample", help="continue a prompt with a next-token model")
     s.add_argument("checkpoint")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a new line)")
     s.add_argument("--prompt_file", default="", help="read the prompt from this UTF-8 file")
@@ -355,7 +338,7 @@ def build_parser():
     s.add_argument("--seed", type=int, default=1337, help="(default: 1337)")
     for name, what in (("reconstruct", "MAE reconstructions of held-out images as one grid"),
                        ("attention", "attention maps of chosen layers and heads")):
-        q = commands.add_parser(name, help=what, allow_abbrev=False)
+        q = commands.add_parser(name, help=what)
         q.add_argument("checkpoint")
         q.add_argument("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
                        help="held-out data (default: the run's)")
@@ -368,14 +351,12 @@ def build_parser():
             q.add_argument("--layers", default="0,-1", help="blocks, e.g. 0,5,-1 (default: 0,-1)")
             q.add_argument("--heads", default="0", help="heads, e.g. 0,1 (default: 0)")
             q.add_argument("--index", type=int, default=0, help="held-out sample (default: 0)")
-    c = commands.add_parser("curves", help="training curves of out_dirs", allow_abbrev=False)
+    c = commands.add_parser("curves", help="training curves of out_dirs")
     c.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders")
     c.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
-    m = commands.add_parser("smoothing", help="per-layer probe metrics against step, of out_dirs",
-                            allow_abbrev=False)
+    m = commands.add_parser("smoothing", help="per-layer probe metrics against step, of out_dirs")
     m.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders, or their logs (.jsonl)")
-    m.add_argument("--metric", default="abs_cos_centered",
-                   choices=("std", "cos", "abs_cos_centered", "hc_dc", "erank", "attn_entropy"))
+    m.add_argument("--metric", default="abs_cos_centered", choices=(*TOKEN_METRICS, "attn_entropy"))
     m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")
     for command in commands.choices.values():
         command.add_argument("--threads", type=int, default=0,

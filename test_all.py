@@ -34,7 +34,7 @@ import transformers.utils.logging  # noqa: F401
 
 from bamboo import PRESETS, TRUNK, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
 from neutreno import Attention, explicit_attention
-from operations import fast, runlog
+from operations import fast
 
 # The suite's models are tiny: one thread each costs less in hand-offs and leaves the other core
 # to the subprocesses of the tests.
@@ -1970,7 +1970,7 @@ def test_each_run_records_the_commit_command_torch_machine_and_dtype_that_made_i
     assert isinstance(made["uncommitted_changes"], bool) == bool(head)
     assert made["command"] == " ".join([os.path.basename(sys.executable), "train.py", *flags])
     assert made["torch"] == torch.__version__ and made["device"] == "cpu"
-    assert made["cpu"] == runlog.cpu_model() and made["cpu"]  # a pooled analysis can name both
+    assert made["cpu"] == fast.cpu_model() and made["cpu"]  # a pooled analysis can name both
     assert made["dtype"] == str(fast.pick_dtype("auto", torch.device("cpu"))).split(".")[1]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["made_by"] == made
     code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)

@@ -369,7 +369,7 @@ def train(args, started=None):
                     if master:
                         bar.write(progress.how_to_resume(stop.reason, step, world, cfg.out_dir))
                     break
-        say(clock.summary(model, metrics, best, stop.reason, device))
+        say(clock.summary(model, metrics, best, stop.reason, device, dtype))
     return 130 if stop.reason == "interrupted" else 0
 
 

@@ -1,14 +1,6 @@
-"""timm and Hugging Face transformers as probe.py sees a Bamboo: the papers' figures on real models.
-
-Foreign wraps a library's model (operations/hub.py builds it from a spec) with what the probe reads:
-a config (depth, is_image, image_size, seq_len, vocab_size); the blocks, each with its W_Q, W_K,
-W_V, W_O per head from the library's own weight layout (timm's fused qkv, GPT-2's transposed
-Conv1D, separate projections elsewhere) and its attention LayerNorm's gain; and hidden_states: the
-first block's input and every block's output, taken with hooks on the block list (a library's own
-hidden states can differ: GPT-2's last one has the final norm applied). Attention probabilities
-are computed again from each block's input and its Q and K projections, since fused kernels return
-none; a test checks them against the libraries' explicit attention. ViT-MAE is run unmasked unless
-the probe's --mask asks for its masking.
+"""timm and Hugging Face models as probe.py sees a Bamboo: a config, each block's per-head W_Q,
+W_K, W_V, W_O read from the library's own weight layout, hidden states from hooks on the block list,
+and attention probabilities recomputed from each block's input (fused kernels return none).
 
 Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
 """

@@ -1,11 +1,6 @@
-"""Checkpoints in one place: what a training run saves, how it is written, loaded and resumed.
-
-A checkpoint is one dict of plain data, as nanoGPT's, built in train.train where it is saved: the
-model's Config as a dict, the weights, the optimizer and scaler state, the step, the best
-evaluation, the training settings and every rank's random state, so that a resumed run repeats the
-uninterrupted one exactly. It is written atomically (a temp file, then a rename: a crash or a full
-disk never leaves half a checkpoint) and loaded with torch.load(weights_only=True), which runs no
-code from the file. probe.py, bench.py and results/ rebuild models with model_from_checkpoint.
+"""Checkpoints: one dict of plain data (config, weights, optimizer, step, settings and every rank's
+random state, so that a resume repeats the uninterrupted run exactly), written atomically and
+loaded with torch.load(weights_only=True).
 
 Run: python -c "from operations import checkpoint;
      print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
@@ -163,16 +158,12 @@ def load_states(ckpt, path, model, optimizer, scaler):
     try:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        return int(ckpt["step"]), ckpt["best"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not match its own config "
                               f"({' '.join(str(e).split())[:160]}); "
                               "it is damaged, train again") from None
-    try:
-        scaler.load_state_dict(ckpt["scaler"])
-        return int(ckpt["step"]), ckpt["best"]
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path} cannot be resumed ({' '.join(str(e).split())[:160]})") \
-            from None
 
 
 def restore_random_states(ckpt, path, generator, rank, world, device):

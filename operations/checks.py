@@ -5,6 +5,7 @@ Run: python train.py --help (every flag), or any run's first lines (its settings
 """
 import math
 import os
+import textwrap
 from contextlib import suppress
 from dataclasses import fields
 
@@ -189,10 +190,8 @@ def load_whole(model, state, path):
 
 
 def check_trunk_loaded(model, path, loaded, skipped):
-    """Fine-tuning must start from the pretrained trunk: every block tensor and the stem must come
-    from the checkpoint, or a text trunk for an image model, or a flag that reshapes the trunk,
-    would silently train from scratch. Fewer blocks than the checkpoint is allowed. Returns the
-    line that says what was loaded."""
+    """The line that says what fine-tuning loaded; refused unless the stem and every block came
+    from the checkpoint (else a mismatched trunk would train from scratch). Fewer blocks: fine."""
     missing = [name for name in model.state_dict() if name.startswith(TRUNK) and name not in loaded]
     if missing:
         names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
@@ -288,13 +287,7 @@ def settings_block(values, sources, width=100):
     for name, source in sources.items():
         if name in values:
             groups.setdefault(source, []).append(f"{name}={values[name]}")
-    lines = []
-    for source, items in groups.items():
-        line = f"from {source}:"
-        for item in items:
-            if len(line) + 1 + len(item) > width:
-                lines.append(line)
-                line = "   "
-            line += " " + item
-        lines.append(line)
+    lines = [line for source, items in groups.items() for line in textwrap.wrap(
+        " ".join(items), width, initial_indent=f"from {source}: ", subsequent_indent="    ",
+        break_long_words=False, break_on_hyphens=False)]
     return lines + ["every other setting: its default (python train.py --help)"]

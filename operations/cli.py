@@ -110,16 +110,6 @@ def check_output_path(flag, path):
         raise ValueError(f"{flag} {path} is a training run's own file; write the output elsewhere")
 
 
-def unwritable(e):
-    """The one line for an OSError met while writing an output file (a full disk, a folder that
-    vanished)."""
-    return f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere"
-
-
-def out_of_memory(e):
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
-
-
 def peer_lost(e):
     """Whether e is a DDP collective that failed because another rank went away."""
     words = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -141,10 +131,9 @@ def resume_command(out_dir, world=None):
 
 @contextmanager
 def one_line_errors(out_dir=None):
-    """with one_line_errors(out_dir) as outcome: ... Every failure a user can fix (a mistake, a
-    missing package, a full disk, running out of memory, a lost DDP peer, a second Ctrl-C) becomes
-    one line on stderr and outcome.code 2 (130 for Ctrl-C); out_dir: a training run's, whose
-    checkpoint the line speaks of. Anything else is a bug, and raises."""
+    """with one_line_errors(out_dir) as outcome: every failure a user can fix becomes one line on
+    stderr and outcome.code 2 (130 for Ctrl-C), naming out_dir's checkpoint if a run has one.
+    Anything else is a bug, and raises."""
     outcome = types.SimpleNamespace(code=0)
 
     def left():  # what the failure left to resume from, as it is now
@@ -164,11 +153,11 @@ def one_line_errors(out_dir=None):
             raise
         message = f"this needs {e.name}; pip install it (timm, transformers: in a scratch venv)"
     except OSError as e:  # a full disk, a folder that vanished while writing
-        message = unwritable(e) if not out_dir else (
-            f"input/output failed on {e.filename or 'the log'} ({e.strerror or e}){left()}, once "
-            "space is free or the path is back")
+        message = (f"input/output failed on {e.filename or 'the log'} ({e.strerror or e})"
+                   f"{left()}, once space is free or the path is back" if out_dir else
+                   f"could not write {e.filename or 'the outputs'} ({e.strerror}); write elsewhere")
     except RuntimeError as e:
-        if out_of_memory(e):
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
             advice = ("--batch_size (with --grad_accum to keep the batch) or --eval_samples"
                       if out_dir else "--batch_size or the model's size")
             message = f"out of memory ({str(e).splitlines()[0][:120]}); lower {advice}{left()}"

@@ -1,10 +1,6 @@
-"""A trained model out to the libraries it already equals: a cls classifier or an MAE trunk as a
-timm VisionTransformer state dict, a next-token model as a Hugging Face GPT2LMHeadModel folder.
-
-What has no counterpart there is refused in one line: NeuTRENO, the smooth/sharpen W_V W_O, the
-mlm objective, and a CLS-token pool (timm's would need its own position). LayerNorm's eps is ours
-(1e-5; timm's default is 1e-6), so build the timm model with the norm_layer that is printed. The
-.safetensors file's metadata holds the input size, the pixel mean and std, and the class names.
+"""A trained model out to the library it equals: cls or MAE as a timm VisionTransformer state dict
+(.safetensors, its metadata the input size, mean, std and classes), next as a Hugging Face GPT-2
+folder. What has no counterpart there (NeuTRENO, smooth/sharpen, mlm, CLS pooling) is refused.
 
 Run: python -m operations.export out/ckpt.pt --out vit.safetensors   (cls, mae: timm)
      python -m operations.export out/ckpt.pt --out gpt2/             (next: save_pretrained)

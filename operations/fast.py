@@ -1,14 +1,12 @@
-"""What depends on the hardware: the device, the dtype, and speedups that pay only on some of it.
-
-bamboo.py, neutreno.py and train.py read as plain PyTorch. What was measured to pay on particular
-hardware lives here: explicit attention on CPUs in bf16 (use_explicit_attention, a build option),
-and the compiled or CUDA-graphed module that train.py and bench.py call (for_training: its
-docstring's table says what each --compile mode runs; every mode runs the model's own forward and
-loss). Measurements: results/bench/README.md (CPU) and results/gpu/README.md (GPU).
+"""What depends on the hardware: the device, the dtype, and the speedups measured to pay on some of
+it (explicit attention on CPUs in bf16; the compiled or CUDA-graphed module of for_training).
+Measurements: results/bench/README.md (CPU) and results/gpu/README.md (GPU).
 
 Run: python -c "import torch, bamboo; from operations import fast; print(fast.for_training(
      bamboo.Bamboo(bamboo.Config(objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
+import platform
+
 import torch
 import torch.nn as nn
 
@@ -45,14 +43,25 @@ def pick_device(name, local_rank=0):
     return device
 
 
-def cpu_has_bf16():
-    """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
+def cpu_info():
+    """Linux's /proc/cpuinfo, or '' elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+        return ""
+
+
+def cpu_has_bf16():
+    """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
+    return " avx512_bf16" in cpu_info() or " amx_bf16" in cpu_info()
+
+
+def cpu_model():
+    """The CPU's model name as Linux reports it, or the platform's processor string."""
+    names = [line.split(":", 1)[1].strip() for line in cpu_info().splitlines()
+             if line.startswith("model name")]
+    return names[0] if names else platform.processor() or None
 
 
 def pick_dtype(name, device):
@@ -67,10 +76,14 @@ def pick_dtype(name, device):
     return getattr(torch, name)
 
 
-def gpu_peak_tflops(device):
-    """Dense bf16 peak of a known CUDA GPU, or None for one not in the table."""
+def peak_tflops(device, dtype):
+    """Dense peak TFLOP/s of a CUDA GPU in the table, in dtype (float32 runs as TF32: half the
+    bf16 peak); None elsewhere."""
+    if device.type != "cuda":
+        return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return peak / 2 if peak and dtype == torch.float32 else peak
 
 
 def use_explicit_attention(asked, device, dtype, config):

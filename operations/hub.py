@@ -1,9 +1,6 @@
-"""timm and Hugging Face models and tokenizers, from a spec: `timm:NAME[,key=value,...]` or
-`hf:NAME[,key=value,...]` builds the model (pretrained=0: random weights from the configuration, no
-network; for Hugging Face, NAME may then be a model type such as gpt2, bert, opt, vit or vit_mae,
-the other keys its configuration's fields), wrapped as probe.py sees a Bamboo (adapters.Foreign).
-A Hugging Face tokenizer (--tokenizer hf:NAME) stands in for tiktoken's Encoding. Offline, each
-fails in seconds with one line.
+"""timm and Hugging Face models and tokenizers from a spec, `timm:NAME[,key=value,...]` or
+`hf:NAME[,...]` (pretrained=0: random weights, no network; hf NAME may be a model type), wrapped as
+adapters.Foreign. Offline, each fails in seconds with one line.
 
 Run: python probe.py timm:vit_base_patch16_224,pretrained=0 --dataset folder --data_dir DIR
 """

@@ -13,12 +13,9 @@ from operations.cli import RUN_FILES, TrainingError
 
 @contextmanager
 def out_dir_claimed(out, resume, overwrite, writes=True):
-    """with out_dir_claimed(...): the run. Before any data is decoded, out_dir must be a writable
-    folder that no other train.py is using (a lock held for the whole run), with no other run's
-    files unless --resume or --overwrite. Temporary files of a write that a kill cut short are
-    removed (the lock says none is ours). On the way out the lock goes, and the folder too if this
-    run made it and left it empty. A process that writes nothing (other DDP ranks, --eval_only)
-    touches nothing."""
+    """with out_dir_claimed(...): the run, in a writable out_dir locked for it, holding no other
+    run's files unless --resume or --overwrite, cleared of a killed write's temp files. An empty
+    folder this run made goes at the end; a process that writes nothing touches nothing."""
     if not writes:
         yield
         return

@@ -45,10 +45,8 @@ class Clock:
         return self.step_s() if len(self.step_times) > 1 else 0.0
 
     def limit_left(self):
-        """Seconds of --time_limit left for training steps: the limit counts from the invocation's
-        start and keeps back what the final evaluation and checkpoint take (as last measured;
-        before the first evaluation, a step per held-out batch and one for the probe), so a stop
-        ends with both."""
+        """Seconds of --time_limit left for steps, from the invocation's start, keeping back the
+        final evaluation and checkpoint (evaluation_s), so that a stop ends with both."""
         return (self.cfg.time_limit - (time.time() - self.t_begin) - self.evaluation_s()
                 - (self.save_s or 0.0))
 
@@ -99,7 +97,7 @@ class Clock:
                   f"{step_s * 1000:.0f} ms/step, about {left / 60:.1f} min left{where}",
                   flush=True)
 
-    def summary(self, model, metrics, best, stopped, device):
+    def summary(self, model, metrics, best, stopped, device, dtype):
         """The last evaluation, the best, and the speed: ms per step, samples or tokens/s, MFU."""
         c, cfg = model.config, self.cfg
         name, _ = selection_metric(c.objective)
@@ -110,7 +108,7 @@ class Clock:
             result = f"{name} {metrics[name]:.4g} (best {best:.4g})"
         line = (f"{'stopped' if stopped else 'done'}: {result}, {step_s * 1000:.1f} ms/step, "
                 f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
-        peak = fast.gpu_peak_tflops(device) if device.type == "cuda" else None
+        peak = fast.peak_tflops(device, dtype)
         if peak:
             flops = model.flops_per_sample() * cfg.batch_size / step_s
             line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"

@@ -6,7 +6,6 @@ Run: python -c "from operations import runlog; print(runlog.read_log('out/log.js
 """
 import json
 import os
-import platform
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -14,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from operations import checkpoint
+from operations import checkpoint, fast
 from operations.cli import TrainingError
 
 
@@ -26,10 +25,9 @@ def selection_metric(objective):
 
 @contextmanager
 def log_file(path, cfg, master, made_by, from_step):
-    """log.jsonl, line-buffered (`tail -f` follows the run; a killed run keeps what it logged); a
-    fresh run (--overwrite included) starts its own. Each invocation's first record says what
-    made it (never through a link: out_dir_claimed refused those). With --wandb_project the records
-    also go to Weights & Biases. None on other ranks."""
+    """log.jsonl, line-buffered (`tail -f` follows the run), opened afresh unless resumed; each
+    invocation's first record says what made it. Also to Weights & Biases with --wandb_project.
+    None on other ranks."""
     if not master:
         yield None
         return
@@ -164,15 +162,6 @@ def code_and_machine(device, dtype):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     return {"commit": commit, "uncommitted_changes": bool(changes) if commit else None,
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "torch": str(torch.__version__), "device": name, "cpu": cpu_model(),
+            "torch": str(torch.__version__), "device": name, "cpu": fast.cpu_model(),
             "dtype": str(dtype).removeprefix("torch.")}
 
-
-def cpu_model():
-    """The CPU's model name as Linux reports it, or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or None
