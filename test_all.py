@@ -9,10 +9,15 @@ README's order, each with its bad input and faults; the shared helpers first.
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
 Run: python -m pytest -q -n auto --dist worksteal test_all.py results   (one worker per core)
 """
+import argparse
+import ast
+import errno
+import inspect
 import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -21,6 +26,9 @@ import sys
 import tempfile
 import time
 import types
+import urllib.error
+import urllib.request
+import zipfile
 from contextlib import chdir, nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -30,11 +38,28 @@ import torch
 import torch.nn.functional as F
 # transformers binds its log handler to the stderr of its first import: here, not to a test's
 # capsys stream, which closes after the test
-import transformers.utils.logging  # noqa: F401
+import transformers.utils.logging
 
-from bamboo import PRESETS, TRUNK, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
+import bamboo
+import bench
+import look
+import neutreno
+import probe
+import train
+from bamboo import (PRESETS, TRUNK, Bamboo, Block, ChunkedCrossEntropy, Config, patchify,
+                    random_masking, take_tokens, training_flops, unpatchify)
+from data import (ImageData, TextData, channel_statistics, first_samples, get_tokenizer,
+                  normalisation, shard, to_device)
 from neutreno import Attention, explicit_attention
-from operations import fast, runlog
+from operations import (adapters, checkpoint, checks, cli, export, fast, figures, files, hub,
+                        progress, runlog)
+from operations.checkpoint import model_from_checkpoint
+from operations.cli import RUN_FILES, TrainingError, one_line_errors
+from operations.files import _decode, list_folder
+from operations.out_dir import out_dir_claimed
+from operations.streaming import ImageStream, eval_view, held_out, standardised, train_view
+from probe import (attention_entropy, beta, head_value_output, singular_values, token_metrics,
+                   update_ratio, vo_spectrum)
 
 # The suite's models are tiny: one thread each costs less in hand-offs and leaves the other core
 # to the subprocesses of the tests.
@@ -86,12 +111,12 @@ CLONE_CACHES = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
 
 def clone_files():
     """{path: (size, mtime)} of every file in the clone outside CLONE_CACHES."""
-    files = {}
+    found = {}
     for folder, subfolders, names in os.walk(REPO):
         subfolders[:] = [d for d in subfolders if d not in CLONE_CACHES]
         for path in (os.path.join(folder, name) for name in names):
-            files[os.path.relpath(path, REPO)] = os.stat(path).st_size, os.stat(path).st_mtime_ns
-    return files
+            found[os.path.relpath(path, REPO)] = os.stat(path).st_size, os.stat(path).st_mtime_ns
+    return found
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -107,8 +132,6 @@ def the_suite_leaves_the_clone_unchanged():
 def run_train(*flags, out_dir):
     """train.py's command line run in this process as main(argv); returns (exit code, everything
     printed, the log.jsonl records)."""
-    import train
-
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
         code = train.main([*map(str, flags), "--out_dir", str(out_dir), "--log_interval", "1"])
@@ -208,8 +231,6 @@ def run_torchrun(*flags, out_dir):
 
 def cli_error(capsys, *argv):
     """Run train.main in-process; it must return 2 and print exactly one line, no traceback."""
-    import train
-
     assert train.main(list(argv)) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -249,8 +270,6 @@ def trunk_state(model):
 
 
 def assert_spectra(model, mode):
-    from probe import head_value_output
-
     for block in model.blocks:
         eigs = torch.linalg.eigvals(head_value_output(block))
         assert eigs.imag.abs().max() < 1e-6  # symmetric by construction: real eigenvalues
@@ -313,16 +332,12 @@ def attention_stack(x, depth, residual, seed=0):
 
 
 def per_layer(hiddens):
-    from probe import token_metrics
-
     layers = [token_metrics(h) for h in hiddens]
     return {name: [m[name] for m in layers] for name in layers[0]}
 
 
 def hand_built_block(gain):
     """A width-8, 2-head block whose per-head W_V W_O (gain folded in) is diag(eigs_h * gain_h)."""
-    from bamboo import Block
-
     block = Block(8, 2)
     eigs = torch.tensor([[3.0, -1.0, 0.5, 0.2], [-2.0, 1.0, 1.0, 1.0]])
     with torch.no_grad():
@@ -340,8 +355,6 @@ def bench_without_settling(monkeypatch):
 
 def probe_cli(capsys, *argv):
     """probe.py's command line in a scratch folder (a foreign model caches text in ./data/cache)."""
-    import probe
-
     with chdir(tempfile.mkdtemp()):
         code = probe.main([str(a) for a in argv])
     return code, capsys.readouterr()
@@ -377,8 +390,6 @@ def byte_level_tokenizer(folder):
 
 
 def look_cli(capsys, *argv):
-    import look
-
     code = look.main([str(a) for a in argv])
     return code, capsys.readouterr()
 
@@ -408,8 +419,6 @@ def readme_commands(*pages):
 def source_spans(path):
     """{name: (first line, last line)} of a file's functions, classes, 'Class.method's, module
     names, "NAME's docstring"s, '' (its docstring) and (train.py) TRAIN_PARTS."""
-    import ast
-
     source = open(os.path.join(REPO, path)).read()
     tree, lines = ast.parse(source), source.splitlines()
     spans = {}
@@ -585,8 +594,6 @@ def test_sdpa_path_equals_explicit_softmax_path():
 
 
 def test_auto_picks_explicit_attention_only_for_cpu_half_precision_and_bench_may_ask_for_either():
-    from operations import fast
-
     def explicit(config, device, dtype, asked="auto"):
         chosen = fast.use_explicit_attention(asked, torch.device(device), dtype, config)
         return {m.explicit for m in Bamboo(config, explicit_attention=chosen).modules()
@@ -604,8 +611,6 @@ def test_auto_picks_explicit_attention_only_for_cpu_half_precision_and_bench_may
 
 
 def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypatch):
-    import neutreno
-
     fused_calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(neutreno.F, "scaled_dot_product_attention",
@@ -743,8 +748,6 @@ def test_table1_comparable_compute():
 
 
 def test_training_flops_count_the_mlm_head_only_where_it_runs():
-    from bamboo import training_flops
-
     shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
     # minus next's head
     trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
@@ -912,8 +915,6 @@ def test_residual_projections_get_the_depth_scaled_init():
 
 
 def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
-    from probe import beta
-
     for first, second in (("cls", "mae"), ("next", "mlm")):
         models = []
         for objective in (first, second):
@@ -1020,8 +1021,6 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
 @pytest.mark.parametrize("mode", ["smooth", "sharpen"])
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_vo_param_spectra_hold_at_init_and_after_training(mode, objective):
-    from probe import vo_spectrum
-
     torch.manual_seed(0)
     c = tiny(objective, vo_param=mode, neutreno=0.6, decoder_width=32)
     model = Bamboo(c)
@@ -1050,8 +1049,6 @@ def test_vo_param_gradients_reach_psi_and_the_qr_input():
 
 
 def test_vo_param_eigenvalues_are_what_the_probe_reports():
-    from probe import head_value_output
-
     torch.manual_seed(0)
     block = Bamboo(tiny("cls", vo_param="sharpen")).blocks[0]
     eigs = torch.linalg.eigvalsh(head_value_output(block))  # symmetric (hs, hs) per head
@@ -1061,8 +1058,6 @@ def test_vo_param_eigenvalues_are_what_the_probe_reports():
 def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank():
     """At init a smooth trunk's last layer is more alike than a sharpen one's by cos, HC/DC and
     effective rank (abs_cos_centered barely tells them apart there: 0.363 against 0.367)."""
-    import probe
-
     last = {}
     for mode in ("smooth", "sharpen"):
         model, _ = probe.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
@@ -1079,43 +1074,40 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank
 
 def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
                                                                         monkeypatch, capsys):
-    import data
     from PIL import Image
-
-    from operations import files
 
     folder, cache = tmp_path / "images", tmp_path / "cache"
     shutil.copytree(tiny_data / "images", folder)
-    decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
+    decoded = ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
     capsys.readouterr()
-    first = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    first = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
     assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
     decodes = []
     real_decode = files._decode
     monkeypatch.setattr(files, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
-    cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    cached = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert decodes == []  # loaded, not decoded
     for got in (first, cached):
         assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)
         assert torch.equal(got.train_y, decoded.train_y) and torch.equal(got.mean, decoded.mean)
     changed = sorted((folder / "test" / "red").iterdir())[0]  # one test image repainted
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
-    again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    again = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
     where = [str(p) for p, _ in files.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
     Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(changed)
-    data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     kept = os.stat(changed)  # painted again at the same size, its time set back: decoded again
     Image.fromarray(np.full((16, 16, 3), 128, np.uint8)).save(changed)
     assert os.path.getsize(changed) == kept.st_size
     os.utime(changed, ns=(kept.st_atime_ns, kept.st_mtime_ns))
-    repainted = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    repainted = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert repainted.test_x[where].min() == 128 and len(decodes) == 96
     for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
         damaged.write_bytes(b"not an array")
-    assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
+    assert torch.equal(ImageData("folder", str(folder), "cpu", 16,
                                       cache_dir=str(cache)).train_x, decoded.train_x)
     assert len(decodes) == 32 * 4 + 96
     listing = files.list_folder(str(folder))[0]  # the two files in use now hold arrays again
@@ -1123,7 +1115,7 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
     capsys.readouterr()
     (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
-    unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
+    unwritable = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
     assert torch.equal(unwritable.train_x, decoded.train_x)
     note = capsys.readouterr().out
     assert note.count("note: decoded images not cached") == 2, note
@@ -1131,8 +1123,6 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
 
 
 def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):
-    from data import ImageData
-
     first = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
     again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
     assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
@@ -1144,10 +1134,6 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
 def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
     """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
     probed and evaluated; an older checkpoint without them falls back to the test split's own."""
-    from data import ImageData, TextData, first_samples
-    from operations.streaming import held_out
-    from operations import checkpoint
-
     images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
     cfg = {"dataset": "folder", "data_dir": str(tiny_data / "images")}
     ckpt = {"train": cfg, "statistics": (images.mean, images.std)}
@@ -1167,8 +1153,6 @@ def test_next_token_windows_train_every_position_and_predict_each_held_out_token
                                                                                       tmp_path):
     """As nanoGPT's block_size + 1: a window holds seq_len inputs and one more token that is only
     a target, so the last position embedding trains too; held-out windows overlap by that token."""
-    from data import TextData, first_samples
-
     text = TextData("text", str(tiny_data / "text"), "bytes", "train.txt", "val.txt",
                     str(tmp_path), 32, next_token=True)
     x, _ = text.train_batch(text.sample(4, torch.Generator().manual_seed(0)))
@@ -1187,17 +1171,15 @@ def test_next_token_windows_train_every_position_and_predict_each_held_out_token
 def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_path, capsys):
     """An edit that keeps a text file's size and mtime is tokenized again (ctime is in the key);
     a --cache_dir that cannot be written leaves the tokens in memory, with a note."""
-    from data import TextData
-
     (tmp_path / "text").mkdir()
     for name in ("train.txt", "val.txt"):
         (tmp_path / "text" / name).write_text("abcdefgh" * 40)
     cache = str(tmp_path / "cache")
     first = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
-    train = tmp_path / "text" / "train.txt"
-    kept = os.stat(train)
-    train.write_text("zyxwvuts" * 40)  # the same size, its times set back
-    os.utime(train, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    edited = tmp_path / "text" / "train.txt"
+    kept = os.stat(edited)
+    edited.write_text("zyxwvuts" * 40)  # the same size, its times set back
+    os.utime(edited, ns=(kept.st_atime_ns, kept.st_mtime_ns))
     again = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
     assert first.train[0] == ord("a") and again.train[0] == ord("z")
     (tmp_path / "a-file").write_text("not a folder")
@@ -1209,16 +1191,12 @@ def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_
 
 
 def test_the_pixel_statistics_of_a_folder_listed_class_by_class_see_every_class():
-    from data import normalisation
-
     images = torch.cat([torch.zeros(6000, 3, 2, 2), torch.full((6000, 3, 2, 2), 255.)])
     mean, std = normalisation(images.to(torch.uint8))  # 10,000 of them, from both classes
     assert mean.flatten().tolist() == pytest.approx([0.5] * 3, abs=0.02)
 
 
 def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
-    from data import channel_statistics
-
     images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
     one_pass = channel_statistics(images)
     chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
@@ -1230,8 +1208,6 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     own; here the limit is lowered so that a 16x16 image is one."""
     from PIL import Image
 
-    from operations import files
-
     path = next((tiny_data / "images" / "test").glob("*/*.png"))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(files.DataError, match="DecompressionBombError") as e:
@@ -1242,9 +1218,6 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
 def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
     """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
     inputs."""
-    import probe
-    from data import ImageData
-
     images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
                           blue=False)
     data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
@@ -1325,8 +1298,6 @@ def test_mae_takes_a_single_class_folder(tiny_data, tmp_path):
 
 def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
                                                                         monkeypatch):
-    from operations import files
-
     def offline(url, timeout=30):
         raise OSError("no network")
 
@@ -1350,32 +1321,26 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
 
 
 def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
-    from data import ImageData
-    from operations.files import _decode, list_folder
-    from operations.streaming import ImageStream
-
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
     stream = ImageStream(listing, "cpu", 16)
-    files = stream.files
+    paths = stream.files
     assert stream.classes == whole.classes == ["cat", "dog", "fox"]
     assert stream.num_train() == whole.num_train() == 100
     assert stream.num_held_out() == whole.num_held_out() == 45
-    assert whole.train_y.tolist() == [label for _, label in files["train"]]
-    assert torch.equal(whole.train_x[7], torch.tensor(_decode(files["train"][7][0], 16))
+    assert whole.train_y.tolist() == [label for _, label in paths["train"]]
+    assert torch.equal(whole.train_x[7], torch.tensor(_decode(paths["train"][7][0], 16))
                        .permute(2, 0, 1))
-    held_out = torch.cat([y for _, y in stream.eval_batches(10)])
-    assert held_out.tolist() == whole.test_y.tolist()
-    assert sorted(held_out.tolist()) != held_out.tolist()  # the fixed shuffle, not class by class
-    for i, (path, _) in enumerate(files["test"][:5]):  # the same images, in the same order
+    labels = torch.cat([y for _, y in stream.eval_batches(10)])
+    assert labels.tolist() == whole.test_y.tolist()
+    assert sorted(labels.tolist()) != labels.tolist()  # the fixed shuffle, not class by class
+    for i, (path, _) in enumerate(paths["test"][:5]):  # the same images, in the same order
         assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
 
 
 def test_a_streamed_view_is_decided_by_its_seed_and_leaves_the_random_state_alone(mixed_jpegs):
     """The workers replay MAE's training view from each image's seed alone, and drawing it never
     moves the caller's random state (the masks draw from it)."""
-    from operations.streaming import eval_view, train_view
-
     path = str(sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[0])
     state = torch.get_rng_state()
     views = [train_view(path, 16, 0.2, seed) for seed in (0, 0, 1)]
@@ -1388,10 +1353,6 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
         mixed_jpegs):
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
-    from data import shard
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     listing = list_folder(str(mixed_jpegs))
 
     def batches(workers, rank=0, world=1, accum=1, steps=3):
@@ -1419,9 +1380,6 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
         mixed_jpegs):
     """Workers ended by a signal before handing over a micro-batch: the same pixels, decoded here;
     the next step starts new workers where the data order stands; an evaluation reads on here."""
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     def workers_that_exited():
         raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
         yield
@@ -1451,9 +1409,6 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
 def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
     """A worker SIGKILLed mid-run (the OOM killer): its batch is decoded here, new workers start,
     every batch is the one a run without the kill reads; torch's error never leaks into the step."""
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     listing = list_folder(str(mixed_jpegs))
     steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
                                                                               workers=2)
@@ -1522,11 +1477,6 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
 
 
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
-    import probe
-    from data import first_samples
-    from operations.streaming import held_out
-    from operations.streaming import ImageStream, eval_view, standardised
-
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
     assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
@@ -1551,8 +1501,6 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
 def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
     """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
     file; an empty or mislaid folder is found before any work."""
-    import shutil
-
     root = tmp_path / "data"
     shutil.copytree(mixed_jpegs, root)
     if break_it == "unreadable":
@@ -1633,8 +1581,6 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
                                                                       monkeypatch):
     """The speed must count the device's queued steps the loss read waits for (a 50 ms sleep in
     every read stands in for that here; run_train reads every step)."""
-    from operations import progress
-
     read_loss = progress.read_loss
 
     def waiting_read(*args):
@@ -1648,8 +1594,6 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
 
 
 def test_get_lr_warms_up_then_decays():
-    import train
-
     cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
     lrs = [train.get_lr(i, cfg) for i in range(111)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -1661,8 +1605,6 @@ def test_get_lr_warms_up_then_decays():
                          ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
                                     "base-96x256", "wikitext-deep"])
 def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
-    import train
-
     depth = PRESETS[preset]["depth"]
     for batch_size in (64, 256, 1024):
         cfg = train.schedule_defaults(train.TrainConfig(batch_size=batch_size), depth)
@@ -1676,8 +1618,6 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
 
 
 def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
-    import train
-
     folder = ["--dataset", "folder", "--data_dir", str(tmp_path)]
 
     def settings(*argv):
@@ -1694,8 +1634,6 @@ def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
     """bamboo-b's 48 blocks (width 16) through the CLI with the defaults' rate and warmup for a
     batch of 256, on batches of 8, 80 steps past the peak; float32 (bf16 is 1.7x slower on CPU)."""
-    import train
-
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
     steps = cfg.warmup + 80
     code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16",
@@ -1712,8 +1650,6 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
 
 
 def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path, monkeypatch):
-    import train
-
     models, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
 
     class Kept(train.Bamboo):  # the model the run builds
@@ -1738,8 +1674,6 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
 
 
 def test_layer_decay_scales_each_layer():
-    import train
-
     model = Bamboo(tiny("cls", depth=3))
     cfg = train.schedule_defaults(train.TrainConfig(layer_decay=0.5), depth=3)
     groups = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -1761,8 +1695,6 @@ def test_layer_decay_scales_each_layer():
 
 
 def test_fused_adamw_matches_the_reference_adamw():
-    import train
-
     torch.manual_seed(0)
     model, reference = Bamboo(tiny("cls", depth=2)), Bamboo(tiny("cls", depth=2))
     reference.load_state_dict(model.state_dict())
@@ -1852,8 +1784,6 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
                                                                                tmp_path):
     """best.pt: the weights of the best evaluation so far, without optimizer or random states,
     loadable wherever a checkpoint is; --overwrite replaces it with the rest of the old run."""
-    from operations.checkpoint import model_from_checkpoint
-
     out = tmp_path / "run"
     train_run(tiny_data, "next", out, 4, "--eval_interval", "2", "--lr", "1e-1")
     evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
@@ -1981,8 +1911,6 @@ def test_each_run_records_the_commit_command_torch_machine_and_dtype_that_made_i
 def test_the_log_reaches_the_disk_line_by_line_while_the_run_goes(tiny_data, tmp_path, monkeypatch):
     """`tail -f log.jsonl` follows a run, and a run killed outright (SIGKILL, a lost node) keeps
     what it logged."""
-    import train
-
     lines_on_disk = []
     get_lr = train.get_lr  # called once at the start of every step
 
@@ -2033,8 +1961,6 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
 
 
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
-    import train
-
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
              "--preset", "cifar-tiny", "--image_size", "16", "--depth", "2", "--max_iters", "1",
              "--batch_size", "16", "--cache_dir", IMAGE_CACHE]
@@ -2055,9 +1981,6 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
     """One table says where each setting applies, a row for every training setting; a flag given
     where it does nothing is named, never silent."""
     from dataclasses import fields
-
-    import train
-    from operations import checks
 
     rows = checks.where_flags_apply(train.TrainConfig(), Config(), False, set())
     assert {f.name for f in fields(train.TrainConfig)} <= set(rows)
@@ -2199,8 +2122,6 @@ def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_pa
 
 
 def test_a_folder_keeps_its_fingerprint_however_its_path_is_written(tiny_data, monkeypatch):
-    from operations import files
-
     monkeypatch.chdir(tiny_data)
     listed = [files.list_folder(d)[0]["test"] for d in ("images", "./images",
                                                           str(tiny_data / "images"))]
@@ -2218,8 +2139,6 @@ def test_a_resume_on_another_held_out_set_says_that_best_compares_across_sets(tr
 
 
 def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
-    import train
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "2")
     get_lr = train.get_lr
 
@@ -2248,9 +2167,6 @@ def test_a_log_of_whole_records_that_lost_its_last_newline_resumes(trained, tmp_
 
 
 def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys, monkeypatch):
-    from operations import checks, cli, progress
-    import train
-
     before = torch.get_num_threads()
     try:
         train.start_processes(train.TrainConfig(threads=1, device="cpu"))
@@ -2298,8 +2214,6 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
         capsys, tiny_data, tmp_path):
     """A second run into an out_dir in use stops at once and writes nothing; the lock ends with the
     process that took it, even where a forked child (a DataLoader worker) outlives it."""
-    from operations.out_dir import out_dir_claimed
-
     script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
               "from operations import out_dir\n"
               "claimed = out_dir.out_dir_claimed(sys.argv[1], False, False)\n"
@@ -2321,9 +2235,6 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
 def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
     """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
     create) a file outside out_dir: both refused."""
-    from operations.cli import TrainingError
-    from operations.out_dir import out_dir_claimed
-
     os.mkfifo(tmp_path / ".lock")
     with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
         with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
@@ -2351,8 +2262,6 @@ def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(tr
 def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
     """Only atomic_write's temporary names are cleaned up, and .lock is removed only while empty
     (as a run leaves it): a user's .lock, or .tmp files of other names, stay as they are."""
-    from operations.out_dir import out_dir_claimed
-
     mine = {".lock": "mine", ".ckpt.pt.mine.tmp": "mine", ".log.jsonl.draft.tmp": "mine"}
     for name, text in mine.items():
         (tmp_path / name).write_text(text)
@@ -2378,10 +2287,6 @@ def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_pa
 
 def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path,
                                                                                    monkeypatch):
-    import errno
-
-    from operations import checkpoint
-
     # the old fixed temp name is never touched
     (tmp_path / "ckpt.pt.tmp").write_text("someone else's")
     umask = os.umask(0o027)  # the mode a plain open() would give, not mkstemp's 0o600
@@ -2414,8 +2319,6 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
 
 def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tmp_path,
                                                                            monkeypatch):
-    from operations import checkpoint
-
     def stream_writer_fails(obj, f):
         f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
@@ -2455,9 +2358,6 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
                                                                               tmp_path):
     """Training stops while the evaluation and the checkpoint still fit (their last time, or before
     the first, a step per held-out batch and one for the probe); inf is refused."""
-    from operations import progress
-    import train
-
     cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0, probe_samples=0)
     clock = progress.Clock(time.time() - 7.5, cfg, held_out_batches=1)  # 2.5 s left
     clock.step_times = [1.0, 1.0]  # 1 s per step
@@ -2477,8 +2377,6 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
 
 def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
         tiny_data, tmp_path, monkeypatch):
-    from operations import progress
-
     # out of time only once the first evaluation has been timed (at step 2)
     monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
     flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
@@ -2490,9 +2388,6 @@ def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
 
 def test_a_time_limit_too_short_for_the_final_evaluation_says_so_once(capsys):
     from tqdm import tqdm
-
-    from operations import progress
-    import train
 
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     clock = progress.Clock(time.time() - 2, cfg, held_out_batches=20)  # 21 s of evaluation
@@ -2508,8 +2403,6 @@ def test_a_time_limit_too_short_for_the_final_evaluation_says_so_once(capsys):
 def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
     """python train.py passes the time taken before its imports: a limit already spent there stops
     the run after its first step, evaluated and saved."""
-    import train
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
@@ -2523,9 +2416,6 @@ def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
 
 def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     from tqdm import tqdm
-
-    from operations import progress
-    import train
 
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     # an evaluation: 2 batches and the probe, a step each (1 s); 5.5 s left
@@ -2552,8 +2442,6 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
-    from operations import progress
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
     code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
     lines = out.splitlines()
@@ -2575,8 +2463,6 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
 def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypatch):
     """In a log file (no terminal) an evaluation prints a progress line at most every
     PROGRESS_EVERY_S seconds, never after its last batch; its batches pass through unchanged."""
-    from operations import progress
-
     monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)
     assert list(progress.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
     lines = capsys.readouterr().out.splitlines()
@@ -2610,9 +2496,6 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
 
 
 def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
-    from operations import progress
-    import train
-
     advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
     assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
@@ -2650,9 +2533,6 @@ def log_ending(tail, keep=None):
 
 
 def offline_downloads(c, torchvision=True):
-    import urllib.error
-    import urllib.request
-
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
@@ -2812,12 +2692,6 @@ def test_each_mistake_is_one_line_that_changes_no_file(capsys, tmp_path, table_r
 
 
 def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
-    import bench
-    import look
-    from operations import export
-    import probe
-    import train
-
     for parse, argv in ((train.build_parser().parse_args, ["--max_iter", "5"]),
                         (probe.build_parser().parse_args, ["x.pt", "--sample", "4"]),
                         (bench.build_parser().parse_args, ["cls:cifar-tiny", "--batch", "4"]),
@@ -2830,8 +2704,6 @@ def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
 
 def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data,
                                                                              tmp_path, monkeypatch):
-    import train
-
     calls = {"n": 0}
     dumps = train.json.dumps
 
@@ -2856,13 +2728,11 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(cap
 
 def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_data, tmp_path,
                                                                  monkeypatch):
-    import data
-
     def too_large(data, draws):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
                            "83886080000 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(data.ImageData, "train_batch", too_large)
+    monkeypatch.setattr(ImageData, "train_batch", too_large)
     err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
                     str(tmp_path))
     assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
@@ -2870,8 +2740,6 @@ def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_dat
 
 def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
                                                                                   monkeypatch):
-    from operations.cli import one_line_errors
-
     def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
                            "by peer [127.0.0.1]:2")
@@ -2896,8 +2764,6 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
 
 
 def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
-    import train
-
     def interrupted_twice(args, started):
         raise KeyboardInterrupt
 
@@ -2918,11 +2784,6 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
         capsys, tiny_data, tmp_path, monkeypatch):
     """Each evaluation logs probe.py's own per-layer metrics for the checkpoint; a run with them
     trains bit for bit as one without; look.py draws them for several runs."""
-    import shutil
-
-    import look
-    import probe
-
     flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2")
     code, out, logged = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
     assert code == 0, out
@@ -2972,8 +2833,6 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
 
 
 def test_look_draws_a_log_cut_short_and_says_when_a_run_diverged(capsys, tmp_path):
-    import look
-
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
@@ -2989,12 +2848,6 @@ def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(ca
                                                                               tool, flag):
     """One check of an output path for every tool that writes, before any work: a run's own files,
     a missing folder, a folder; the system's write errors are one line too."""
-    import bench
-    import look
-    import probe
-    from operations import checkpoint, export
-    from operations.cli import RUN_FILES
-
     model = Bamboo(tiny("cls"))
     checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
                                              "model": model.state_dict(), "window": None})
@@ -3026,10 +2879,6 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
                                                                                    tiny_data,
                                                                                    tmp_path,
                                                                                    monkeypatch):
-    import json
-
-    import probe
-
     (tmp_path / "p.json").write_text("the previous report")
 
     def full_disk(*args, **kwargs):
@@ -3051,8 +2900,6 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
 
 
 def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
-    from probe import token_metrics
-
     m = token_metrics(torch.randn(3, 1, 16).expand(3, 10, 16))
     assert m["cos"] == pytest.approx(1.0) and m["std"] == pytest.approx(0.0, abs=1e-9)
     assert m["hc_dc"] == pytest.approx(0.0, abs=1e-9) and m["erank"] == pytest.approx(1.0)
@@ -3070,8 +2917,6 @@ def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
 def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     """Centred i.i.d. N(0, I_d) tokens have pairwise cosines close to N(rho, (1 - rho^2) / d), rho
     = -1/(T-1); E|N(mu, s^2)| = s sqrt(2/pi) exp(-mu^2 / 2s^2) + mu (1 - 2 Phi(-mu/s))."""
-    from probe import token_metrics
-
     torch.manual_seed(0)
     T, d = 32, 1024
     rho = -1 / (T - 1)
@@ -3117,8 +2962,6 @@ def test_pure_attention_stack_collapses_and_centred_metrics_do_not_call_it_diver
 
 
 def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio():
-    from probe import attention_entropy, update_ratio
-
     T = 10
     uniform = torch.full((2, 3, T, T), 1 / T)
     one_hot = torch.eye(T).expand(2, 3, T, T)
@@ -3130,8 +2973,6 @@ def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio
 
 
 def test_probe_reports_entropy_and_update_for_every_block():
-    import probe
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", depth=3)).eval()
     x, _ = batch(model.config)
@@ -3149,8 +2990,6 @@ def test_probe_reports_entropy_and_update_for_every_block():
 
 @pytest.mark.parametrize("tokens,width", [(16, 48), (48, 16)])
 def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
-    from probe import singular_values
-
     torch.manual_seed(0)
     h = torch.randn(3, tokens, width, dtype=torch.float64)
     # rank 2
@@ -3160,8 +2999,6 @@ def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
 
 
 def test_metrics_in_batches_equal_one_sample_at_a_time():
-    from probe import token_metrics
-
     torch.manual_seed(0)
     h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)
     whole = token_metrics(h)
@@ -3171,8 +3008,6 @@ def test_metrics_in_batches_equal_one_sample_at_a_time():
 
 
 def test_vo_spectrum_of_a_hand_built_value_output_product():
-    from probe import vo_spectrum
-
     model = Bamboo(tiny("cls", width=8, heads=2, depth=1))
     model.blocks[0], _ = hand_built_block(torch.ones(8))
     dominant, positive = vo_spectrum(model)
@@ -3185,8 +3020,6 @@ def test_vo_spectrum_of_a_hand_built_value_output_product():
 
 
 def test_head_products_have_the_eigenvalues_of_the_full_matrix():
-    from probe import head_value_output
-
     torch.manual_seed(0)
     block = Bamboo(tiny("cls", width=32, heads=2, depth=1)).blocks[0]
     with torch.no_grad():
@@ -3204,8 +3037,6 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
 
 
 def test_beta_of_a_model_against_itself_is_one():
-    from probe import beta
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", depth=3))
     qk, v = beta(model, model)
@@ -3220,8 +3051,6 @@ def test_beta_of_a_model_against_itself_is_one():
 
 
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained, tmp_path):
-    import probe
-
     argv = [trained("cls", tmp_path / "cls"), "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
             "--samples", "8", "--batch_size", "3"]
@@ -3252,8 +3081,6 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
         capsys, tiny_data, trained, tmp_path):
-    import probe
-
     code, out = probe_cli(capsys, trained("cls", tmp_path / "cls"),
                           "init:cifar-tiny,image_size=16,depth=2,width=32",  # trained's shape
                           "--labels", "trained,fresh", "--dataset", "folder", "--data_dir",
@@ -3272,8 +3099,6 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
-    import probe
-
     samples = torch.rand(4, 3, 16, 16)
     classifier, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
     with pytest.raises(ValueError, match="--mask probes MAE's visible patches; it needs an MAE"):
@@ -3289,8 +3114,6 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
 
 
 def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
-    import bench
-
     try:
         code, out = probe_cli(capsys, "init:cifar-tiny,image_size=16", "--dataset", "folder",
                               "--data_dir", tiny_data / "images", "--samples", "2", "--device",
@@ -3309,8 +3132,6 @@ def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsy
 
 
 def test_probe_samples_beyond_the_split_record_what_was_probed(capsys, trained, tmp_path):
-    import probe
-
     ckpt = trained("cls", tmp_path / "run")
     report = probe.main([str(ckpt), "--samples", "1000", "--json", str(tmp_path / "p.json")])
     assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
@@ -3318,8 +3139,6 @@ def test_probe_samples_beyond_the_split_record_what_was_probed(capsys, trained, 
 
 
 def test_foreign_specs_take_true_and_false_as_words_in_any_case():
-    from operations import cli, hub
-
     # never a text that reads as True (offline: no download)
     vit = hub.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
                         "qkv_bias=false,global_pool=avg").model
@@ -3334,11 +3153,6 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
                                                                                    monkeypatch):
     """The tools share one mapping of errors to lines; an output that cannot be written is named
     as the user gave it, never as its hidden temporary file."""
-    import tempfile
-
-    import bench
-    from operations import figures
-
     def out_of_memory(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
@@ -3359,10 +3173,6 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
 def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
     """A pickle behind a spec is refused in one line (no code ran); an unknown name offline
     advises pretrained=0 only where it was not given."""
-    import pickle
-
-    from operations import hub
-
     def refused(name, pretrained, settings):
         raise pickle.UnpicklingError("Weights only load failed")
 
@@ -3385,8 +3195,6 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
 
 def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
                                                                                monkeypatch):
-    from operations.out_dir import out_dir_claimed
-
     def read_only(path):
         raise PermissionError(13, "Permission denied", path)
 
@@ -3402,8 +3210,6 @@ def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(t
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
-    import probe
-
     model = Bamboo(tiny("cls"))
     with torch.no_grad():
         model.blocks[1].mlp.proj.bias[0] = float("nan")  # finite through block 0, not after block 1
@@ -3415,10 +3221,6 @@ def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
 def hub_offline(what, network_up=False):
     """A set-up: transformers' `what` cannot reach the hub (and hub_unreachable says it can)."""
     def setup(c):
-        import transformers
-
-        from operations import hub
-
         def offline(*args, **kwargs):
             raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
@@ -3504,9 +3306,6 @@ def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
-    import bamboo
-    from bamboo import ChunkedCrossEntropy
-
     monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
     torch.manual_seed(0)
     h = torch.randn(23, 16, requires_grad=True)
@@ -3533,8 +3332,6 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     gradients; without gradients (evaluation) it gives the same value from the logits alone."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import bamboo
-
     monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
     torch.manual_seed(0)
     model = Bamboo(tiny("next", depth=2))
@@ -3548,8 +3345,8 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     assert torch.allclose(loss, reference, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
     with torch.no_grad(), FlopCounterMode(display=False) as flops:
-        held_out = model.next_token_loss(h, targets)
-    assert torch.allclose(held_out, reference, atol=1e-6)
+        evaluated = model.next_token_loss(h, targets)
+    assert torch.allclose(evaluated, reference, atol=1e-6)
     rows, width = h.flatten(0, 1).shape  # without gradients: the logits' matmul alone
     assert flops.get_total_flops() == 2 * rows * width * model.config.vocab_size
 
@@ -3593,8 +3390,6 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
 
 def test_every_fast_name_the_code_and_readme_cite_exists():
     """A docstring or the README that names one of fast's functions names a real one."""
-    from operations import fast
-
     texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
     cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
     assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
@@ -3603,8 +3398,6 @@ def test_every_fast_name_the_code_and_readme_cite_exists():
 def test_fast_trains_the_model_itself_without_compilation():
     """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
     loss."""
-    from operations import fast
-
     for objective in ("mae", "cls", "mlm", "next"):
         model = Bamboo(tiny(objective))
         for device in ("cpu", "meta"):
@@ -3614,8 +3407,6 @@ def test_fast_trains_the_model_itself_without_compilation():
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatch):
     """Each block runs again in backward (its forward counted), with the same dropout draws."""
-    import bamboo
-
     grads, runs, forward = {}, [], bamboo.Block.forward
     monkeypatch.setattr(bamboo.Block, "forward", lambda *args: runs.append(1) or forward(*args))
     for flag in (False, True):
@@ -3642,8 +3433,6 @@ def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatc
 ])
 def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
                                                                 expected, why):
-    from operations import fast
-
     mode, reason = fast.compile_plan(asked, torch.device(device),
                                      tiny(options.pop("objective", "cls"), **options), ddp)
     assert mode == expected and why in reason and (reason == "") == (why == "")
@@ -3656,8 +3445,6 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
     graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
     from torch._dynamo.utils import counters
-
-    from operations import fast
 
     graphs = {}
     for depth in (3, 8):
@@ -3687,8 +3474,6 @@ def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
     keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
     from torch._dynamo.utils import counters
 
-    from operations import fast
-
     torch.manual_seed(0)
     model = Bamboo(tiny("next", vocab_size=100))
     x, _ = batch(model.config)
@@ -3711,10 +3496,6 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     batch."""
     from torch._dynamo.utils import counters
 
-    from operations import fast
-    from data import ImageData
-    from train import TrainConfig, evaluate
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", image_size=16))
     data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
@@ -3722,7 +3503,8 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     counters.clear()
     fast.compile_blocks(model, backend="eager")
     # 32 = 12 + 12 + 8
-    metrics = evaluate(model, data, TrainConfig(eval_samples=0), 12, torch.device("cpu"))
+    metrics = train.evaluate(model, data, train.TrainConfig(eval_samples=0), 12,
+                             torch.device("cpu"))
     assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
     torch._dynamo.reset()
 
@@ -3730,8 +3512,6 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
 def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
     """MAE's and next-token's y=None reach the model as None; the graphed callable returns the
     loss alone, out is kept beside it without gradient (else it gets a zero gradient each step)."""
-    from operations import fast
-
     model = Bamboo(tiny("mae"))
     x, _ = batch(model.config)
     wrapped = fast.LossOnly(model, (x, None))
@@ -3753,9 +3533,6 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
-    from operations import adapters
-    import probe
-
     torch.manual_seed(0)
     model = Bamboo(tiny(objective, depth=3, neutreno=0.6)).eval()
     x, _ = batch(model.config)
@@ -3793,8 +3570,6 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     from safetensors import safe_open
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
-
-    from operations import checkpoint, export
 
     torch.manual_seed(0)
     model = Bamboo(tiny(objective)).eval()
@@ -3837,8 +3612,6 @@ def own_file(name, text="the user's own"):
 
 
 def exported(out):
-    from operations import export
-
     assert export.main([str(out.parent / "c.pt"), "--out", str(out)]) == 0
 
 
@@ -3860,8 +3633,6 @@ EXPORT_REFUSALS = [  # (model, set-up of the --out path, --out, what the one lin
 @pytest.mark.parametrize("model, setup, out, says", EXPORT_REFUSALS)
 def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_over(
         tmp_path, capsys, model, setup, out, says):
-    from operations import checkpoint, export
-
     model = Bamboo(tiny(model.get("objective", "cls"),
                         **{k: v for k, v in model.items() if k != "objective"}))
     checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
@@ -3878,8 +3649,6 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_o
 def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
     own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
-    import probe
-
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
         model, _ = probe.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
@@ -3905,8 +3674,6 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
 
 
 def test_recomputed_attention_equals_the_libraries_explicit_attention():
-    import probe
-
     torch.manual_seed(0)
     for name in ("gpt2", "bert"):
         model, _ = probe.load_model(HF_TINY[name], "")
@@ -3927,9 +3694,6 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
         capsys, tiny_data, monkeypatch):
     """No network: the hub's offline switch is set after one quick connection attempt, so a model
     or a tokenizer missing from the cache is one line within seconds (not ~30 s of retries)."""
-    import data
-
-    from operations import files
     from huggingface_hub import constants
 
     def no_network(*args, **kwargs):
@@ -3941,7 +3705,7 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     t0 = time.time()  # a tokenizer alone (--tokenizer hf:NAME) too
     with pytest.raises(files.DataError, match="could not load the Hugging Face tokenizer 'gpt2'"):
-        data.get_tokenizer("hf:gpt2")
+        get_tokenizer("hf:gpt2")
     assert time.time() - t0 < 10 and constants.HF_HUB_OFFLINE
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # and again for the models
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -3956,8 +3720,6 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
 def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data, tmp_path):
     """Every patch, in order, by default: the hooked states equal the library's own; --mask keeps
     a quarter of the patches, the same ones in every run, and changes the numbers."""
-    import probe
-
     model, _ = probe.load_model(HF_MAE, "")
     x = torch.rand(2, 3, 16, 16)
     ratio = model.model.config.mask_ratio
@@ -4024,10 +3786,6 @@ HUB_REFUSALS = [  # (spec, what the one line says)
 
 @pytest.mark.parametrize("spec, says", HUB_REFUSALS)
 def test_a_foreign_spec_that_cannot_be_probed_as_given_is_one_line(tmp_path, spec, says):
-    import argparse
-
-    from operations import hub
-
     torch.save({"state_dict": {"x": argparse.Namespace(a=1)}}, tmp_path / "other.pt")
     with pytest.raises(ValueError) as e:
         hub.load(spec.replace("{other}", str(tmp_path / "other.pt")))
@@ -4036,8 +3794,6 @@ def test_a_foreign_spec_that_cannot_be_probed_as_given_is_one_line(tmp_path, spe
 
 
 def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data, tmp_path):
-    import probe
-
     T = 12
     causal = torch.tril(torch.ones(T, T))
     uniform = (causal / causal.sum(-1, keepdim=True))[None, None]  # (1, 1, T, T)
@@ -4059,10 +3815,6 @@ def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, ti
 def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(monkeypatch):
     """Offline stand-ins for the hub: the image model is normalised with its processor's mean and
     std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
-    import transformers
-
-    from operations import cli, hub
-
     def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
         name, settings = cli.split_spec(spec.removeprefix("hf:"))
         settings.pop("pretrained")
@@ -4087,30 +3839,21 @@ def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatc
     TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
     import tiktoken
 
-    import data
-
-    from operations import files
-
     def offline(name):
         raise ConnectionError("no network")
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(files.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
-        data.get_tokenizer("gpt2")
+        get_tokenizer("gpt2")
     with pytest.raises(files.DataError) as e:
-        data.get_tokenizer("cl100k_base")
+        get_tokenizer("cl100k_base")
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
 
 
 def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
                                                                    monkeypatch):
-    import transformers
-
-    from operations import hub
-    import data
-
     folder = byte_level_tokenizer(tmp_path / "tok")
-    tok = data.get_tokenizer(f"hf:{folder}")
+    tok = get_tokenizer(f"hf:{folder}")
     assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
     common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
     code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
@@ -4128,10 +3871,6 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
 def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
     """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
     draw an out_dir, named NAME."""
-    import shutil
-
-    import look
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
     assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
     shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
@@ -4146,8 +3885,6 @@ def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
 
 def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
                                                                               monkeypatch):
-    import look
-
     records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
                for i in range(1, 17)]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -4192,8 +3929,6 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_pat
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
     """No beta panels without a pair; a metric that moves by 1e-4 near 1 is drawn flat (a y-range
     of at least 5% of its size); y-labels wrap, never overlapping the next panel."""
-    import probe
-
     wobble = [0.9999, 1.0, 0.99995]
     report = {"labels": ["a"], "depth": {"a": 2}, "samples": 4, "attn_entropy_ceiling": {"a": 1.0},
               "metrics": {name: {"a": wobble} for name in probe.AXES}}
@@ -4217,8 +3952,6 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
 def half_tokenizer(c):
     """A tokenizer with fewer ids than the model: it would fail on the first id it cannot decode."""
     import tiktoken
-
-    import look
 
     half = tiktoken.Encoding("half", pat_str=r"[\s\S]", special_tokens={},
                              mergeable_ranks={bytes([i]): i for i in range(128)})
@@ -4268,8 +4001,6 @@ def test_look_refuses_each_mistake_in_one_line_and_draws_nothing(capsys, tmp_pat
 
 
 def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, tiny_data, tmp_path):
-    import look
-
     ckpt = train_run(tiny_data, "mae", tmp_path / "mae", 2, "--norm_pix_loss")
     code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
     width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
@@ -4293,8 +4024,6 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
 
 
 def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path):
-    import look
-
     runs = [trained(kind, tmp_path / kind).parent for kind in ("cls", "next")]
     for run in runs:
         code, out = look_cli(capsys, "attention", run / "ckpt.pt", "--layers", "0,-1", "--heads",
@@ -4332,8 +4061,6 @@ def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path
 # ==================================================================================================
 
 def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
-    import bench
-
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
                                             "next:cifar-tiny,seq_len=16,vocab_size=64",
                                             "--batch_size", "2", "--steps", "1", "--rounds", "2",
@@ -4355,8 +4082,6 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
 def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys, monkeypatch):
     """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
     it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
-    import bench
-
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
                                             "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
@@ -4374,8 +4099,6 @@ def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(ca
 
 
 def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
-    import bench
-
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
                                             "--steps", "1",
                                             "--rounds", "1", "--warmup", "1", "--dtype", "float32",
@@ -4391,10 +4114,6 @@ def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json
 def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
     """On CUDA a step is queued and run later: the first step's time (where compilation shows) waits
     for the device, as the timed rounds do (a 50 ms wait stands in for the device's)."""
-    import time
-
-    import bench
-
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
                                             "--steps", "1",
@@ -4405,10 +4124,6 @@ def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
 
 def test_bench_times_its_rounds_only_after_seconds_of_untimed_steps(monkeypatch):
     """A machine runs its first seconds of work slower: the rounds start after WARM_S."""
-    import time
-
-    import bench
-
     monkeypatch.setattr(bench, "WARM_S", 0.5)
     steps, step = [], bench.Runner.step
     monkeypatch.setattr(bench.Runner, "step", lambda self: steps.append(time.perf_counter())
@@ -4420,8 +4135,6 @@ def test_bench_times_its_rounds_only_after_seconds_of_untimed_steps(monkeypatch)
 
 
 def test_bench_profiles_one_step(capsys):
-    import bench
-
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
                                             "--steps", "1",
                                             "--rounds", "1", "--warmup", "1", "--profile", "5",
@@ -4443,21 +4156,14 @@ def test_bench_profiles_one_step(capsys):
     (["cls:cifar-tiny", "--json", "no/such/folder/b.json"], "the folder no/such/folder does not"),
 ])
 def test_bench_rejects_bad_arguments_in_one_line_before_any_step(capsys, argv, says):
-    import bench
-
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
 
 
 def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
-    import io as _io
-    import zipfile
-
-    from operations import files
-
     def fake_zip(members):
-        buffer = _io.BytesIO()
+        buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as z:
             for name in members:
                 z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
@@ -4512,8 +4218,6 @@ def test_bf16_autocast_tracks_fp32_training():
 def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
     """fast.for_training never assigns a method or attribute on the model or its modules (torch's
     compile slot aside): the methods a reader studies are the ones that train."""
-    from operations import fast
-
     model = Bamboo(tiny(objective, neutreno=0.4))
     before = instance_attributes(model)
     for device in ("cpu", "meta"):  # the CPU's wrappers, and those of any other device
@@ -4545,8 +4249,6 @@ def test_measurement_tools_do_not_import_the_trainer():
 def test_imports_point_one_way_down_the_stated_order():
     """Every module imports only modules before it in LAYERS (inside functions too); the tutorial's
     files import only named packages besides, and operations/ as modules: out_dir.out_dir_claimed"""
-    import ast
-
     modules = {p[:-3].replace("/", ".") for p in os.listdir(REPO) + [
         f"operations/{f}" for f in os.listdir(f"{REPO}/operations")]
         if p.endswith(".py") and not p.startswith(("test_", "operations/__init__"))}
@@ -4575,9 +4277,9 @@ def test_imports_point_one_way_down_the_stated_order():
 def test_reference_code_passes_ruff_at_100_columns():
     """The reference's lines are at most 100 characters; no file has unused imports or names, or
     undefined names (ruff, run by the suite wherever it runs)."""
-    for select, files in (("E501,F", REFERENCE_FILES), ("F", ("results",))):
+    for select, paths in (("E501,F", REFERENCE_FILES), ("F", ("results",))):
         ruff = [sys.executable, "-m", "ruff", "check", "--no-cache", "--line-length", "100"]
-        done = subprocess.run([*ruff, "--select", select, *files], cwd=REPO, capture_output=True,
+        done = subprocess.run([*ruff, "--select", select, *paths], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
 
@@ -4603,11 +4305,6 @@ def test_the_readme_links_each_name_to_its_lines(tmp_path):
 def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
     """No function over 60 lines but train.train (a run's state as its locals, as nanoGPT's
     script); its loop shows each of the step's verbs itself, in order."""
-    import ast
-    import inspect
-
-    import train
-
     lengths = {}
     for path in REFERENCE_FILES:
         for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
@@ -4732,8 +4429,6 @@ def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data,
 def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
     """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it
     would fail."""
-    from data import to_device
-
     x = torch.arange(6, device="cuda:0")
     assert to_device(x, torch.device("cuda")) is x
     moved = to_device(torch.arange(6), torch.device("cuda"))
