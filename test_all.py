@@ -184,11 +184,11 @@ def trained(tiny_data, tmp_path_factory):
 
 
 @pytest.fixture
-def table_row(tiny_data, trained, tmp_path, monkeypatch):
+def table_row(tiny_data, trained, tmp_path, monkeypatch, request):
     """row(setup, argv, says): a refusal table's row with its set-up done and {tmp}, {run},
     {images}, {text}, @OBJECTIVE filled in (set-ups: see TRAIN_REFUSALS); returns argv, pieces."""
     c = types.SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", data=tiny_data, trained=trained,
-                              monkeypatch=monkeypatch)
+                              monkeypatch=monkeypatch, request=request)
     where = {"{tmp}": str(tmp_path), "{run}": str(c.run), "{images}": str(tiny_data / "images"),
              "{text}": str(tiny_data / "text")}
     flags = {f"@{o}": (image_flags if o in ("mae", "cls") else text_flags)(tiny_data, o)
@@ -1215,14 +1215,14 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
-    """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
-    inputs."""
+def test_a_folder_with_a_constant_channel_trains_and_probes_and_mae_takes_one_class(
+        capsys, tiny_data, tmp_path):
+    """Images with no blue at all (std 0 in that channel) are centred, never divided by zero into
+    NaN inputs; MAE, self-supervised, takes an unlabelled folder of one class."""
     images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
                           blue=False)
-    data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
-    x, _ = next(data.eval_batches(8))
-    # the constant channel is centred, not divided by 0
+    x, _ = next(ImageData("folder", str(images), torch.device("cpu"), image_size=16)
+                .eval_batches(8))
     assert x.isfinite().all() and x[:, 2].eq(0).all()
     code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
                                    "--max_iters", "3", out_dir=tmp_path / "o")
@@ -1230,66 +1230,6 @@ def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_
                              if "loss" in r), out
     assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
                        str(images), "--samples", "8"]) == 0, capsys.readouterr().err
-
-
-# The mistakes users make with their data -> the line train.py answers with (before any training)
-BAD_DATA = {
-    "no folder": "nope does not exist; point --data_dir at an image folder",
-    "a file for a folder": "a_file is a file, not a folder; point --data_dir at an image folder",
-    "unreadable image": "broken.png (UnidentifiedImageError",
-    "test with other classes": "classes (only in training: ['cat'], only in test: ['emu'])",
-    "one class for cls": "num_classes=1 must be at least 2 for cls",
-    "no class folders": "train: Couldn't find any class folder",
-    "a class without images": "test: Found no valid file for the classes c",
-    "empty text": "train.txt is empty; give --train_file a file with text in it",
-    "text not utf-8": "train.txt is not UTF-8 text (byte 3 is 0xe9); convert it, e.g. iconv",
-    "text missing": "nosuch.txt is missing; put the text there, or point --data_dir and --val_file",
-    "text a folder": "folder.txt is not a file (a folder, a pipe)",
-    "images for next": "--objective next needs a text dataset (wikitext2, wikitext103, text)",
-    "heads not dividing": "Config.heads=3",
-}
-
-
-@pytest.mark.parametrize("case", BAD_DATA)
-def test_bad_data_is_one_line_that_names_it(capsys, tiny_data, tmp_path, case):
-    images, text = tmp_path / "images", tmp_path / "text"
-    shutil.copytree(tiny_data / "images", images)
-    shutil.copytree(tiny_data / "text", text)
-    flags = image_flags(tiny_data, "cls", "--data_dir", str(images))
-    if case in ("no folder", "a file for a folder"):
-        (tmp_path / "a_file").write_text("not a folder")
-        flags += ["--data_dir", str(tmp_path / ("nope" if case == "no folder" else "a_file"))]
-    if case == "unreadable image":
-        (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    if case in ("test with other classes", "one class for cls", "no class folders",
-                "a class without images"):
-        shutil.rmtree(images)
-        write_folder(images, {"test with other classes": {"train": ["cat", "dog"],
-                                                          "test": ["dog", "emu"]},
-                              "one class for cls": {"train": ["all"], "test": ["all"]},
-                              "no class folders": {"test": ["a", "b"]},
-                              "a class without images": {"train": ["a", "b"], "test": ["a", "b"]}
-                              }[case])
-        (images / "train").mkdir(exist_ok=True)
-    if case == "a class without images":
-        (images / "test" / "c").mkdir()
-        (images / "test" / "c" / "notes.txt").write_text("not an image")
-    if case in ("empty text", "text not utf-8", "text missing", "text a folder"):
-        flags = text_flags(tiny_data, "next", "--data_dir", str(text), "--cache_dir",
-                           str(tmp_path / "cache"))
-        (text / "folder.txt").mkdir()
-        flags += {"empty text": [], "text not utf-8": [], "text missing": ["--val_file",
-                  "nosuch.txt"], "text a folder": ["--val_file", "folder.txt"]}[case]
-        (text / "train.txt").write_bytes({"empty text": b"", "text not utf-8": "caf\xe9 ".encode(
-            "latin-1") * 500}.get(case, (text / "train.txt").read_bytes()))
-    flags += {"images for next": ["--objective", "next"], "heads not dividing": ["--heads", "3"]
-              }.get(case, [])
-    err = cli_error(capsys, *flags, "--out_dir", str(tmp_path / "out"))
-    assert BAD_DATA[case] in err and not (tmp_path / "out").exists(), err
-
-
-def test_mae_takes_a_single_class_folder(tiny_data, tmp_path):
-    """Self-supervised: an unlabelled folder of one class is enough."""
     single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
     code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
                              single, out_dir=tmp_path / "c")
@@ -1493,30 +1433,19 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
         assert logged["layers"][name] == pytest.approx(probed[name][ckpt], rel=1e-5), name
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    ("unreadable", "cannot read image"),
-    ("empty class", "Found no valid file for the classes fox"),
-    ("no split", "no test/ or val/ folder in"),
-])
-def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
-    """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
-    file; an empty or mislaid folder is found before any work."""
+def test_an_unreadable_image_met_by_a_streaming_worker_is_one_line_naming_it(capsys, mixed_jpegs,
+                                                                              tmp_path):
+    """Found mid-run, by a worker: its line comes back whole (an empty or mislaid streamed folder
+    is found before any work: train.py's refusals' table)."""
     root = tmp_path / "data"
     shutil.copytree(mixed_jpegs, root)
-    if break_it == "unreadable":
-        for path in (root / "train" / "cat").glob("*.jpg"):
-            path.write_bytes(b"not a jpeg")
-    elif break_it == "empty class":
-        shutil.rmtree(root / "val" / "fox")
-        (root / "val" / "fox").mkdir()
-    else:
-        shutil.rmtree(root / "val")
+    for path in (root / "train" / "cat").glob("*.jpg"):
+        path.write_bytes(b"not a jpeg")
     err = cli_error(capsys, "--objective", "mae", "--dataset", "folder", "--data_dir", str(root),
                     *STREAM_FLAGS, "--max_iters", "2", "--workers", "1", "--out_dir",
                     str(tmp_path / "o"))
-    assert expected in err
-    if break_it == "unreadable":
-        assert str(root / "train" / "cat") in err and "remove or replace" in err
+    assert "cannot read image" in err and str(root / "train" / "cat") in err
+    assert "remove or replace" in err
 
 
 def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
@@ -1541,13 +1470,6 @@ def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_work
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # the whole process group is gone
         os.killpg(proc.pid, 0)
-
-
-def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
-    c = Config.from_preset("bamboo-b-224", objective="mae")
-    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
-    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
-    assert c.norm_pix_loss
 
 
 # ==================================================================================================
@@ -1719,21 +1641,27 @@ def test_fused_adamw_matches_the_reference_adamw():
     assert not torch.allclose(model.head.weight, start)
 
 
-def test_init_from_mae_loads_the_encoder(tiny_data, trained, tmp_path):
-    trained("mae", tmp_path / "mae")
-    # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval",
-                                          "1"), "--init_from", str(tmp_path / "mae" / "ckpt.pt"),
-                             "--lr", "0", "--min_lr", "0", "--layer_decay", "0.65",
-                             out_dir=tmp_path / "cls")
+def test_init_from_mae_loads_the_encoder_or_its_first_blocks_and_resumes_without_it(
+        tiny_data, trained, tmp_path):
+    mae = trained("mae", tmp_path / "mae")
+    cls = image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1")
+    code, out, _ = run_train(*cls, "--init_from", mae, "--lr", "0", "--min_lr", "0",
+                             "--layer_decay", "0.65", out_dir=tmp_path / "cls")  # lr 0: as loaded
     assert code == 0, out
     match = re.search(r"loaded (\d+) tensors, skipped (\d+)", out)
     assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, out
-    mae = torch.load(tmp_path / "mae" / "ckpt.pt", weights_only=True)["model"]
-    cls = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)["model"]
-    shared = [k for k in cls if k in mae and not k.startswith("head")]
+    pretrained = torch.load(mae, weights_only=True)["model"]
+    tuned = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)["model"]
+    shared = [k for k in tuned if k in pretrained and not k.startswith("head")]
     assert len(shared) == int(match.group(1))
-    assert all(torch.equal(cls[k], mae[k]) for k in shared)
+    assert all(torch.equal(tuned[k], pretrained[k]) for k in shared)
+    code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
+    trunk = [k for k in torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["model"]
+             if k.startswith(TRUNK)]  # fewer blocks than pretrained: the first ones, all loaded
+    assert code == 0 and f"loaded {len(trunk)} tensors" in out and "blocks," in out, out
+    mae.unlink()  # a fine-tuning run resumes without its --init_from file
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "cls")
+    assert code == 0 and "resumed" in out, out
 
 
 def test_fine_tuning_keeps_the_pretrained_trunks_vo_param(tiny_data, tmp_path):
@@ -1755,15 +1683,6 @@ def test_a_text_trunk_is_tuned_with_its_tokens_and_a_preset_checked_on_the_data_
     code, out, _ = run_train("--eval_only", "--init_from", mlm, "--preset", "wikitext-small",
                              out_dir=tmp_path / "score")
     assert code == 0 and f"evaluated {mlm} as trained: " in out, out
-
-
-def test_a_trunk_fine_tuned_with_fewer_blocks_loads_the_first_ones(tiny_data, trained, tmp_path):
-    mae = trained("mae", tmp_path / "mae")
-    cls = image_flags(tiny_data, "cls", "--max_iters", "1")
-    code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
-    trunk = [k for k in torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["model"]
-             if k.startswith(TRUNK)]  # fewer blocks than pretrained: the first ones, all loaded
-    assert code == 0 and f"loaded {len(trunk)} tensors" in out and "blocks," in out, out
 
 
 def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path):
@@ -2069,27 +1988,28 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
-def test_resume_takes_new_iterations_and_the_data_location(tiny_data, trained, tmp_path):
-    trained("cls", tmp_path / "run")
-    moved = tmp_path / "moved"
-    shutil.copytree(tiny_data / "images", moved)
-    code, out, records = run_train("--resume", "--max_iters", "4", "--data_dir", str(moved),
-                                   out_dir=tmp_path / "run")
-    assert code == 0 and "resumed" in out, out
-    assert max(train_losses(records)) == 4
-    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+def test_resume_takes_new_iterations_the_data_location_and_this_invocations_threads(
+        tiny_data, trained, tmp_path):
+    """A log of whole records that lost its last newline resumes; a resume on another held-out set
+    says that 'best' now compares across sets; a finished run says so instead of silence."""
+    out, moved = tmp_path / "run", Path(shutil.copytree(tiny_data / "images", tmp_path / "moved"))
+    log = trained("cls", out).with_name("log.jsonl")
+    log.write_text(log.read_text().rstrip("\n"))
+    try:  # --threads is the invocation's own: a resume on another machine sets its own
+        code, printed, records = run_train("--resume", "--max_iters", "4", "--data_dir", moved,
+                                           "--threads", "2", out_dir=out)
+        assert code == 0 and "resumed" in printed and torch.get_num_threads() == 2, printed
+    finally:
+        torch.set_num_threads(1)
+    assert [r.get("step") for r in records][-5:] == [2, None, 3, 4, 4]  # eval, run, steps, eval
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 4 and ckpt["train"]["data_dir"] == str(moved)
-    # finished: says so instead of silence
-    code, out, _ = run_train("--resume", out_dir=tmp_path / "run")
-    assert code == 0 and "nothing to train" in out and "--max_iters" in out, out
-
-
-def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, trained, tmp_path):
-    mae = trained("mae", tmp_path / "mae")
-    train_run(tiny_data, "cls", tmp_path / "ft", 1, "--init_from", str(mae))
-    mae.unlink()
-    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "ft")
-    assert code == 0 and "resumed" in out, out
+    assert "different held-out sets" not in printed
+    code, printed, _ = run_train("--resume", "--eval_samples", "16", out_dir=out)
+    assert code == 0 and "'best' now compares evaluations on different held-out sets" in printed
+    code, printed, _ = run_train("--resume", out_dir=out)
+    assert code == 0 and "nothing to train" in printed and "--max_iters" in printed, printed
+    assert "different held-out sets" not in printed
 
 
 @pytest.mark.parametrize("change", ["moved", "class renamed", "file added", "text edited"])
@@ -2128,16 +2048,6 @@ def test_a_folder_keeps_its_fingerprint_however_its_path_is_written(tiny_data, m
     assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
 
 
-def test_a_resume_on_another_held_out_set_says_that_best_compares_across_sets(trained, tmp_path):
-    out = tmp_path / "run"
-    trained("cls", out)
-    code, printed, _ = run_train("--resume", "--max_iters", "2", "--eval_samples", "16",
-                                 out_dir=out)
-    assert code == 0 and "'best' now compares evaluations on different held-out sets" in printed
-    code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=out)
-    assert code == 0 and "different held-out sets" not in printed, printed
-
-
 def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "2")
     get_lr = train.get_lr
@@ -2159,23 +2069,7 @@ def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, mon
     assert [r["step"] for r in records if r.get("eval")] == [2, 4, 6]
 
 
-def test_a_log_of_whole_records_that_lost_its_last_newline_resumes(trained, tmp_path):
-    log = trained("cls", tmp_path).with_name("log.jsonl")
-    log.write_text(log.read_text().rstrip("\n"))
-    code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
-    assert code == 0 and [r.get("step") for r in records][-3:] == [None, 3, 3], out  # run, step
-
-
-def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys, monkeypatch):
-    before = torch.get_num_threads()
-    try:
-        train.start_processes(train.TrainConfig(threads=1, device="cpu"))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-    assert "threads" in train.PER_INVOCATION  # a resume on another machine sets its own
-    with pytest.raises(cli.TrainingError, match="--threads -1 must be >= 0"):
-        checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5, threads=-1))
+def test_the_resume_hint_names_the_launcher(monkeypatch):
     assert cli.resume_command("o", 1) == "python train.py --resume --out_dir o"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert cli.resume_command("o", 2) == "torchrun --nproc_per_node=2 train.py --resume --out_dir o"
@@ -2274,15 +2168,6 @@ def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_p
     with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
         pass
     assert not (tmp_path / ".lock").exists()
-
-
-def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_path):
-    missing = ["--dataset", "folder", "--data_dir", str(tmp_path / "no-data")]
-    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "new"))
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty as it was
-    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "mine"))
-    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path,
@@ -2571,9 +2456,30 @@ def truncated(c):
     (c.run / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
 
 
+def copied(kind, change=lambda folder: None):
+    """A set-up: the tiny data's images or text (jpegs: the mixed JPEGs) copied into {tmp}/kind,
+    then changed."""
+    def setup(c):
+        source = c.request.getfixturevalue("mixed_jpegs") if kind == "jpegs" else c.data / kind
+        change(Path(shutil.copytree(source, c.tmp / kind)))
+    return setup
+
+
+def folder_of(classes):
+    """A set-up: {tmp}/images, write_folder's images of classes ({split: [names]}), and train/."""
+    def setup(c):
+        write_folder(c.tmp / "images", classes)
+        (c.tmp / "images" / "train").mkdir(exist_ok=True)
+    return setup
+
+
 NO_DATA = ["--dataset", "folder", "--data_dir", "{tmp}"]
 MAE_NO_DATA = ["--objective", "mae", "--data_dir", "{tmp}/d"]
 RESUME = ["--resume", "--max_iters", "3"]
+IMAGES_IN_TMP, TEXT_IN_TMP = ["@cls", "--data_dir", "{tmp}/images"], ["@next", "--data_dir",
+                                                                      "{tmp}/text"]
+STREAMED = ["--objective", "mae", "--dataset", "folder", "--data_dir", "{tmp}/jpegs", *STREAM_FLAGS,
+            "--max_iters", "2", "--workers", "1"]
 WIKITEXT = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", "{tmp}/d",
             "--tokenizer", "bytes"]
 # train.py's refusals: (set-up, argv, what the one line says); --out_dir is {run} unless given. A
@@ -2593,6 +2499,7 @@ TRAIN_REFUSALS = [
     (None, [*NO_DATA, "--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
     (None, [*NO_DATA, "--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
     (None, [*NO_DATA, "--weight_decay", "-0.1"], "--weight_decay -0.1 must be >= 0"),
+    (None, [*NO_DATA, "--threads", "-1"], "--threads -1 must be >= 0"),
     (None, [*NO_DATA, "--mask_ratio", "0.005"],
      "Config.mask_ratio=0.005 must hide some patches and leave others"),
     (None, [*NO_DATA, "--mask_ratio", "0.995"],
@@ -2603,7 +2510,38 @@ TRAIN_REFUSALS = [
     (None, [*MAE_NO_DATA, "--workers", "-2"], "--workers -2 must be"),
     (None, [*MAE_NO_DATA, "--crop_scale", "1.5"], "--crop_scale 1.5 must be"),
     (None, [*MAE_NO_DATA, "--memory_gb", "-1"], "--memory_gb -1.0 must be"),
-    # the out_dir is checked before any data is read
+    # the data: missing, unreadable, not what the objective needs
+    (None, ["@cls", "--data_dir", "{tmp}/nope"],
+     "nope does not exist; point --data_dir at an image folder"),
+    (lambda c: (c.tmp / "a_file").write_text("x"), ["@cls", "--data_dir", "{tmp}/a_file"],
+     "a_file is a file, not a folder; point --data_dir at an image folder"),
+    (copied("images", lambda f: (f / "test" / "red" / "broken.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n not really")), IMAGES_IN_TMP, "broken.png (UnidentifiedImageError"),
+    (folder_of({"train": ["cat", "dog"], "test": ["dog", "emu"]}), IMAGES_IN_TMP,
+     "classes (only in training: ['cat'], only in test: ['emu'])"),
+    (folder_of({"train": ["all"], "test": ["all"]}), IMAGES_IN_TMP,
+     "num_classes=1 must be at least 2 for cls"),
+    (folder_of({"test": ["a", "b"]}), IMAGES_IN_TMP, "train: Couldn't find any class folder"),
+    ([folder_of({"train": ["a", "b"], "test": ["a", "b"]}), lambda c: (c.tmp / "images/test/c")
+      .mkdir() or (c.tmp / "images/test/c/notes.txt").write_text("not an image")], IMAGES_IN_TMP,
+     "test: Found no valid file for the classes c"),
+    (copied("text", lambda f: (f / "train.txt").write_text("")), TEXT_IN_TMP,
+     "train.txt is empty; give --train_file a file with text in it"),
+    (copied("text", lambda f: (f / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)),
+     TEXT_IN_TMP, "train.txt is not UTF-8 text (byte 3 is 0xe9); convert it, e.g. iconv"),
+    (None, ["@next", "--val_file", "nosuch.txt"],
+     "nosuch.txt is missing; put the text there, or point --data_dir and --val_file"),
+    (copied("text", lambda f: (f / "folder.txt").mkdir()), [*TEXT_IN_TMP, "--val_file",
+                                                           "folder.txt"],
+     "folder.txt is not a file (a folder, a pipe)"),
+    (None, ["@cls", "--objective", "next"],
+     "--objective next needs a text dataset (wikitext2, wikitext103, text)"),
+    (None, ["@cls", "--heads", "3"], "Config.heads=3"),
+    (copied("jpegs", lambda f: shutil.rmtree(f / "val" / "fox") or (f / "val" / "fox").mkdir()),
+     STREAMED, "Found no valid file for the classes fox"),  # a streamed folder: before any work
+    (copied("jpegs", lambda f: shutil.rmtree(f / "val")), STREAMED, "no test/ or val/ folder in"),
+    # the out_dir is checked before any data is read; a failed start leaves no out_dir behind
+    (lambda c: c.run.mkdir(), [*NO_DATA[:3], "{tmp}/no-data"], "does not exist"),  # the user's
     (lambda c: (c.tmp / "file").write_text("not a folder"),
      [*NO_DATA[:3], "{tmp}/no-data", "--out_dir", "{tmp}/file"], "is a file"),
     (None, [*NO_DATA[:3], "{tmp}/no-data", "--out_dir", ""], "--out_dir '' must name a folder"),
