@@ -2081,26 +2081,20 @@ def test_the_resume_hint_names_the_launcher(monkeypatch):
 
 # --- 4c. The out_dir: one run at a time, written whole, nothing of another run lost
 
-def test_overwrite_starts_a_run_of_its_own_log(tiny_data, trained, tmp_path):
-    first = (trained("cls", tmp_path).with_name("log.jsonl")).read_text().splitlines()
-    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
-    code, out, second = run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
-    assert code == 0, out
-    assert len(second) == len(first)  # its own log, not appended to the other run's
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
-
 
 def test_overwrite_replaces_all_of_a_run_and_nothing_else(tiny_data, trained, tmp_path):
     """A replacement removes every file the old run wrote (its per-image correctness too), and
-    nothing else (a mistyped --overwrite costs nothing: the refusals' table)."""
+    nothing else; its log is its own (a mistyped --overwrite costs nothing: the refusals' table)."""
     trained("cls", tmp_path)
     assert {"ckpt.pt", "log.jsonl", "eval_correct.npy"} <= {p.name for p in tmp_path.iterdir()}
     (tmp_path / "notes.txt").write_text("the user's own")
-    mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "1")
+    mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "1", "--seed", "7")
     code, out, records = run_train(*mae, "--overwrite", out_dir=tmp_path)
     assert code == 0 and "--overwrite: removed the old run's ckpt.pt best.pt log.jsonl" in out
     assert not (tmp_path / "eval_correct.npy").exists()  # the classifier's, not this run's
-    assert records[0]["from_step"] == 0 and [r["step"] for r in records if r.get("eval")] == [1, 2]
+    assert [r.get("step") for r in records] == [None, 1, 1, 2, 2]  # its run, steps and evaluations
+    assert records[0]["from_step"] == 0  # its own log, not appended to the other run's
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
     assert (tmp_path / "notes.txt").read_text() == "the user's own"
 
 
@@ -2126,53 +2120,56 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
         pass
 
 
-def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
+def test_a_lock_is_never_a_hang_or_a_link_and_a_failed_write_shows_its_own_error(tmp_path,
+                                                                                monkeypatch):
     """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
-    create) a file outside out_dir: both refused."""
-    os.mkfifo(tmp_path / ".lock")
-    with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
-        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-            pass
-    (tmp_path / ".lock").unlink()
-    (tmp_path / ".lock").symlink_to(tmp_path.parent / "elsewhere.lock")
-    with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
-        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-            pass
+    create) a file outside out_dir: both refused. A write that fails mid-run shows its error."""
+    for plant in (os.mkfifo, lambda lock: lock.symlink_to(tmp_path.parent / "elsewhere.lock")):
+        plant(tmp_path / ".lock")
+        with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
+            with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+                pass
+        (tmp_path / ".lock").unlink()
     assert not (tmp_path.parent / "elsewhere.lock").exists()
 
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", path)
 
-def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(trained, tmp_path):
-    trained("cls", tmp_path)
-    left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
-    others = [".notes.x.tmp", "ckpt.pt.tmp", ".ckpt.pt.mine.tmp"]  # not atomic_write's names
-    for name in [*left, *others]:
-        (tmp_path / name).write_bytes(b"x" * 100)
-    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
-    assert code == 0, out
-    assert not [n for n in left if (tmp_path / n).exists()]
-    assert all((tmp_path / n).exists() for n in others)
+    with pytest.raises(OSError, match="No space left"):  # the folder made read-only mid-run
+        with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
+            (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
+            monkeypatch.setattr(os, "remove", read_only)
+            raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
+    # the write's error is shown (the lock file's removal failed quietly); the lock is let go
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
+    with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
+        pass
 
 
-def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
+def test_a_start_removes_what_a_killed_run_left_and_no_file_of_the_users(trained, tmp_path):
     """Only atomic_write's temporary names are cleaned up, and .lock is removed only while empty
     (as a run leaves it): a user's .lock, or .tmp files of other names, stay as they are."""
-    mine = {".lock": "mine", ".ckpt.pt.mine.tmp": "mine", ".log.jsonl.draft.tmp": "mine"}
+    trained("cls", tmp_path)
+    left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
+    mine = {".lock": "mine", ".notes.x.tmp": "x", "ckpt.pt.tmp": "x", ".ckpt.pt.mine.tmp": "mine",
+            ".log.jsonl.draft.tmp": "mine"}  # not atomic_write's names
+    for name in left:
+        (tmp_path / name).write_bytes(b"x" * 100)
     for name, text in mine.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / ".ckpt.pt.ab12cd_4.tmp").write_bytes(b"half a checkpoint")  # a cut-off write
-    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-        pass
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    assert code == 0 and not [n for n in left if (tmp_path / n).exists()], out
     assert {name: (tmp_path / name).read_text() for name in mine} == mine
-    assert not (tmp_path / ".ckpt.pt.ab12cd_4.tmp").exists()
     (tmp_path / ".lock").write_text("")  # left by a run killed before its end
-    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+    with out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
         pass
     assert not (tmp_path / ".lock").exists()
 
 
-def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path,
-                                                                                   monkeypatch):
-    # the old fixed temp name is never touched
+def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_failed_write(
+        tmp_path, monkeypatch):
+    """A full disk, or torch's stream writer failing (a RuntimeError), is one line: the last
+    checkpoint stays, no temporary file is left, and the old fixed temp name is never touched."""
     (tmp_path / "ckpt.pt.tmp").write_text("someone else's")
     umask = os.umask(0o027)  # the mode a plain open() would give, not mkstemp's 0o600
     try:
@@ -2186,35 +2183,20 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
 
     monkeypatch.setattr(checkpoint.os, "chmod", no_modes)
     checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
+    for error, says in ((OSError(errno.ENOSPC, "No space left on device"),
+                         "No space left on device.*--resume"),
+                        (RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos "
+                                      "64 vs 0"), "could not write .*unexpected pos")):
+        def failing(obj, f, error=error):
+            f.write(b"partial")
+            raise error
 
-    def full_disk(obj, f):
-        f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
-    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*--resume"):
-        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
-    monkeypatch.undo()
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    # no temp file left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
-
-
-def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tmp_path,
-                                                                           monkeypatch):
-    def stream_writer_fails(obj, f):
-        f.write(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
-
-    checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
-    monkeypatch.setattr(checkpoint.torch, "save", stream_writer_fails)
-    with pytest.raises(checkpoint.CheckpointError, match="could not write .*unexpected pos"):
-        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
-    monkeypatch.undo()
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+        monkeypatch.setattr(checkpoint.torch, "save", failing)
+        with pytest.raises(checkpoint.CheckpointError, match=says):
+            checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
+        monkeypatch.undo()
+        assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
 
 
 # --- 4d. Stopping: Ctrl-C and SIGTERM, the time limit, a non-finite loss, progress on the way
@@ -3129,22 +3111,6 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
     assert "pass pretrained=0" not in str(e.value)
     with pytest.raises(ValueError, match="check the name and the network, or pass pretrained=0"):
         hub.load("hf:gpt3")
-
-
-def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
-                                                                               monkeypatch):
-    def read_only(path):
-        raise PermissionError(13, "Permission denied", path)
-
-    with pytest.raises(OSError, match="No space left"):
-        with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
-            (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
-            monkeypatch.setattr(os, "remove", read_only)
-            raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
-    # the write's error is shown (the lock file's removal failed quietly); the lock is let go
-    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
-    with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
-        pass
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
