@@ -2221,10 +2221,12 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
 
 
-def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
-                                                                              tmp_path):
+def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_says_so(
+        capsys, tiny_data, tmp_path):
     """Training stops while the evaluation and the checkpoint still fit (their last time, or before
     the first, a step per held-out batch and one for the probe); inf is refused."""
+    from tqdm import tqdm
+
     cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0, probe_samples=0)
     clock = progress.Clock(time.time() - 7.5, cfg, held_out_batches=1)  # 2.5 s left
     clock.step_times = [1.0, 1.0]  # 1 s per step
@@ -2240,51 +2242,15 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
     err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
-
-
-def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
-        tiny_data, tmp_path, monkeypatch):
-    # out of time only once the first evaluation has been timed (at step 2)
-    monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
-    flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
-                        "--time_limit", "60")
-    code, out, records = run_train(*flags, out_dir=tmp_path)
-    assert code == 0 and "time limit reached at step 2" in out, out
-    assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
-
-
-def test_a_time_limit_too_short_for_the_final_evaluation_says_so_once(capsys):
-    from tqdm import tqdm
-
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     clock = progress.Clock(time.time() - 2, cfg, held_out_batches=20)  # 21 s of evaluation
     clock.step_times = [1.0] * 3
     bar = tqdm(total=1000, disable=True)
-    for step in (3, 4):
+    for step in (3, 4):  # a limit too short for the final evaluation: said once
         clock.show_progress(bar, step, 2.5, 1e-3)
     out = capsys.readouterr().out
     assert out.count("note: --time_limit 10 s cannot hold the final evaluation (about 21 s, 20 "
                      "held-out batches)") == 1, out
-
-
-def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
-    """python train.py passes the time taken before its imports: a limit already spent there stops
-    the run after its first step, evaluated and saved."""
-    flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
-    printed = io.StringIO()
-    with redirect_stdout(printed), redirect_stderr(printed):
-        code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert code == 0 and "time limit reached" in printed.getvalue(), printed.getvalue()
-    assert [r["step"] for r in log if r.get("eval")] == [1]
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
-    assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
-
-
-def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
-    from tqdm import tqdm
-
-    cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     # an evaluation: 2 batches and the probe, a step each (1 s); 5.5 s left
     clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
     clock.step_times = [1.0] * 11
@@ -2304,6 +2270,31 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     clock.said, clock.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
+
+
+def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
+        tiny_data, tmp_path, monkeypatch):
+    # out of time only once the first evaluation has been timed (at step 2)
+    monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
+                        "--time_limit", "60")
+    code, out, records = run_train(*flags, out_dir=tmp_path)
+    assert code == 0 and "time limit reached at step 2" in out, out
+    assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
+
+
+def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
+    """python train.py passes the time taken before its imports: a limit already spent there stops
+    the run after its first step, evaluated and saved."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
+    printed = io.StringIO()
+    with redirect_stdout(printed), redirect_stderr(printed):
+        code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert code == 0 and "time limit reached" in printed.getvalue(), printed.getvalue()
+    assert [r["step"] for r in log if r.get("eval")] == [1]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+    assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
 
 
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
@@ -2362,17 +2353,13 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
     assert (tmp_path / "ckpt.pt").read_bytes() == good
 
 
-def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
-    advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
-    assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
-
-
 def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
-    err = cli_error(capsys,
-                    *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
-                                         "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
-                                 "--min_lr", "1e30"), "--out_dir", str(tmp_path))
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval",
+                                         "100", "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
+                                         "--min_lr", "1e30"), "--out_dir", str(tmp_path))
     assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
+    advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))  # clipping on
+    assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
 
 # --- 4e. Mistakes and faults: each one line that says what to do
@@ -3964,13 +3951,17 @@ def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path
 # 9. bench.py: step time, MFU and memory
 # ==================================================================================================
 
-def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
-                                            "next:cifar-tiny,seq_len=16,vocab_size=64",
-                                            "--batch_size", "2", "--steps", "1", "--rounds", "2",
-                                            "--warmup", "1",
-                                            "--dtype", "float32,bfloat16", "--compile", "off"])
-    rows = bench.run(args)
+QUICK_BENCH = ["--batch_size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1", "--dtype",
+               "float32"]  # bench.py's flags for a quick run (flags after them override)
+
+
+def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step(capsys,
+                                                                                 tmp_path):
+    """One run compares configs and dtypes, or attention kernels (its rows written as JSON too);
+    --profile shows one step's profile."""
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64", *QUICK_BENCH,
+        "--rounds", "2", "--dtype", "float32,bfloat16", "--compile", "off"]))
     out = capsys.readouterr().out
     assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
         ("cls", "float32"), ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
@@ -3981,19 +3972,27 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
     assert "MFU %" in out and "peak: cpu (peak unknown: no MFU)" in out
     assert "first step of cls:cifar-tiny,image_size=16 (bamboo, float32, off): " in out  # at once
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", *QUICK_BENCH, "--attention", "sdpa,explicit", "--json",
+        str(tmp_path / "b.json")]))
+    assert [r["attention"] for r in rows] == ["sdpa", "explicit"]
+    assert " explicit " in capsys.readouterr().out
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
+    bench.run(bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", *QUICK_BENCH,
+                                               "--profile", "5"]))
+    out = capsys.readouterr().out
+    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
 
 
 def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys, monkeypatch):
     """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
     it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
-                                            "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
-                                            "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against",
-                                            "--batch_size", "2", "--steps", "1", "--rounds", "1",
-                                            "--warmup", "1", "--dtype", "float32", "--compile",
-                                            "blocks"])
-    rows = bench.run(args)
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
+        "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against", *QUICK_BENCH, "--compile",
+        "blocks"]))
     assert [(r["impl"], r["compiled"]) for r in rows] == [
         ("bamboo", "blocks"), ("timm VisionTransformer", "model"), ("bamboo", "blocks"),
         ("HF GPT2LMHeadModel", "model"), ("bamboo", "blocks"), ("HF BertForMaskedLM", "model")]
@@ -4002,50 +4001,20 @@ def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(ca
         assert library["params_m"] == pytest.approx(ours["params_m"], rel=0.1)  # the same shape
 
 
-def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32",
-                                            "--attention", "sdpa,explicit", "--json",
-                                            str(tmp_path / "b.json")])
-    rows = bench.run(args)
-    assert [r["attention"] for r in rows] == ["sdpa", "explicit"]
-    assert " explicit " in capsys.readouterr().out
-    written = json.loads((tmp_path / "b.json").read_text())
-    assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
-
-
-def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
+def test_bench_times_steps_the_device_has_run_and_only_after_seconds_of_untimed_ones(monkeypatch):
     """On CUDA a step is queued and run later: the first step's time (where compilation shows) waits
-    for the device, as the timed rounds do (a 50 ms wait stands in for the device's)."""
+    for the device, as the timed rounds do (a 50 ms wait stands in for the device's); a machine
+    runs its first seconds of work slower: the rounds start after WARM_S."""
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32"])
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", *QUICK_BENCH])
     row, = bench.run(args)
     assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
-
-
-def test_bench_times_its_rounds_only_after_seconds_of_untimed_steps(monkeypatch):
-    """A machine runs its first seconds of work slower: the rounds start after WARM_S."""
     monkeypatch.setattr(bench, "WARM_S", 0.5)
     steps, step = [], bench.Runner.step
     monkeypatch.setattr(bench.Runner, "step", lambda self: steps.append(time.perf_counter())
                         or step(self))
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--warmup", "1", "--dtype", "float32"])
     bench.build_runners(args, torch.device("cpu"))
     assert steps[-1] - steps[0] >= 0.45 and len(steps) > 2
-
-
-def test_bench_profiles_one_step(capsys):
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--profile", "5",
-                                            "--dtype", "float32"])
-    bench.run(args)
-    out = capsys.readouterr().out
-    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
 
 
 @pytest.mark.parametrize("argv, says", [
