@@ -1236,8 +1236,36 @@ def test_a_folder_with_a_constant_channel_trains_and_probes_and_mae_takes_one_cl
     assert code == 0, out
 
 
-def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
-                                                                        monkeypatch):
+def test_wikitext_download_checks_the_archive_and_never_deletes_files_it_did_not_write(
+        capsys, tmp_path, monkeypatch):
+    """A download writes only the splits missing (a user's own files stay); an archive without its
+    test split, or no network, leaves nothing behind and says which files would do instead."""
+    def fake_zip(members):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name in members:
+                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
+        return buffer.getvalue()
+
+    seen = []
+    monkeypatch.setattr(files, "_fetch",
+                        lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
+    target = files.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
+    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
+    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
+    own = tmp_path / "own" / "wikitext-2-raw"  # a user's train.txt and test.txt: only valid.txt
+    own.mkdir(parents=True)
+    for split in ("train", "test"):
+        (own / f"{split}.txt").write_text(f"the user's own {split}")
+    files.download_wikitext("wikitext2", str(tmp_path / "own"))
+    assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
+        "the user's own train", " = valid = \nword wor", "the user's own test"]
+    monkeypatch.setattr(files, "_fetch", lambda url: fake_zip(["train", "valid"]))  # no test
+    with pytest.raises(files.DataError, match="could not download wikitext2"):
+        files.download_wikitext("wikitext2", str(tmp_path / "bad"))
+    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
+
     def offline(url, timeout=30):
         raise OSError("no network")
 
@@ -1245,18 +1273,15 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
-    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+    wikitext = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", str(tmp_path / "d"),
+                "--tokenizer", "bytes"]
+    err = cli_error(capsys, *wikitext, "--out_dir", str(tmp_path / "o"))
     assert str(target / "train.txt") in err and str(target / "valid.txt") in err
     assert (target / "train.txt").read_text() == "the user's own file"
-    # following the message: now it trains, offline
-    (target / "valid.txt").write_text("word " * 5000)
-    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                             str(tmp_path / "d"),
-                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
-                             *TINY_TEXT_FLAGS[:6],
-                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
-                             "--batch_size", "2", out_dir=tmp_path / "o")
+    (target / "valid.txt").write_text("word " * 5000)  # following the message: it trains, offline
+    code, out, _ = run_train(*wikitext, "--cache_dir", str(tmp_path / "cache"),
+                             *TINY_TEXT_FLAGS[:6], "--seq_len", "16", "--max_iters", "1",
+                             "--eval_interval", "1", "--batch_size", "2", out_dir=tmp_path / "o")
     assert code == 0, out
 
 
@@ -3418,6 +3443,25 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
     assert wrapped(tokens).requires_grad and wrapped.out is None
 
 
+def test_bf16_autocast_tracks_fp32_training():
+    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60
+    steps."""
+    final = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("cls", width=64))
+        x, y = batch(model.config, B=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(60):
+            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+                loss = model(x, y)[1]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final[dtype] = model(x, y)[1].item()  # measured in fp32
+    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
+
+
 # ==================================================================================================
 # 7. operations/adapters.py and export.py: timm and Hugging Face models, both ways
 # ==================================================================================================
@@ -4032,54 +4076,6 @@ def test_bench_rejects_bad_arguments_in_one_line_before_any_step(capsys, argv, s
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
-
-
-def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
-    def fake_zip(members):
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as z:
-            for name in members:
-                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
-        return buffer.getvalue()
-
-    seen = []
-    monkeypatch.setattr(files, "_fetch",
-                        lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
-    target = files.download_wikitext("wikitext2", str(tmp_path / "ok"))
-    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
-    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
-    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
-    own = tmp_path / "own" / "wikitext-2-raw"  # a user's train.txt and test.txt: only valid.txt
-    own.mkdir(parents=True)
-    for split in ("train", "test"):
-        (own / f"{split}.txt").write_text(f"the user's own {split}")
-    files.download_wikitext("wikitext2", str(tmp_path / "own"))
-    assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
-        "the user's own train", " = valid = \nword wor", "the user's own test"]
-    # an archive without its test split is refused, and leaves nothing behind
-    monkeypatch.setattr(files, "_fetch", lambda url: fake_zip(["train", "valid"]))
-    with pytest.raises(files.DataError, match="could not download wikitext2"):
-        files.download_wikitext("wikitext2", str(tmp_path / "bad"))
-    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
-
-
-def test_bf16_autocast_tracks_fp32_training():
-    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60
-    steps."""
-    final = {}
-    for dtype in (None, torch.bfloat16):
-        torch.manual_seed(0)
-        model = Bamboo(tiny("cls", width=64))
-        x, y = batch(model.config, B=16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(60):
-            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
-                loss = model(x, y)[1]
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        final[dtype] = model(x, y)[1].item()  # measured in fp32
-    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
 # ==================================================================================================
