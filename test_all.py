@@ -2764,16 +2764,6 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
 
 
-def test_look_draws_a_log_cut_short_and_says_when_a_run_diverged(capsys, tmp_path):
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
-    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
-    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
-                                              '"val_loss": Infinity}\n\n')  # a blank line too
-    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
-    assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("tool, flag", [("probe", "--json"), ("probe", "--plot"), ("look", "--out"),
                                         ("export", "--out"), ("bench", "--json")])
 def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(capsys, tmp_path,
@@ -2807,10 +2797,8 @@ def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(ca
         assert "(File name too long); write elsewhere" in err and err.count("\n") == 1, err
 
 
-def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,
-                                                                                   tiny_data,
-                                                                                   tmp_path,
-                                                                                   monkeypatch):
+def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(
+        capsys, tiny_data, tmp_path, monkeypatch):
     (tmp_path / "p.json").write_text("the previous report")
 
     def full_disk(*args, **kwargs):
@@ -2824,14 +2812,13 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     err = capsys.readouterr().err
     assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
     assert err.count("\n") == 1
-    # the temp file is gone, the old report kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temporary file left
     assert (tmp_path / "p.json").read_text() == "the previous report"
     assert probe.main(argv) == 0
     assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
 
 
-def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
+def test_identical_tokens_are_fully_smoothed_orthogonal_ones_not_at_all_and_batches_average():
     m = token_metrics(torch.randn(3, 1, 16).expand(3, 10, 16))
     assert m["cos"] == pytest.approx(1.0) and m["std"] == pytest.approx(0.0, abs=1e-9)
     assert m["hc_dc"] == pytest.approx(0.0, abs=1e-9) and m["erank"] == pytest.approx(1.0)
@@ -2844,6 +2831,10 @@ def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
         u, _ = torch.linalg.qr(torch.randn(20, k, dtype=torch.float64))
         v, _ = torch.linalg.qr(torch.randn(32, k, dtype=torch.float64))
         assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
+    h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)  # a batch: the mean of its samples'
+    for name, value in token_metrics(h).items():
+        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]),
+                                      rel=1e-9)
 
 
 def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
@@ -2893,7 +2884,7 @@ def test_pure_attention_stack_collapses_and_centred_metrics_do_not_call_it_diver
         assert m["hc_dc"][-1] < 1e-5 and m["std"][-1] < 1e-5 * m["std"][0]
 
 
-def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio():
+def test_attention_entropy_and_the_update_ratio_known_and_reported_for_every_block():
     T = 10
     uniform = torch.full((2, 3, T, T), 1 / T)
     one_hot = torch.eye(T).expand(2, 3, T, T)
@@ -2902,9 +2893,6 @@ def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio
     before = torch.randn(3, 6, 8)  # the update: the relative change of the stream
     assert update_ratio(before, 1.5 * before).tolist() == pytest.approx([0.5] * 3)
     assert update_ratio(before, before).tolist() == [0.0] * 3
-
-
-def test_probe_reports_entropy_and_update_for_every_block():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", depth=3)).eval()
     x, _ = batch(model.config)
@@ -2930,28 +2918,15 @@ def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
     assert torch.allclose(singular_values(h), expected, atol=1e-6 * expected.max())
 
 
-def test_metrics_in_batches_equal_one_sample_at_a_time():
-    torch.manual_seed(0)
-    h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)
-    whole = token_metrics(h)
-    for name, value in whole.items():
-        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]),
-                                      rel=1e-9)
-
-
-def test_vo_spectrum_of_a_hand_built_value_output_product():
+def test_vo_spectrum_of_a_hand_built_product_and_head_products_have_the_full_eigenvalues():
     model = Bamboo(tiny("cls", width=8, heads=2, depth=1))
     model.blocks[0], _ = hand_built_block(torch.ones(8))
     dominant, positive = vo_spectrum(model)
-    # head 0: +3 dominates, head 1: -2
-    assert dominant == [0.0] and positive == [pytest.approx(6 / 8)]
+    assert dominant == [0.0] and positive == [pytest.approx(6 / 8)]  # head 0: +3, head 1: -2
     # LayerNorm gain is folded in: flipping head 1's channels flips its eigenvalues' signs
     model.blocks[0], _ = hand_built_block(torch.tensor([1.0] * 4 + [-1.0] * 4))
     dominant, positive = vo_spectrum(model)
     assert dominant == [1.0] and positive == [pytest.approx(4 / 8)]
-
-
-def test_head_products_have_the_eigenvalues_of_the_full_matrix():
     torch.manual_seed(0)
     block = Bamboo(tiny("cls", width=32, heads=2, depth=1)).blocks[0]
     with torch.no_grad():
@@ -2959,8 +2934,7 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
     small = head_value_output(block)
     w_v = block.attn.qkv.weight.detach().double()[64:]
     w_o, g = block.attn.proj.weight.detach().double(), block.ln1.weight.detach().double()
-    for h in range(2):
-        # (32, 32), rank 16
+    for h in range(2):  # (32, 32), rank 16
         full = torch.diag(g) @ w_v[16 * h:16 * (h + 1)].T @ w_o[:, 16 * h:16 * (h + 1)].T
         big = torch.linalg.eigvals(full)
         big = big[big.abs().argsort(descending=True)][:16]
@@ -3028,6 +3002,10 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
     assert set(labels) == set(probe.AXES)  # every metric has its panel, none without a label
     smoothing = [name for name, label in labels.items() if "smooth" in label]
     assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
+    report = probe.main([str(tmp_path / "cls" / "ckpt.pt"), "--samples", "1000", "--json",
+                         str(tmp_path / "p.json")])  # more samples than the held-out split's
+    assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
+    assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
@@ -3061,13 +3039,6 @@ def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsy
         assert code == 2 and torch.get_num_threads() == 2  # set before any work
     finally:
         torch.set_num_threads(1)  # the suite's, for the tests after this one
-
-
-def test_probe_samples_beyond_the_split_record_what_was_probed(capsys, trained, tmp_path):
-    ckpt = trained("cls", tmp_path / "run")
-    report = probe.main([str(ckpt), "--samples", "1000", "--json", str(tmp_path / "p.json")])
-    assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
-    assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
 
 
 def test_foreign_specs_take_true_and_false_as_words_in_any_case():
@@ -3192,7 +3163,9 @@ def test_probe_refuses_each_mistake_in_one_line(capsys, table_row, setup, argv, 
 # 6. operations/fast.py: speedups keep results (compilation, CUDA graphs, AdamW, bf16)
 # ==================================================================================================
 
-def test_mlm_head_on_chosen_positions_equals_the_full_head():
+def test_mlm_head_on_chosen_positions_equals_the_full_head_and_static_shapes_the_targets_path():
+    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
+    indexing: both give the full head's logits and loss at the chosen positions."""
     torch.manual_seed(0)
     model = Bamboo(tiny("mlm"))
     x, _ = batch(model.config)
@@ -3203,13 +3176,6 @@ def test_mlm_head_on_chosen_positions_equals_the_full_head():
     reference = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
     assert torch.allclose(loss, reference, atol=1e-6)
     assert torch.allclose(logits, full[targets != -100], atol=1e-6)
-
-
-def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path():
-    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
-    indexing."""
-    model = Bamboo(tiny("mlm"))
-    x, _ = batch(model.config)
     torch.manual_seed(0)
     logits, loss = model(x)
     assert logits.shape == (len(x) * model.config.num_chosen(x.shape[1]), model.config.vocab_size)
@@ -3769,10 +3735,22 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     assert hub.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
 
 
-def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatch):
+def test_tokenizers_are_read_where_they_can_be_loaded_and_offline_the_fix_that_works_is_named(
+        capsys, tiny_data, tmp_path, monkeypatch):
     """Offline, tiktoken's gpt2 needs two files; r50k_base (GPT-2's ranks) needs one, which a
     TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
     import tiktoken
+
+    folder = byte_level_tokenizer(tmp_path / "tok")
+    tok = get_tokenizer(f"hf:{folder}")
+    assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
+    common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
+    code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
+    assert code == 0, out.err
+    gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
+    assert hub.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
+    assert hub.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
+    assert hub.hf_tokenizer(opt, "opt", False) is None
 
     def offline(name):
         raise ConnectionError("no network")
@@ -3785,25 +3763,12 @@ def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatc
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
 
 
-def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
-                                                                   monkeypatch):
-    folder = byte_level_tokenizer(tmp_path / "tok")
-    tok = get_tokenizer(f"hf:{folder}")
-    assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
-    common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
-    code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
-    assert code == 0, out.err
-    gpt2, opt = (transformers.AutoConfig.for_model(t) for t in ("gpt2", "opt"))
-    assert hub.hf_tokenizer(gpt2, "gpt2", True) == "r50k_base"  # GPT-2's BPE, one file
-    assert hub.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
-    assert hub.hf_tokenizer(opt, "opt", False) is None
-
-
 # ==================================================================================================
 # 8. look.py: looking at what a model does
 # ==================================================================================================
 
-def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
+def test_look_draws_a_log_kept_as_a_file_or_cut_short_and_says_when_a_run_diverged(
+        capsys, tiny_data, tmp_path):
     """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
     draw an out_dir, named NAME."""
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
@@ -3816,6 +3781,13 @@ def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
     assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
                       str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
+                                              '"val_loss": Infinity}\n\n')  # a blank line too
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
 
 
 def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
@@ -3831,7 +3803,9 @@ def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(
     assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
-def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
+def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_one(capsys,
+                                                                                    trained,
+                                                                                    tmp_path):
     torch.manual_seed(0)
     model = Bamboo(tiny("next")).eval()
     prompt = torch.randint(0, 64, (2, 5))
@@ -3845,9 +3819,6 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
     with pytest.raises(ValueError, match="needs a next-token model"):
         Bamboo(tiny("mlm")).generate(prompt, 1)
-
-
-def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_path):
     ckpt = trained("next", tmp_path / "next")
     code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
                          "--max_new_tokens", "12", "--seed", "3")
