@@ -555,7 +555,7 @@ def test_objective_shapes_loss_and_gradients(objective):
     assert missing == []
 
 
-def test_hidden_states_cover_every_layer_and_token_and_match_the_forward_pass():
+def test_hidden_states_cover_every_layer_and_token_match_the_forward_pass_and_weigh_on_request():
     for objective in ("mae", "cls", "mlm", "next"):
         c = tiny(objective, depth=3)
         x, _ = batch(c)
@@ -569,10 +569,7 @@ def test_hidden_states_cover_every_layer_and_token_and_match_the_forward_pass():
     logits, _ = model(x, y)
     last = model.hidden_states(x)[-1]
     assert torch.allclose(model.head(model.fc_norm(last.mean(1))), logits, atol=1e-6)
-
-
-def test_attention_probabilities_on_request():
-    c = tiny("next", depth=3)
+    c = tiny("next", depth=3)  # the attention probabilities, on request
     hs, attns = Bamboo(c).hidden_states(batch(c)[0], need_weights=True)
     assert len(attns) == 3 and attns[0].shape == (4, c.heads, c.seq_len, c.seq_len)
     assert torch.allclose(attns[1].sum(-1), torch.ones(4, c.heads, c.seq_len), atol=1e-5)
@@ -652,7 +649,7 @@ def test_causal_outputs_ignore_the_future():
         assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])
 
 
-def test_mae_masking_keeps_the_right_number_and_restores_order():
+def test_mae_masking_keeps_the_right_number_restores_order_and_patchify_round_trips():
     torch.manual_seed(0)
     x = torch.randn(3, 64, 8)
     for ratio in (0.75, 0.5, 0.9):
@@ -668,6 +665,10 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
         assert torch.equal(shuffled[:, :keep], visible)
         kept = (mask == 0)
         assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
+    imgs = torch.randn(2, 3, 16, 16)  # patches, row-major, and back
+    p = patchify(imgs, 4)
+    assert p.shape == (2, 16, 48) and torch.equal(unpatchify(p, 4, 3), imgs)
+    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
     # the stem embeds only the visible patches: as embedding all, then masking (to 1e-6)
     model = Bamboo(tiny("mae")).eval()
     imgs, _ = batch(model.config)
@@ -676,15 +677,6 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
     ids_keep = noise.argsort(1)[:, : h.shape[1]]
     assert h.shape[1] == round(0.25 * model.config.num_patches())
     assert torch.allclose(h, take_tokens(model.embed(imgs)[0], ids_keep), atol=1e-6)
-
-
-def test_patchify_round_trip():
-    imgs = torch.randn(2, 3, 16, 16)
-    p = patchify(imgs, 4)
-    assert p.shape == (2, 16, 48)
-    # row-major patches
-    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
-    assert torch.equal(unpatchify(p, 4, 3), imgs)
 
 
 def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
@@ -779,6 +771,10 @@ def test_every_preset_builds_a_valid_config_and_the_papers_is_maes_224_pixels():
     assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
     assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
     assert c.norm_pix_loss
+    with pytest.raises(ValueError, match="unknown preset"):
+        Config.from_preset("bamboo-xl")
+    with pytest.raises(ValueError, match="unknown config fields"):
+        Config.from_preset("bamboo-b", widht=3)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -790,13 +786,6 @@ def test_every_preset_builds_a_valid_config_and_the_papers_is_maes_224_pixels():
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}="):
         Config(**{field: value})
-
-
-def test_unknown_preset_and_unknown_field():
-    with pytest.raises(ValueError, match="unknown preset"):
-        Config.from_preset("bamboo-xl")
-    with pytest.raises(ValueError, match="unknown config fields"):
-        Config.from_preset("bamboo-b", widht=3)
 
 
 def test_wrong_input_shape_is_a_clear_error():
@@ -1038,7 +1027,7 @@ def test_vo_param_spectra_hold_at_init_and_after_training(mode, objective):
     assert_spectra(model, mode)
 
 
-def test_vo_param_gradients_reach_psi_and_the_qr_input():
+def test_vo_param_gradients_reach_psi_and_the_qr_input_and_its_eigenvalues_are_the_probes():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", vo_param="sharpen"))
     x, y = batch(model.config)
@@ -1046,11 +1035,7 @@ def test_vo_param_gradients_reach_psi_and_the_qr_input():
     for block in model.blocks:
         assert block.attn.vo.psi.grad.abs().sum() > 0 and block.attn.vo.basis.grad.abs().sum() > 0
     assert not hasattr(model.blocks[0].attn, "qkv") and model.blocks[0].ln1.weight is None
-
-
-def test_vo_param_eigenvalues_are_what_the_probe_reports():
-    torch.manual_seed(0)
-    block = Bamboo(tiny("cls", vo_param="sharpen")).blocks[0]
+    block = model.blocks[0]
     eigs = torch.linalg.eigvalsh(head_value_output(block))  # symmetric (hs, hs) per head
     assert torch.allclose(eigs, block.attn.vo.eigenvalues().double().sort(-1).values, atol=1e-6)
 
@@ -1190,13 +1175,10 @@ def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_
     assert (tmp_path / "a-file").read_text() == "not a folder"
 
 
-def test_the_pixel_statistics_of_a_folder_listed_class_by_class_see_every_class():
+def test_pixel_statistics_see_every_class_and_need_no_float_copy_of_all_the_images():
     images = torch.cat([torch.zeros(6000, 3, 2, 2), torch.full((6000, 3, 2, 2), 255.)])
     mean, std = normalisation(images.to(torch.uint8))  # 10,000 of them, from both classes
     assert mean.flatten().tolist() == pytest.approx([0.5] * 3, abs=0.02)
-
-
-def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
     images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
     one_pass = channel_statistics(images)
     chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
@@ -1540,14 +1522,6 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
-def test_get_lr_warms_up_then_decays():
-    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
-    lrs = [train.get_lr(i, cfg) for i in range(111)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
-
-
 @pytest.mark.parametrize("preset",
                          ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
                                     "base-96x256", "wikitext-deep"])
@@ -1564,7 +1538,13 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
     assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
 
 
-def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
+def test_get_lr_warms_up_then_decays_and_a_preset_carries_its_recipe_that_flags_override(
+        tmp_path):
+    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
+    lrs = [train.get_lr(i, cfg) for i in range(111)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     folder = ["--dataset", "folder", "--data_dir", str(tmp_path)]
 
     def settings(*argv):
@@ -1620,7 +1600,7 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
                                    for before, after in norms), norms
 
 
-def test_layer_decay_scales_each_layer():
+def test_the_optimizer_scales_each_layer_decays_only_weights_and_is_the_reference_adamw():
     model = Bamboo(tiny("cls", depth=3))
     cfg = train.schedule_defaults(train.TrainConfig(layer_decay=0.5), depth=3)
     groups = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -1639,17 +1619,13 @@ def test_layer_decay_scales_each_layer():
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     assert decays[id(smooth.blocks[0].attn.vo.psi)] == 0
     assert decays[id(smooth.blocks[0].attn.vo.basis)] == 0
-
-
-def test_fused_adamw_matches_the_reference_adamw():
     torch.manual_seed(0)
     model, reference = Bamboo(tiny("cls", depth=2)), Bamboo(tiny("cls", depth=2))
     reference.load_state_dict(model.state_dict())
     start = model.head.weight.detach().clone()
     cfg = train.schedule_defaults(train.TrainConfig(), depth=2)
     fused = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2)  # on the CPU: fused
-    # decay / no decay, nothing else
-    assert fused.defaults["fused"] and len(fused.param_groups) == 2
+    assert fused.defaults["fused"] and len(fused.param_groups) == 2  # decay / no decay, no more
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
     plain = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]],
                                 "weight_decay": g["weight_decay"]}
@@ -1950,25 +1926,20 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
         assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
 
 
-def test_a_run_on_a_busy_cpu_names_threads_1(tiny_data, tmp_path, monkeypatch):
-    flags = image_flags(tiny_data, "cls", "--max_iters", "1", "--device", "cpu")
-    for load, said in ((99.0, True), (0.0, False)):
-        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-        code, out, _ = run_train(*flags, out_dir=tmp_path / str(load))
-        assert code == 0 and ("note: this CPU is busy (load 99.0 on" in out) == said, out
+def test_silent_flag_mixups_and_a_busy_cpu_are_said(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
-    code, out, _ = run_train(*flags, "--threads", "1", out_dir=tmp_path / "one")
-    assert code == 0 and "this CPU is busy" not in out  # chosen already
-
-
-def test_silent_flag_mixups_are_said(tiny_data, tmp_path):
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--warmup", "5"),
-                             out_dir=tmp_path / "w")
+                             "--device", "cpu", out_dir=tmp_path / "w")
     assert code == 0 and "--warmup 5 is not shorter than --max_iters 2" in out
+    assert "note: this CPU is busy (load 99.0 on" in out  # --threads 1 may be faster
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--threads", "1"),
+                             "--device", "cpu", out_dir=tmp_path / "one")
+    assert code == 0 and "this CPU is busy" not in out  # chosen already
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--probe_samples",
                                           "100000", "--train_samples", "100000", "--mlm_prob",
                                           "0.3", "--seq_len", "64", "--num_classes", "7"),
-                             out_dir=tmp_path / "p")
+                             "--device", "cpu", out_dir=tmp_path / "p")
     assert code == 0 and "--probe_samples 100000 is more than the " in out, out
     assert "--train_samples 100000 is more than the 96 training images" in out, out
     assert "note: this run ignores --mlm_prob (read only for --objective mlm)" in out
@@ -1976,6 +1947,7 @@ def test_silent_flag_mixups_are_said(tiny_data, tmp_path):
             "for --objective mae)") in out
     assert "note: this run ignores --seq_len (read only for text)" in out
     assert "--num_classes is the data's 2 here: the data sets it" in out
+    assert "this CPU is busy" not in out  # not busy
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"), out_dir=tmp_path / "p")
     assert code == 0 and "--eval_only without --resume or --init_from scores freshly" in out
 
@@ -3041,8 +3013,10 @@ def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsy
         torch.set_num_threads(1)  # the suite's, for the tests after this one
 
 
-def test_foreign_specs_take_true_and_false_as_words_in_any_case():
-    # never a text that reads as True (offline: no download)
+def test_foreign_specs_take_true_and_false_in_any_case_and_failed_loads_give_advice_that_fits(
+        monkeypatch):
+    """Never a text that reads as True (offline: no download); a pickle behind a spec is refused in
+    one line (no code ran); an unknown name offline advises pretrained=0 only where not given."""
     vit = hub.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
                         "qkv_bias=false,global_pool=avg").model
     assert vit.cls_token is None and vit.blocks[0].attn.qkv.bias is None
@@ -3050,6 +3024,25 @@ def test_foreign_specs_take_true_and_false_as_words_in_any_case():
     assert gpt2.model.config.reorder_and_upcast_attn is True
     assert gpt2.model.config.layer_norm_epsilon == 1.0
     assert cli.config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
+
+    def refused(name, pretrained, settings):
+        raise pickle.UnpicklingError("Weights only load failed")
+
+    monkeypatch.setattr(hub, "hf_model", refused)
+    with pytest.raises(ValueError, match="a pickle with more than tensors, which is not loaded"):
+        hub.load("hf:./local-folder")
+
+    def offline(name, pretrained, settings):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(hub, "hf_model", offline)
+    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # the network is up
+    with pytest.raises(ValueError) as e:
+        hub.load("hf:gpt3,pretrained=0")
+    assert "with pretrained=0 the name must be a model type (" in str(e.value)
+    assert "pass pretrained=0" not in str(e.value)
+    with pytest.raises(ValueError, match="check the name and the network, or pass pretrained=0"):
+        hub.load("hf:gpt3")
 
 
 def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys, tmp_path,
@@ -3071,29 +3064,6 @@ def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_lin
     with pytest.raises(OSError) as e:
         figures.save_figure(None, str(tmp_path / "fig.png"))
     assert e.value.filename == str(tmp_path / "fig.png")
-
-
-def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
-    """A pickle behind a spec is refused in one line (no code ran); an unknown name offline
-    advises pretrained=0 only where it was not given."""
-    def refused(name, pretrained, settings):
-        raise pickle.UnpicklingError("Weights only load failed")
-
-    monkeypatch.setattr(hub, "hf_model", refused)
-    with pytest.raises(ValueError, match="a pickle with more than tensors, which is not loaded"):
-        hub.load("hf:./local-folder")
-
-    def offline(name, pretrained, settings):
-        raise OSError("We couldn't connect to 'https://huggingface.co'")
-
-    monkeypatch.setattr(hub, "hf_model", offline)
-    monkeypatch.setattr(hub, "hub_unreachable", lambda: False)  # the network is up
-    with pytest.raises(ValueError) as e:
-        hub.load("hf:gpt3,pretrained=0")
-    assert "with pretrained=0 the name must be a model type (" in str(e.value)
-    assert "pass pretrained=0" not in str(e.value)
-    with pytest.raises(ValueError, match="check the name and the network, or pass pretrained=0"):
-        hub.load("hf:gpt3")
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
@@ -3803,9 +3773,8 @@ def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(
     assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
-def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_one(capsys,
-                                                                                    trained,
-                                                                                    tmp_path):
+def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_one(
+        capsys, trained, tmp_path):
     torch.manual_seed(0)
     model = Bamboo(tiny("next")).eval()
     prompt = torch.randint(0, 64, (2, 5))
