@@ -145,8 +145,7 @@ def train_losses(records):
 
 
 def image_flags(tiny_data, objective, *extra):
-    # the tiny MAE needs a higher lr to learn in 40 steps
-    lr = "1e-2" if objective == "mae" else "3e-3"
+    lr = "1e-2" if objective == "mae" else "3e-3"  # the tiny MAE learns in 40 steps at 1e-2
     return ["--objective", objective, "--dataset", "folder", "--data_dir",
             str(tiny_data / "images"), *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr,
             "--warmup", "2", *extra]
@@ -227,6 +226,20 @@ def run_torchrun(*flags, out_dir):
     log = out_dir / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, records
+
+
+def stopped_run(flags, out_dir, stop):
+    """train.py run as a process of its own session, stop(process) once it logged a loss; returns
+    (the process, everything it printed)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
+                             str(out_dir), "--log_interval", "1"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    log, deadline = out_dir / "log.jsonl", time.time() + 60
+    while time.time() < deadline and '"loss"' not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    stop(proc)
+    return proc, proc.communicate(timeout=60)[0]
 
 
 def cli_error(capsys, *argv):
@@ -926,7 +939,7 @@ def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
 # 2. neutreno.py: attention, the NeuTRENO term, the W_V W_O eigen-parameterization
 # ==================================================================================================
 
-def test_neutreno_leaves_layer_zero_and_changes_later_layers():
+def test_neutreno_leaves_layer_zero_changes_later_layers_and_matches_the_formula():
     torch.manual_seed(0)
     plain = Bamboo(tiny("cls", depth=3))
     torch.manual_seed(0)
@@ -935,17 +948,13 @@ def test_neutreno_leaves_layer_zero_and_changes_later_layers():
     hp, hn = plain.hidden_states(x), neu.hidden_states(x)
     assert torch.equal(hp[0], hn[0]) and torch.equal(hp[1], hn[1])  # stem and block 0
     assert not torch.allclose(hp[2], hn[2]) and not torch.allclose(hp[3], hn[3])
-
-
-def test_neutreno_term_matches_the_formula_and_lambda_zero_is_plain_attention_exactly():
-    torch.manual_seed(0)
     attn = Attention(32, 2, neutreno=0.6)
     x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
     q, k, v = (t.view(2, 5, 2, 16).transpose(1, 2) for t in attn.qkv(x).split(32, dim=2))
     o = explicit_attention(q, k, v)[0] + 0.6 * (v0 - v)
     expected = attn.proj(o.transpose(1, 2).reshape(2, 5, 32))
     assert torch.allclose(attn(x, v0)[0], expected, atol=1e-6)
-    attn = Attention(32, 2, neutreno=0.0)
+    attn = Attention(32, 2, neutreno=0.0)  # lambda 0: plain attention, exactly
     assert torch.equal(attn(x, v0)[0], attn(x)[0])
 
 
@@ -1461,17 +1470,7 @@ def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_work
     its step and saves, with no traceback, and no worker outlives it."""
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
              "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
-                             str(tmp_path), "--log_interval", "1"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and '"loss"' not in ((tmp_path / "log.jsonl").exists()
-                                                       and (tmp_path / "log.jsonl").read_text()
-                                                       or ""):
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    proc, out = stopped_run(flags, tmp_path, lambda proc: os.killpg(proc.pid, signal.SIGTERM))
     assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
     time.sleep(0.5)
@@ -1563,13 +1562,12 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
     batch of 256, on batches of 8, 80 steps past the peak; float32 (bf16 is 1.7x slower on CPU)."""
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
     steps = cfg.warmup + 80
-    code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16",
-                                   "--heads", "1",
-                                   "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
-                                   "--data_dir", tiny_data / "images", "--batch_size", "8",
-                                   "--cache_dir", IMAGE_CACHE, "--max_iters", steps,
-                                   "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr,
-                                   "--warmup", cfg.warmup, out_dir=tmp_path)
+    code, out, records = run_train(
+        "--preset", "bamboo-b", "--objective", "cls", "--width", "16", "--heads", "1",
+        "--image_size", "32", "--patch_size", "8", "--dataset", "folder", "--data_dir",
+        tiny_data / "images", "--batch_size", "8", "--cache_dir", IMAGE_CACHE, "--max_iters", steps,
+        "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr, "--warmup", cfg.warmup,
+        out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
@@ -2201,15 +2199,7 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_failed_
 def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     """Ctrl-C here; SIGTERM, the same handler, in the streamed run's test."""
     flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
-    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out_dir", str(tmp_path),
-                             "--log_interval", "1"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while not ((tmp_path / "log.jsonl").exists()
-               and (tmp_path / "log.jsonl").read_text()) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    proc, out = stopped_run(flags, tmp_path, lambda proc: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, out
     assert "interrupted at step" in out and "Traceback" not in out
     assert "stop requested: finishing this step, then saving a checkpoint" in out
@@ -2642,8 +2632,10 @@ def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_dat
     assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
 
 
-def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
-                                                                                  monkeypatch):
+def test_a_failure_is_one_line_that_says_truthfully_what_is_left_and_others_still_raise(
+        capsys, tmp_path, monkeypatch):
+    """A rank whose peer died, a streaming worker killed, an interrupt: each one line, saying
+    whether a checkpoint is left to resume."""
     def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
                            "by peer [127.0.0.1]:2")
@@ -2666,8 +2658,6 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
         with one_line_errors(str(tmp_path)):
             peer_gone()
 
-
-def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
     def interrupted_twice(args, started):
         raise KeyboardInterrupt
 
@@ -2818,8 +2808,7 @@ def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     s = math.sqrt((1 - rho ** 2) / d)
     phi = 0.5 * (1 + math.erf(-rho / s / math.sqrt(2)))
     expected = s * math.sqrt(2 / math.pi) * math.exp(-rho ** 2 / (2 * s ** 2)) + rho * (1 - 2 * phi)
-    # a shared offset: raw cos is high, centred is not
-    m = token_metrics(torch.randn(16, T, d) + 5.0)
+    m = token_metrics(torch.randn(16, T, d) + 5.0)  # an offset: raw cos high, centred not
     assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
     assert m["cos"] > 0.9
 
@@ -2947,8 +2936,7 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
             assert len(report["metrics"][name][label]) == 5
     # itself; padded to 5
     assert report["metrics"]["beta_v"]["trained"] == [None, 1.0, 1.0, None, None]
-    # depth 2 against depth 4: no pairs
-    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4
+    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4  # depth 2 vs 4: no pairs
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
     for relative, last, label in ((False, 4, "layer"), (True, 1.0, "relative depth")):
@@ -3168,8 +3156,7 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
     full_grads = torch.autograd.grad(3 * full, (h, weight))
     with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
         chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
-    # the 3 checks the incoming gradient is applied
-    grads = torch.autograd.grad(3 * chunked, (h, weight))
+    grads = torch.autograd.grad(3 * chunked, (h, weight))  # 3: the incoming gradient applied
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(chunked.float(), full, rtol=tolerance)
     for a, b in zip(grads, full_grads):
@@ -4033,16 +4020,13 @@ def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
         fast.for_training(model, torch.device(device), torch.bfloat16, compile_mode)
         after = instance_attributes(model)
         for name, attributes in after.items():
-            changed = {
-                key for key in attributes.keys() | before[name].keys()
-                if attributes.get(key) is not before[name].get(key)
-            } - {
-                "_compiled_call_impl", "_is_torch_compile",
-            }  # torch.compile's own
+            changed = {key for key in attributes.keys() | before[name].keys()
+                       if attributes.get(key) is not before[name].get(key)}
+            changed -= {"_compiled_call_impl", "_is_torch_compile"}  # torch.compile's own
             assert not changed, (name, changed)
         for module_name, submodule in model.named_modules():
-            shadowed = [
-                key for key in vars(submodule) if callable(getattr(type(submodule), key, None))]
+            shadowed = [key for key in vars(submodule)
+                        if callable(getattr(type(submodule), key, None))]
             assert not shadowed, (module_name, shadowed)
 
 
