@@ -737,7 +737,7 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
 
 
-def test_table1_comparable_compute():
+def test_table1_comparable_compute_and_training_flops_count_the_mlm_head_only_where_it_runs():
     def size(name):
         with torch.device("meta"):  # shapes only: no memory, no init time
             model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16,
@@ -750,14 +750,9 @@ def test_table1_comparable_compute():
     # Table 1's 0.9x rows hold within 5% as well
     assert abs(size("base-24x512")[0] / p_base - 0.9) < 0.05
     assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
-
-
-def test_training_flops_count_the_mlm_head_only_where_it_runs():
-    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
-    # minus next's head
-    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
-    # transform + vocabulary at round(15% of 32) = 5 positions
-    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
+    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)  # MLM's head: where run
+    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000  # no head
+    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)  # transform + vocabulary at round(15% of 32) = 5
     assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(
         trunk + head)
 
@@ -851,22 +846,7 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
                                                          "head.bias", "head.weight"]
 
 
-def test_label_smoothing_is_the_cross_entropy_against_smoothed_targets():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
-    x, y = batch(model.config)
-    logits, loss = model(x, y)
-    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
-    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
-    plain = Bamboo(tiny("cls", num_classes=4))
-    plain.load_state_dict(model.state_dict())
-    plain_loss = plain(x, y)[1]
-    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
-    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
-        tiny("cls", label_smoothing=1.0)
-
-
-def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
+def test_the_classifier_pools_normalises_and_classifies_as_mae_fine_tuning_and_smooths_labels():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls"))
     assert not hasattr(model, "ln_f") and model.head.weight.std().item() < 1e-4  # std 2e-5
@@ -876,6 +856,17 @@ def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning()
         x, _ = batch(model.config)
         expected = model.head(model.fc_norm(model.hidden_states(x)[-1].mean(dim=1)))
         assert torch.allclose(model(x)[0], expected, atol=1e-6)
+    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
+    x, y = batch(model.config)
+    logits, loss = model(x, y)  # the cross-entropy against smoothed targets
+    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
+    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
+    plain = Bamboo(tiny("cls", num_classes=4))
+    plain.load_state_dict(model.state_dict())
+    plain_loss = plain(x, y)[1]
+    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
+    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
+        tiny("cls", label_smoothing=1.0)
 
 
 @pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
@@ -905,7 +896,7 @@ def test_vo_param_changes_the_blocks_but_not_the_stem():
                       {("EigenAttention", "sharpen", True)}]
 
 
-def test_residual_projections_get_the_depth_scaled_init():
+def test_residual_projections_get_the_depth_scaled_init_and_one_seed_gives_beta_one():
     torch.manual_seed(0)
     model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
     encoder, decoder = (torch.cat([p.flatten() for n, p in blocks.named_parameters()
@@ -914,10 +905,7 @@ def test_residual_projections_get_the_depth_scaled_init():
     assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
     assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
     assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
-
-
-def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
-    for first, second in (("cls", "mae"), ("next", "mlm")):
+    for first, second in (("cls", "mae"), ("next", "mlm")):  # one seed: beta exactly one
         models = []
         for objective in (first, second):
             torch.manual_seed(0)
@@ -963,22 +951,18 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     model = Bamboo(tiny("cls", depth=3, neutreno=0.6))
     x, _ = batch(model.config)
     model.hidden_states(x)[-1].pow(2).sum().backward()
-    width = model.config.width
+    width, c = model.config.width, model.config
     with_term = model.blocks[0].attn.qkv.weight.grad[2 * width:].clone()  # W_V rows of layer 0
     model.zero_grad()
     # The same loss with the later layers' V0 cut off from layer 0: layer 0's W_V gradient changes.
-    h = model.embed(x)[0]
-    h, v0, _ = model.blocks[0](h)
+    h, v0, _ = model.blocks[0](model.embed(x)[0])
     for block in model.blocks[1:]:
         h, v, _ = block(h, v0.detach())
         assert v is None  # only layer 0 hands its values on
     h.pow(2).sum().backward()
-    c = model.config
-    # layer 0's values, (B, nh, T, hs)
-    assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)
+    assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)  # (B, nh, T, hs)
     plain = Bamboo(tiny("cls", depth=3))
-    # without NeuTRENO no layer hands its values on
-    assert plain.blocks[0](plain.embed(x)[0])[1] is None
+    assert plain.blocks[0](plain.embed(x)[0])[1] is None  # without NeuTRENO: no values handed on
     assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 
@@ -1276,7 +1260,10 @@ def test_wikitext_download_checks_the_archive_and_never_deletes_files_it_did_not
     assert code == 0, out
 
 
-def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
+def test_streaming_and_decoding_whole_read_the_same_images_and_a_view_is_decided_by_its_seed(
+        mixed_jpegs):
+    """The same splits, classes and order; the workers replay MAE's training view from each image's
+    seed alone, and drawing it never moves the caller's random state (the masks draw from it)."""
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
     stream = ImageStream(listing, "cpu", 16)
@@ -1292,11 +1279,6 @@ def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mix
     assert sorted(labels.tolist()) != labels.tolist()  # the fixed shuffle, not class by class
     for i, (path, _) in enumerate(paths["test"][:5]):  # the same images, in the same order
         assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
-
-
-def test_a_streamed_view_is_decided_by_its_seed_and_leaves_the_random_state_alone(mixed_jpegs):
-    """The workers replay MAE's training view from each image's seed alone, and drawing it never
-    moves the caller's random state (the masks draw from it)."""
     path = str(sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[0])
     state = torch.get_rng_state()
     views = [train_view(path, 16, 0.2, seed) for seed in (0, 0, 1)]
@@ -2008,7 +1990,8 @@ def test_resume_takes_new_iterations_the_data_location_and_this_invocations_thre
 
 
 @pytest.mark.parametrize("change", ["moved", "class renamed", "file added", "text edited"])
-def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_path, change):
+def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_path, monkeypatch,
+                                                       change):
     """The same files with the same labels (a folder moved elsewhere is the same data), or the same
     text: renamed class folders would permute the labels, an added file change the data order."""
     kind = "text" if change == "text edited" else "images"
@@ -2031,16 +2014,12 @@ def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_pa
     if change == "moved":
         code, out, _ = run_train(*resume, out_dir=tmp_path / "run")
         assert code == 0 and "resumed from" in out, out
+        monkeypatch.chdir(tmp_path)  # however its path is written: one fingerprint
+        listed = [files.list_folder(d)[0]["test"] for d in ("moved", "./moved", str(data))]
+        assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
     else:
         err = cli_error(capsys, *resume, "--out_dir", str(tmp_path / "run"))
         assert f"--resume: the data in {data} are not those the run was trained on" in err, err
-
-
-def test_a_folder_keeps_its_fingerprint_however_its_path_is_written(tiny_data, monkeypatch):
-    monkeypatch.chdir(tiny_data)
-    listed = [files.list_folder(d)[0]["test"] for d in ("images", "./images",
-                                                          str(tiny_data / "images"))]
-    assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
 
 
 def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
@@ -2340,7 +2319,8 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
     assert (tmp_path / "ckpt.pt").read_bytes() == good
 
 
-def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
+def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved_and_the_advice_fits(
+        capsys, tiny_data, tmp_path):
     err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval",
                                          "100", "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
                                          "--min_lr", "1e30"), "--out_dir", str(tmp_path))
@@ -3234,15 +3214,6 @@ def test_every_fast_name_the_code_and_readme_cite_exists():
     assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
 
 
-def test_fast_trains_the_model_itself_without_compilation():
-    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
-    loss."""
-    for objective in ("mae", "cls", "mlm", "next"):
-        model = Bamboo(tiny(objective))
-        for device in ("cpu", "meta"):
-            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
-
-
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatch):
     """Each block runs again in backward (its forward counted), with the same dropout draws."""
@@ -3348,9 +3319,15 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     torch._dynamo.reset()
 
 
-def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
-    """MAE's and next-token's y=None reach the model as None; the graphed callable returns the
-    loss alone, out is kept beside it without gradient (else it gets a zero gradient each step)."""
+def test_uncompiled_the_model_trains_itself_and_the_graph_wrapper_differentiates_the_loss_only():
+    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
+    loss. Under CUDA graphs MAE's and next-token's y=None reach the model as None; the graphed
+    callable returns the loss alone, out is kept beside it without gradient (else it gets a zero
+    gradient each step)."""
+    for objective in ("mae", "cls", "mlm", "next"):
+        model = Bamboo(tiny(objective))
+        for device in ("cpu", "meta"):
+            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
     model = Bamboo(tiny("mae"))
     x, _ = batch(model.config)
     wrapped = fast.LossOnly(model, (x, None))
@@ -3504,9 +3481,10 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_o
         == before, err
 
 
-def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
+def test_the_adapters_read_the_libraries_weights_and_attention_as_the_libraries_compute_them():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
-    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
+    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D), and
+    the attention they recompute is the libraries' own explicit attention."""
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
         model, _ = probe.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
@@ -3529,9 +3507,6 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
                 assert torch.allclose(got.abs().sort().values, largest.abs().sort().values,
                                       atol=1e-6)
                 assert (got.real > 0).sum() == (largest.real > 0).sum()
-
-
-def test_recomputed_attention_equals_the_libraries_explicit_attention():
     torch.manual_seed(0)
     for name in ("gpt2", "bert"):
         model, _ = probe.load_model(HF_TINY[name], "")
@@ -3724,8 +3699,8 @@ def test_tokenizers_are_read_where_they_can_be_loaded_and_offline_the_fix_that_w
 # 8. look.py: looking at what a model does
 # ==================================================================================================
 
-def test_look_draws_a_log_kept_as_a_file_or_cut_short_and_says_when_a_run_diverged(
-        capsys, tiny_data, tmp_path):
+def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_and_labels_few(
+        capsys, tiny_data, tmp_path, monkeypatch):
     """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
     draw an out_dir, named NAME."""
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
@@ -3745,17 +3720,13 @@ def test_look_draws_a_log_kept_as_a_file_or_cut_short_and_says_when_a_run_diverg
                                               '"val_loss": Infinity}\n\n')  # a blank line too
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
     assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
-
-
-def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
-                                                                              monkeypatch):
     records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
-               for i in range(1, 17)]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+               for i in range(1, 17)]  # 16 evaluations: about eight labelled, never overlapping
+    (tmp_path / "e" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     drawn, save_figure = [], look.save_figure
     monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
                         save_figure(fig, path))
-    assert look.main(["smoothing", str(tmp_path), "--out", str(tmp_path / "s.png")]) == 0
+    assert look.main(["smoothing", str(tmp_path / "e"), "--out", str(tmp_path / "s.png")]) == 0
     labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
     assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
