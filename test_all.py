@@ -9,10 +9,15 @@ README's order, each with its bad input and faults; the shared helpers first.
 The lab's own tests (of the scripts in results/) are in results/test_results.py.
 Run: python -m pytest -q -n auto --dist worksteal test_all.py results   (one worker per core)
 """
+import argparse
+import ast
+import errno
+import inspect
 import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -21,6 +26,9 @@ import sys
 import tempfile
 import time
 import types
+import urllib.error
+import urllib.request
+import zipfile
 from contextlib import chdir, nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -30,11 +38,28 @@ import torch
 import torch.nn.functional as F
 # transformers binds its log handler to the stderr of its first import: here, not to a test's
 # capsys stream, which closes after the test
-import transformers.utils.logging  # noqa: F401
+import transformers.utils.logging
 
-from bamboo import PRESETS, TRUNK, Bamboo, Config, patchify, random_masking, take_tokens, unpatchify
+import bamboo
+import bench
+import look
+import neutreno
+import probe
+import train
+from bamboo import (PRESETS, TRUNK, Bamboo, Block, ChunkedCrossEntropy, Config, patchify,
+                    random_masking, take_tokens, training_flops, unpatchify)
+from data import (ImageData, TextData, channel_statistics, first_samples, get_tokenizer,
+                  normalisation, shard, to_device)
 from neutreno import Attention, explicit_attention
-from operations import fast
+from operations import (adapters, checkpoint, checks, cli, export, fast, figures, files, hub,
+                        progress, runlog)
+from operations.checkpoint import model_from_checkpoint
+from operations.cli import RUN_FILES, TrainingError, one_line_errors
+from operations.files import _decode, list_folder
+from operations.out_dir import out_dir_claimed
+from operations.streaming import ImageStream, eval_view, held_out, standardised, train_view
+from probe import (attention_entropy, beta, head_value_output, singular_values, token_metrics,
+                   update_ratio, vo_spectrum)
 
 # The suite's models are tiny: one thread each costs less in hand-offs and leaves the other core
 # to the subprocesses of the tests.
@@ -86,12 +111,12 @@ CLONE_CACHES = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
 
 def clone_files():
     """{path: (size, mtime)} of every file in the clone outside CLONE_CACHES."""
-    files = {}
+    found = {}
     for folder, subfolders, names in os.walk(REPO):
         subfolders[:] = [d for d in subfolders if d not in CLONE_CACHES]
         for path in (os.path.join(folder, name) for name in names):
-            files[os.path.relpath(path, REPO)] = os.stat(path).st_size, os.stat(path).st_mtime_ns
-    return files
+            found[os.path.relpath(path, REPO)] = os.stat(path).st_size, os.stat(path).st_mtime_ns
+    return found
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -107,8 +132,6 @@ def the_suite_leaves_the_clone_unchanged():
 def run_train(*flags, out_dir):
     """train.py's command line run in this process as main(argv); returns (exit code, everything
     printed, the log.jsonl records)."""
-    import train
-
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
         code = train.main([*map(str, flags), "--out_dir", str(out_dir), "--log_interval", "1"])
@@ -122,8 +145,7 @@ def train_losses(records):
 
 
 def image_flags(tiny_data, objective, *extra):
-    # the tiny MAE needs a higher lr to learn in 40 steps
-    lr = "1e-2" if objective == "mae" else "3e-3"
+    lr = "1e-2" if objective == "mae" else "3e-3"  # the tiny MAE learns in 40 steps at 1e-2
     return ["--objective", objective, "--dataset", "folder", "--data_dir",
             str(tiny_data / "images"), *TINY_IMAGE_FLAGS, "--batch_size", "16", "--lr", lr,
             "--warmup", "2", *extra]
@@ -161,11 +183,11 @@ def trained(tiny_data, tmp_path_factory):
 
 
 @pytest.fixture
-def table_row(tiny_data, trained, tmp_path, monkeypatch):
+def table_row(tiny_data, trained, tmp_path, monkeypatch, request):
     """row(setup, argv, says): a refusal table's row with its set-up done and {tmp}, {run},
     {images}, {text}, @OBJECTIVE filled in (set-ups: see TRAIN_REFUSALS); returns argv, pieces."""
     c = types.SimpleNamespace(tmp=tmp_path, run=tmp_path / "run", data=tiny_data, trained=trained,
-                              monkeypatch=monkeypatch)
+                              monkeypatch=monkeypatch, request=request)
     where = {"{tmp}": str(tmp_path), "{run}": str(c.run), "{images}": str(tiny_data / "images"),
              "{text}": str(tiny_data / "text")}
     flags = {f"@{o}": (image_flags if o in ("mae", "cls") else text_flags)(tiny_data, o)
@@ -206,10 +228,22 @@ def run_torchrun(*flags, out_dir):
     return proc.returncode, proc.stdout + proc.stderr, records
 
 
+def stopped_run(flags, out_dir, stop):
+    """train.py run as a process of its own session, stop(process) once it logged a loss; returns
+    (the process, everything it printed)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
+                             str(out_dir), "--log_interval", "1"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    log, deadline = out_dir / "log.jsonl", time.time() + 60
+    while time.time() < deadline and '"loss"' not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    stop(proc)
+    return proc, proc.communicate(timeout=60)[0]
+
+
 def cli_error(capsys, *argv):
     """Run train.main in-process; it must return 2 and print exactly one line, no traceback."""
-    import train
-
     assert train.main(list(argv)) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -249,8 +283,6 @@ def trunk_state(model):
 
 
 def assert_spectra(model, mode):
-    from probe import head_value_output
-
     for block in model.blocks:
         eigs = torch.linalg.eigvals(head_value_output(block))
         assert eigs.imag.abs().max() < 1e-6  # symmetric by construction: real eigenvalues
@@ -313,16 +345,12 @@ def attention_stack(x, depth, residual, seed=0):
 
 
 def per_layer(hiddens):
-    from probe import token_metrics
-
     layers = [token_metrics(h) for h in hiddens]
     return {name: [m[name] for m in layers] for name in layers[0]}
 
 
 def hand_built_block(gain):
     """A width-8, 2-head block whose per-head W_V W_O (gain folded in) is diag(eigs_h * gain_h)."""
-    from bamboo import Block
-
     block = Block(8, 2)
     eigs = torch.tensor([[3.0, -1.0, 0.5, 0.2], [-2.0, 1.0, 1.0, 1.0]])
     with torch.no_grad():
@@ -340,8 +368,6 @@ def bench_without_settling(monkeypatch):
 
 def probe_cli(capsys, *argv):
     """probe.py's command line in a scratch folder (a foreign model caches text in ./data/cache)."""
-    import probe
-
     with chdir(tempfile.mkdtemp()):
         code = probe.main([str(a) for a in argv])
     return code, capsys.readouterr()
@@ -377,8 +403,6 @@ def byte_level_tokenizer(folder):
 
 
 def look_cli(capsys, *argv):
-    import look
-
     code = look.main([str(a) for a in argv])
     return code, capsys.readouterr()
 
@@ -408,8 +432,6 @@ def readme_commands(*pages):
 def source_spans(path):
     """{name: (first line, last line)} of a file's functions, classes, 'Class.method's, module
     names, "NAME's docstring"s, '' (its docstring) and (train.py) TRAIN_PARTS."""
-    import ast
-
     source = open(os.path.join(REPO, path)).read()
     tree, lines = ast.parse(source), source.splitlines()
     spans = {}
@@ -546,7 +568,7 @@ def test_objective_shapes_loss_and_gradients(objective):
     assert missing == []
 
 
-def test_hidden_states_cover_every_layer_and_token_and_match_the_forward_pass():
+def test_hidden_states_cover_every_layer_and_token_match_the_forward_pass_and_weigh_on_request():
     for objective in ("mae", "cls", "mlm", "next"):
         c = tiny(objective, depth=3)
         x, _ = batch(c)
@@ -560,10 +582,7 @@ def test_hidden_states_cover_every_layer_and_token_and_match_the_forward_pass():
     logits, _ = model(x, y)
     last = model.hidden_states(x)[-1]
     assert torch.allclose(model.head(model.fc_norm(last.mean(1))), logits, atol=1e-6)
-
-
-def test_attention_probabilities_on_request():
-    c = tiny("next", depth=3)
+    c = tiny("next", depth=3)  # the attention probabilities, on request
     hs, attns = Bamboo(c).hidden_states(batch(c)[0], need_weights=True)
     assert len(attns) == 3 and attns[0].shape == (4, c.heads, c.seq_len, c.seq_len)
     assert torch.allclose(attns[1].sum(-1), torch.ones(4, c.heads, c.seq_len), atol=1e-5)
@@ -585,8 +604,6 @@ def test_sdpa_path_equals_explicit_softmax_path():
 
 
 def test_auto_picks_explicit_attention_only_for_cpu_half_precision_and_bench_may_ask_for_either():
-    from operations import fast
-
     def explicit(config, device, dtype, asked="auto"):
         chosen = fast.use_explicit_attention(asked, torch.device(device), dtype, config)
         return {m.explicit for m in Bamboo(config, explicit_attention=chosen).modules()
@@ -604,8 +621,6 @@ def test_auto_picks_explicit_attention_only_for_cpu_half_precision_and_bench_may
 
 
 def test_explicit_attention_in_bf16_is_as_accurate_as_the_fused_kernel(monkeypatch):
-    import neutreno
-
     fused_calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(neutreno.F, "scaled_dot_product_attention",
@@ -647,7 +662,7 @@ def test_causal_outputs_ignore_the_future():
         assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])
 
 
-def test_mae_masking_keeps_the_right_number_and_restores_order():
+def test_mae_masking_keeps_the_right_number_restores_order_and_patchify_round_trips():
     torch.manual_seed(0)
     x = torch.randn(3, 64, 8)
     for ratio in (0.75, 0.5, 0.9):
@@ -663,6 +678,10 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
         assert torch.equal(shuffled[:, :keep], visible)
         kept = (mask == 0)
         assert torch.equal(x[kept].reshape(3, keep, 8).sort(1).values, visible.sort(1).values)
+    imgs = torch.randn(2, 3, 16, 16)  # patches, row-major, and back
+    p = patchify(imgs, 4)
+    assert p.shape == (2, 16, 48) and torch.equal(unpatchify(p, 4, 3), imgs)
+    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
     # the stem embeds only the visible patches: as embedding all, then masking (to 1e-6)
     model = Bamboo(tiny("mae")).eval()
     imgs, _ = batch(model.config)
@@ -671,15 +690,6 @@ def test_mae_masking_keeps_the_right_number_and_restores_order():
     ids_keep = noise.argsort(1)[:, : h.shape[1]]
     assert h.shape[1] == round(0.25 * model.config.num_patches())
     assert torch.allclose(h, take_tokens(model.embed(imgs)[0], ids_keep), atol=1e-6)
-
-
-def test_patchify_round_trip():
-    imgs = torch.randn(2, 3, 16, 16)
-    p = patchify(imgs, 4)
-    assert p.shape == (2, 16, 48)
-    # row-major patches
-    assert torch.equal(p[0, 1], imgs[0, :, 0:4, 4:8].permute(1, 2, 0).reshape(-1))
-    assert torch.equal(unpatchify(p, 4, 3), imgs)
 
 
 def test_mae_loss_covers_masked_patches_only_and_encoder_sees_visible_only():
@@ -727,7 +737,7 @@ def test_mlm_chooses_berts_exact_count_per_window_and_corrupts_80_10_10():
     assert ((model.mask_tokens(tokens[:, :3])[1] != -100).sum(1) == 1).all()
 
 
-def test_table1_comparable_compute():
+def test_table1_comparable_compute_and_training_flops_count_the_mlm_head_only_where_it_runs():
     def size(name):
         with torch.device("meta"):  # shapes only: no memory, no init time
             model = Bamboo(Config.from_preset(name, image_size=224, patch_size=16,
@@ -740,16 +750,9 @@ def test_table1_comparable_compute():
     # Table 1's 0.9x rows hold within 5% as well
     assert abs(size("base-24x512")[0] / p_base - 0.9) < 0.05
     assert abs(size("large-48x768")[0] / size("large-24x1024")[0] - 1.1) < 0.05
-
-
-def test_training_flops_count_the_mlm_head_only_where_it_runs():
-    from bamboo import training_flops
-
-    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)
-    # minus next's head
-    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000
-    # transform + vocabulary at round(15% of 32) = 5 positions
-    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)
+    shape = dict(depth=2, width=64, heads=1, vocab_size=1000, seq_len=32)  # MLM's head: where run
+    trunk = training_flops(Config(objective="next", **shape)) - 3 * 2 * 32 * 64 * 1000  # no head
+    head = 3 * 5 * (2 * 64 * 64 + 2 * 64 * 1000)  # transform + vocabulary at round(15% of 32) = 5
     assert training_flops(Config(objective="mlm", mlm_prob=0.15, **shape)) == pytest.approx(
         trunk + head)
 
@@ -776,6 +779,10 @@ def test_every_preset_builds_a_valid_config_and_the_papers_is_maes_224_pixels():
     assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
     assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
     assert c.norm_pix_loss
+    with pytest.raises(ValueError, match="unknown preset"):
+        Config.from_preset("bamboo-xl")
+    with pytest.raises(ValueError, match="unknown config fields"):
+        Config.from_preset("bamboo-b", widht=3)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -787,13 +794,6 @@ def test_every_preset_builds_a_valid_config_and_the_papers_is_maes_224_pixels():
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"Config\.{field}="):
         Config(**{field: value})
-
-
-def test_unknown_preset_and_unknown_field():
-    with pytest.raises(ValueError, match="unknown preset"):
-        Config.from_preset("bamboo-xl")
-    with pytest.raises(ValueError, match="unknown config fields"):
-        Config.from_preset("bamboo-b", widht=3)
 
 
 def test_wrong_input_shape_is_a_clear_error():
@@ -846,22 +846,7 @@ def test_load_mae_encoder_into_cls_takes_the_trunk_and_leaves_the_head_fresh():
                                                          "head.bias", "head.weight"]
 
 
-def test_label_smoothing_is_the_cross_entropy_against_smoothed_targets():
-    torch.manual_seed(0)
-    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
-    x, y = batch(model.config)
-    logits, loss = model(x, y)
-    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
-    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
-    plain = Bamboo(tiny("cls", num_classes=4))
-    plain.load_state_dict(model.state_dict())
-    plain_loss = plain(x, y)[1]
-    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
-    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
-        tiny("cls", label_smoothing=1.0)
-
-
-def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning():
+def test_the_classifier_pools_normalises_and_classifies_as_mae_fine_tuning_and_smooths_labels():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls"))
     assert not hasattr(model, "ln_f") and model.head.weight.std().item() < 1e-4  # std 2e-5
@@ -871,6 +856,17 @@ def test_classifier_pools_then_normalises_then_classifies_like_mae_fine_tuning()
         x, _ = batch(model.config)
         expected = model.head(model.fc_norm(model.hidden_states(x)[-1].mean(dim=1)))
         assert torch.allclose(model(x)[0], expected, atol=1e-6)
+    model = Bamboo(tiny("cls", num_classes=4, label_smoothing=0.1))
+    x, y = batch(model.config)
+    logits, loss = model(x, y)  # the cross-entropy against smoothed targets
+    targets = F.one_hot(y, 4).float() * 0.9 + 0.1 / 4
+    assert torch.allclose(loss, -(targets * logits.log_softmax(-1)).sum(-1).mean(), atol=1e-6)
+    plain = Bamboo(tiny("cls", num_classes=4))
+    plain.load_state_dict(model.state_dict())
+    plain_loss = plain(x, y)[1]
+    assert torch.allclose(plain_loss, F.cross_entropy(logits, y), atol=1e-6) and loss != plain_loss
+    with pytest.raises(ValueError, match="Config.label_smoothing=1.0 must be in"):
+        tiny("cls", label_smoothing=1.0)
 
 
 @pytest.mark.parametrize("pair", [("cls", "mae"), ("next", "mlm")])
@@ -900,7 +896,7 @@ def test_vo_param_changes_the_blocks_but_not_the_stem():
                       {("EigenAttention", "sharpen", True)}]
 
 
-def test_residual_projections_get_the_depth_scaled_init():
+def test_residual_projections_get_the_depth_scaled_init_and_one_seed_gives_beta_one():
     torch.manual_seed(0)
     model = Bamboo(tiny("mae", depth=8, width=64, decoder_depth=2, decoder_width=64))
     encoder, decoder = (torch.cat([p.flatten() for n, p in blocks.named_parameters()
@@ -909,12 +905,7 @@ def test_residual_projections_get_the_depth_scaled_init():
     assert encoder.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
     assert decoder.std().item() == pytest.approx(0.02 / math.sqrt(4), rel=0.05)
     assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
-
-
-def test_fresh_same_seed_models_of_different_objectives_have_beta_exactly_one():
-    from probe import beta
-
-    for first, second in (("cls", "mae"), ("next", "mlm")):
+    for first, second in (("cls", "mae"), ("next", "mlm")):  # one seed: beta exactly one
         models = []
         for objective in (first, second):
             torch.manual_seed(0)
@@ -936,7 +927,7 @@ def test_mae_masks_and_mlm_corruption_differ_from_step_to_step():
 # 2. neutreno.py: attention, the NeuTRENO term, the W_V W_O eigen-parameterization
 # ==================================================================================================
 
-def test_neutreno_leaves_layer_zero_and_changes_later_layers():
+def test_neutreno_leaves_layer_zero_changes_later_layers_and_matches_the_formula():
     torch.manual_seed(0)
     plain = Bamboo(tiny("cls", depth=3))
     torch.manual_seed(0)
@@ -945,17 +936,13 @@ def test_neutreno_leaves_layer_zero_and_changes_later_layers():
     hp, hn = plain.hidden_states(x), neu.hidden_states(x)
     assert torch.equal(hp[0], hn[0]) and torch.equal(hp[1], hn[1])  # stem and block 0
     assert not torch.allclose(hp[2], hn[2]) and not torch.allclose(hp[3], hn[3])
-
-
-def test_neutreno_term_matches_the_formula_and_lambda_zero_is_plain_attention_exactly():
-    torch.manual_seed(0)
     attn = Attention(32, 2, neutreno=0.6)
     x, v0 = torch.randn(2, 5, 32), torch.randn(2, 2, 5, 16)
     q, k, v = (t.view(2, 5, 2, 16).transpose(1, 2) for t in attn.qkv(x).split(32, dim=2))
     o = explicit_attention(q, k, v)[0] + 0.6 * (v0 - v)
     expected = attn.proj(o.transpose(1, 2).reshape(2, 5, 32))
     assert torch.allclose(attn(x, v0)[0], expected, atol=1e-6)
-    attn = Attention(32, 2, neutreno=0.0)
+    attn = Attention(32, 2, neutreno=0.0)  # lambda 0: plain attention, exactly
     assert torch.equal(attn(x, v0)[0], attn(x)[0])
 
 
@@ -964,22 +951,18 @@ def test_neutreno_gradient_reaches_layer_zero_values_through_v0():
     model = Bamboo(tiny("cls", depth=3, neutreno=0.6))
     x, _ = batch(model.config)
     model.hidden_states(x)[-1].pow(2).sum().backward()
-    width = model.config.width
+    width, c = model.config.width, model.config
     with_term = model.blocks[0].attn.qkv.weight.grad[2 * width:].clone()  # W_V rows of layer 0
     model.zero_grad()
     # The same loss with the later layers' V0 cut off from layer 0: layer 0's W_V gradient changes.
-    h = model.embed(x)[0]
-    h, v0, _ = model.blocks[0](h)
+    h, v0, _ = model.blocks[0](model.embed(x)[0])
     for block in model.blocks[1:]:
         h, v, _ = block(h, v0.detach())
         assert v is None  # only layer 0 hands its values on
     h.pow(2).sum().backward()
-    c = model.config
-    # layer 0's values, (B, nh, T, hs)
-    assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)
+    assert v0.shape == (4, c.heads, c.num_patches(), width // c.heads)  # (B, nh, T, hs)
     plain = Bamboo(tiny("cls", depth=3))
-    # without NeuTRENO no layer hands its values on
-    assert plain.blocks[0](plain.embed(x)[0])[1] is None
+    assert plain.blocks[0](plain.embed(x)[0])[1] is None  # without NeuTRENO: no values handed on
     assert not torch.allclose(with_term, model.blocks[0].attn.qkv.weight.grad[2 * width:])
 
 
@@ -1020,8 +1003,6 @@ def test_neutreno_lowers_last_layer_cosine_at_init(objective):
 @pytest.mark.parametrize("mode", ["smooth", "sharpen"])
 @pytest.mark.parametrize("objective", ["mae", "cls", "mlm", "next"])
 def test_vo_param_spectra_hold_at_init_and_after_training(mode, objective):
-    from probe import vo_spectrum
-
     torch.manual_seed(0)
     c = tiny(objective, vo_param=mode, neutreno=0.6, decoder_width=32)
     model = Bamboo(c)
@@ -1039,7 +1020,7 @@ def test_vo_param_spectra_hold_at_init_and_after_training(mode, objective):
     assert_spectra(model, mode)
 
 
-def test_vo_param_gradients_reach_psi_and_the_qr_input():
+def test_vo_param_gradients_reach_psi_and_the_qr_input_and_its_eigenvalues_are_the_probes():
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", vo_param="sharpen"))
     x, y = batch(model.config)
@@ -1047,13 +1028,7 @@ def test_vo_param_gradients_reach_psi_and_the_qr_input():
     for block in model.blocks:
         assert block.attn.vo.psi.grad.abs().sum() > 0 and block.attn.vo.basis.grad.abs().sum() > 0
     assert not hasattr(model.blocks[0].attn, "qkv") and model.blocks[0].ln1.weight is None
-
-
-def test_vo_param_eigenvalues_are_what_the_probe_reports():
-    from probe import head_value_output
-
-    torch.manual_seed(0)
-    block = Bamboo(tiny("cls", vo_param="sharpen")).blocks[0]
+    block = model.blocks[0]
     eigs = torch.linalg.eigvalsh(head_value_output(block))  # symmetric (hs, hs) per head
     assert torch.allclose(eigs, block.attn.vo.eigenvalues().double().sort(-1).values, atol=1e-6)
 
@@ -1061,8 +1036,6 @@ def test_vo_param_eigenvalues_are_what_the_probe_reports():
 def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank():
     """At init a smooth trunk's last layer is more alike than a sharpen one's by cos, HC/DC and
     effective rank (abs_cos_centered barely tells them apart there: 0.363 against 0.367)."""
-    import probe
-
     last = {}
     for mode in ("smooth", "sharpen"):
         model, _ = probe.load_model(f"init:cifar-deep,vo_param={mode}", "folder")
@@ -1079,43 +1052,40 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank
 
 def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
                                                                         monkeypatch, capsys):
-    import data
     from PIL import Image
-
-    from operations import files
 
     folder, cache = tmp_path / "images", tmp_path / "cache"
     shutil.copytree(tiny_data / "images", folder)
-    decoded = data.ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
+    decoded = ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
     capsys.readouterr()
-    first = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    first = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(list(cache.glob("images.*.npy"))) == 2  # train and test
     assert "decoded 96 images in " in capsys.readouterr().out  # how many, how long, where kept
     decodes = []
     real_decode = files._decode
     monkeypatch.setattr(files, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
-    cached = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    cached = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert decodes == []  # loaded, not decoded
     for got in (first, cached):
         assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)
         assert torch.equal(got.train_y, decoded.train_y) and torch.equal(got.mean, decoded.mean)
     changed = sorted((folder / "test" / "red").iterdir())[0]  # one test image repainted
     Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(changed)
-    again = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    again = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert len(decodes) == 32 and len(list(cache.glob("images.*.npy"))) == 3  # test split only
     where = [str(p) for p, _ in files.list_folder(str(folder))[0]["test"]].index(str(changed))
     assert again.test_x[where].max() == 0 and torch.equal(again.train_x, decoded.train_x)
     Image.fromarray(np.full((16, 16, 3), 7, np.uint8)).save(changed)
-    data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     kept = os.stat(changed)  # painted again at the same size, its time set back: decoded again
     Image.fromarray(np.full((16, 16, 3), 128, np.uint8)).save(changed)
     assert os.path.getsize(changed) == kept.st_size
     os.utime(changed, ns=(kept.st_atime_ns, kept.st_mtime_ns))
-    repainted = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    repainted = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
     assert repainted.test_x[where].min() == 128 and len(decodes) == 96
     for damaged in cache.glob("images.*.npy"):  # a damaged cache is decoded again and replaced
         damaged.write_bytes(b"not an array")
-    assert torch.equal(data.ImageData("folder", str(folder), "cpu", 16,
+    assert torch.equal(ImageData("folder", str(folder), "cpu", 16,
                                       cache_dir=str(cache)).train_x, decoded.train_x)
     assert len(decodes) == 32 * 4 + 96
     listing = files.list_folder(str(folder))[0]  # the two files in use now hold arrays again
@@ -1123,7 +1093,7 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     assert [np.load(cache / key).shape[0] for key in keys] == [96, 32]
     capsys.readouterr()
     (tmp_path / "file").write_text("")  # a cache_dir that cannot be made: decoded, said, goes on
-    unwritable = data.ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
+    unwritable = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(tmp_path / "file"))
     assert torch.equal(unwritable.train_x, decoded.train_x)
     note = capsys.readouterr().out
     assert note.count("note: decoded images not cached") == 2, note
@@ -1131,8 +1101,6 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
 
 
 def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_data):
-    from data import ImageData
-
     first = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
     again = ImageData("folder", str(tiny_data / "images"), "cpu", image_size=8, train_samples=10)
     assert first.num_train() == 10 and torch.equal(first.train_x, again.train_x)
@@ -1144,10 +1112,6 @@ def test_train_samples_keeps_one_fixed_subset_and_image_size_is_honoured(tiny_da
 def test_held_out_data_is_normalised_as_the_checkpoints_training_saw_it(tiny_data, tmp_path):
     """A checkpoint keeps its pixel statistics: held_out with them gives the samples the run itself
     probed and evaluated; an older checkpoint without them falls back to the test split's own."""
-    from data import ImageData, TextData, first_samples
-    from operations.streaming import held_out
-    from operations import checkpoint
-
     images = ImageData("folder", str(tiny_data / "images"), "cpu", 16)
     cfg = {"dataset": "folder", "data_dir": str(tiny_data / "images")}
     ckpt = {"train": cfg, "statistics": (images.mean, images.std)}
@@ -1167,8 +1131,6 @@ def test_next_token_windows_train_every_position_and_predict_each_held_out_token
                                                                                       tmp_path):
     """As nanoGPT's block_size + 1: a window holds seq_len inputs and one more token that is only
     a target, so the last position embedding trains too; held-out windows overlap by that token."""
-    from data import TextData, first_samples
-
     text = TextData("text", str(tiny_data / "text"), "bytes", "train.txt", "val.txt",
                     str(tmp_path), 32, next_token=True)
     x, _ = text.train_batch(text.sample(4, torch.Generator().manual_seed(0)))
@@ -1187,17 +1149,15 @@ def test_next_token_windows_train_every_position_and_predict_each_held_out_token
 def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_path, capsys):
     """An edit that keeps a text file's size and mtime is tokenized again (ctime is in the key);
     a --cache_dir that cannot be written leaves the tokens in memory, with a note."""
-    from data import TextData
-
     (tmp_path / "text").mkdir()
     for name in ("train.txt", "val.txt"):
         (tmp_path / "text" / name).write_text("abcdefgh" * 40)
     cache = str(tmp_path / "cache")
     first = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
-    train = tmp_path / "text" / "train.txt"
-    kept = os.stat(train)
-    train.write_text("zyxwvuts" * 40)  # the same size, its times set back
-    os.utime(train, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    edited = tmp_path / "text" / "train.txt"
+    kept = os.stat(edited)
+    edited.write_text("zyxwvuts" * 40)  # the same size, its times set back
+    os.utime(edited, ns=(kept.st_atime_ns, kept.st_mtime_ns))
     again = TextData("text", str(tmp_path / "text"), "bytes", "train.txt", "val.txt", cache, 16)
     assert first.train[0] == ord("a") and again.train[0] == ord("z")
     (tmp_path / "a-file").write_text("not a folder")
@@ -1208,17 +1168,10 @@ def test_the_token_cache_follows_every_edit_and_an_unwritable_one_is_a_note(tmp_
     assert (tmp_path / "a-file").read_text() == "not a folder"
 
 
-def test_the_pixel_statistics_of_a_folder_listed_class_by_class_see_every_class():
-    from data import normalisation
-
+def test_pixel_statistics_see_every_class_and_need_no_float_copy_of_all_the_images():
     images = torch.cat([torch.zeros(6000, 3, 2, 2), torch.full((6000, 3, 2, 2), 255.)])
     mean, std = normalisation(images.to(torch.uint8))  # 10,000 of them, from both classes
     assert mean.flatten().tolist() == pytest.approx([0.5] * 3, abs=0.02)
-
-
-def test_channel_statistics_of_large_images_need_no_float_copy_of_them_all():
-    from data import channel_statistics
-
     images = (torch.rand(450, 3, 24, 24) * 255).to(torch.uint8)
     one_pass = channel_statistics(images)
     chunked = channel_statistics(images, one_pass_bytes=0)  # as for ImageNet-sized images
@@ -1230,8 +1183,6 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     own; here the limit is lowered so that a 16x16 image is one."""
     from PIL import Image
 
-    from operations import files
-
     path = next((tiny_data / "images" / "test").glob("*/*.png"))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(files.DataError, match="DecompressionBombError") as e:
@@ -1239,17 +1190,14 @@ def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypa
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_data, tmp_path):
-    """Images with no blue at all (std 0 in that channel) must not be divided by zero into NaN
-    inputs."""
-    import probe
-    from data import ImageData
-
+def test_a_folder_with_a_constant_channel_trains_and_probes_and_mae_takes_one_class(
+        capsys, tiny_data, tmp_path):
+    """Images with no blue at all (std 0 in that channel) are centred, never divided by zero into
+    NaN inputs; MAE, self-supervised, takes an unlabelled folder of one class."""
     images = write_folder(tmp_path / "images", {"train": ["a", "b"], "test": ["a", "b"]},
                           blue=False)
-    data = ImageData("folder", str(images), torch.device("cpu"), image_size=16)
-    x, _ = next(data.eval_batches(8))
-    # the constant channel is centred, not divided by 0
+    x, _ = next(ImageData("folder", str(images), torch.device("cpu"), image_size=16)
+                .eval_batches(8))
     assert x.isfinite().all() and x[:, 2].eq(0).all()
     code, out, records = run_train(*image_flags(tiny_data, "cls"), "--data_dir", images,
                                    "--max_iters", "3", out_dir=tmp_path / "o")
@@ -1257,75 +1205,41 @@ def test_an_image_folder_with_a_constant_channel_trains_and_probes(capsys, tiny_
                              if "loss" in r), out
     assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
                        str(images), "--samples", "8"]) == 0, capsys.readouterr().err
-
-
-# The mistakes users make with their data -> the line train.py answers with (before any training)
-BAD_DATA = {
-    "no folder": "nope does not exist; point --data_dir at an image folder",
-    "a file for a folder": "a_file is a file, not a folder; point --data_dir at an image folder",
-    "unreadable image": "broken.png (UnidentifiedImageError",
-    "test with other classes": "classes (only in training: ['cat'], only in test: ['emu'])",
-    "one class for cls": "num_classes=1 must be at least 2 for cls",
-    "no class folders": "train: Couldn't find any class folder",
-    "a class without images": "test: Found no valid file for the classes c",
-    "empty text": "train.txt is empty; give --train_file a file with text in it",
-    "text not utf-8": "train.txt is not UTF-8 text (byte 3 is 0xe9); convert it, e.g. iconv",
-    "text missing": "nosuch.txt is missing; put the text there, or point --data_dir and --val_file",
-    "text a folder": "folder.txt is not a file (a folder, a pipe)",
-    "images for next": "--objective next needs a text dataset (wikitext2, wikitext103, text)",
-    "heads not dividing": "Config.heads=3",
-}
-
-
-@pytest.mark.parametrize("case", BAD_DATA)
-def test_bad_data_is_one_line_that_names_it(capsys, tiny_data, tmp_path, case):
-    images, text = tmp_path / "images", tmp_path / "text"
-    shutil.copytree(tiny_data / "images", images)
-    shutil.copytree(tiny_data / "text", text)
-    flags = image_flags(tiny_data, "cls", "--data_dir", str(images))
-    if case in ("no folder", "a file for a folder"):
-        (tmp_path / "a_file").write_text("not a folder")
-        flags += ["--data_dir", str(tmp_path / ("nope" if case == "no folder" else "a_file"))]
-    if case == "unreadable image":
-        (images / "test" / "red" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    if case in ("test with other classes", "one class for cls", "no class folders",
-                "a class without images"):
-        shutil.rmtree(images)
-        write_folder(images, {"test with other classes": {"train": ["cat", "dog"],
-                                                          "test": ["dog", "emu"]},
-                              "one class for cls": {"train": ["all"], "test": ["all"]},
-                              "no class folders": {"test": ["a", "b"]},
-                              "a class without images": {"train": ["a", "b"], "test": ["a", "b"]}
-                              }[case])
-        (images / "train").mkdir(exist_ok=True)
-    if case == "a class without images":
-        (images / "test" / "c").mkdir()
-        (images / "test" / "c" / "notes.txt").write_text("not an image")
-    if case in ("empty text", "text not utf-8", "text missing", "text a folder"):
-        flags = text_flags(tiny_data, "next", "--data_dir", str(text), "--cache_dir",
-                           str(tmp_path / "cache"))
-        (text / "folder.txt").mkdir()
-        flags += {"empty text": [], "text not utf-8": [], "text missing": ["--val_file",
-                  "nosuch.txt"], "text a folder": ["--val_file", "folder.txt"]}[case]
-        (text / "train.txt").write_bytes({"empty text": b"", "text not utf-8": "caf\xe9 ".encode(
-            "latin-1") * 500}.get(case, (text / "train.txt").read_bytes()))
-    flags += {"images for next": ["--objective", "next"], "heads not dividing": ["--heads", "3"]
-              }.get(case, [])
-    err = cli_error(capsys, *flags, "--out_dir", str(tmp_path / "out"))
-    assert BAD_DATA[case] in err and not (tmp_path / "out").exists(), err
-
-
-def test_mae_takes_a_single_class_folder(tiny_data, tmp_path):
-    """Self-supervised: an unlabelled folder of one class is enough."""
     single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
     code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
                              single, out_dir=tmp_path / "c")
     assert code == 0, out
 
 
-def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, tmp_path,
-                                                                        monkeypatch):
-    from operations import files
+def test_wikitext_download_checks_the_archive_and_never_deletes_files_it_did_not_write(
+        capsys, tmp_path, monkeypatch):
+    """A download writes only the splits missing (a user's own files stay); an archive without its
+    test split, or no network, leaves nothing behind and says which files would do instead."""
+    def fake_zip(members):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name in members:
+                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
+        return buffer.getvalue()
+
+    seen = []
+    monkeypatch.setattr(files, "_fetch",
+                        lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
+    target = files.download_wikitext("wikitext2", str(tmp_path / "ok"))
+    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
+    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
+    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
+    own = tmp_path / "own" / "wikitext-2-raw"  # a user's train.txt and test.txt: only valid.txt
+    own.mkdir(parents=True)
+    for split in ("train", "test"):
+        (own / f"{split}.txt").write_text(f"the user's own {split}")
+    files.download_wikitext("wikitext2", str(tmp_path / "own"))
+    assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
+        "the user's own train", " = valid = \nword wor", "the user's own test"]
+    monkeypatch.setattr(files, "_fetch", lambda url: fake_zip(["train", "valid"]))  # no test
+    with pytest.raises(files.DataError, match="could not download wikitext2"):
+        files.download_wikitext("wikitext2", str(tmp_path / "bad"))
+    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
 
     def offline(url, timeout=30):
         raise OSError("no network")
@@ -1334,48 +1248,37 @@ def test_wikitext_download_failure_never_deletes_files_it_did_not_write(capsys, 
     target = tmp_path / "d" / "wikitext-2-raw"
     target.mkdir(parents=True)
     (target / "train.txt").write_text("the user's own file")  # half of what the message asks for
-    err = cli_error(capsys, "--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                    str(tmp_path / "d"), "--tokenizer", "bytes", "--out_dir", str(tmp_path / "o"))
+    wikitext = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", str(tmp_path / "d"),
+                "--tokenizer", "bytes"]
+    err = cli_error(capsys, *wikitext, "--out_dir", str(tmp_path / "o"))
     assert str(target / "train.txt") in err and str(target / "valid.txt") in err
     assert (target / "train.txt").read_text() == "the user's own file"
-    # following the message: now it trains, offline
-    (target / "valid.txt").write_text("word " * 5000)
-    code, out, _ = run_train("--objective", "next", "--dataset", "wikitext2", "--data_dir",
-                             str(tmp_path / "d"),
-                             "--tokenizer", "bytes", "--cache_dir", str(tmp_path / "cache"),
-                             *TINY_TEXT_FLAGS[:6],
-                             "--seq_len", "16", "--max_iters", "1", "--eval_interval", "1",
-                             "--batch_size", "2", out_dir=tmp_path / "o")
+    (target / "valid.txt").write_text("word " * 5000)  # following the message: it trains, offline
+    code, out, _ = run_train(*wikitext, "--cache_dir", str(tmp_path / "cache"),
+                             *TINY_TEXT_FLAGS[:6], "--seq_len", "16", "--max_iters", "1",
+                             "--eval_interval", "1", "--batch_size", "2", out_dir=tmp_path / "o")
     assert code == 0, out
 
 
-def test_streaming_and_decoding_whole_read_the_same_splits_classes_and_order(mixed_jpegs):
-    from data import ImageData
-    from operations.files import _decode, list_folder
-    from operations.streaming import ImageStream
-
+def test_streaming_and_decoding_whole_read_the_same_images_and_a_view_is_decided_by_its_seed(
+        mixed_jpegs):
+    """The same splits, classes and order; the workers replay MAE's training view from each image's
+    seed alone, and drawing it never moves the caller's random state (the masks draw from it)."""
     whole = ImageData("folder", str(mixed_jpegs), "cpu", 16, train_samples=100)
     listing = list_folder(str(mixed_jpegs), train_samples=100)
     stream = ImageStream(listing, "cpu", 16)
-    files = stream.files
+    paths = stream.files
     assert stream.classes == whole.classes == ["cat", "dog", "fox"]
     assert stream.num_train() == whole.num_train() == 100
     assert stream.num_held_out() == whole.num_held_out() == 45
-    assert whole.train_y.tolist() == [label for _, label in files["train"]]
-    assert torch.equal(whole.train_x[7], torch.tensor(_decode(files["train"][7][0], 16))
+    assert whole.train_y.tolist() == [label for _, label in paths["train"]]
+    assert torch.equal(whole.train_x[7], torch.tensor(_decode(paths["train"][7][0], 16))
                        .permute(2, 0, 1))
-    held_out = torch.cat([y for _, y in stream.eval_batches(10)])
-    assert held_out.tolist() == whole.test_y.tolist()
-    assert sorted(held_out.tolist()) != held_out.tolist()  # the fixed shuffle, not class by class
-    for i, (path, _) in enumerate(files["test"][:5]):  # the same images, in the same order
+    labels = torch.cat([y for _, y in stream.eval_batches(10)])
+    assert labels.tolist() == whole.test_y.tolist()
+    assert sorted(labels.tolist()) != labels.tolist()  # the fixed shuffle, not class by class
+    for i, (path, _) in enumerate(paths["test"][:5]):  # the same images, in the same order
         assert torch.equal(whole.test_x[i], torch.tensor(_decode(path, 16)).permute(2, 0, 1))
-
-
-def test_a_streamed_view_is_decided_by_its_seed_and_leaves_the_random_state_alone(mixed_jpegs):
-    """The workers replay MAE's training view from each image's seed alone, and drawing it never
-    moves the caller's random state (the masks draw from it)."""
-    from operations.streaming import eval_view, train_view
-
     path = str(sorted((mixed_jpegs / "train" / "dog").glob("*.jpg"))[0])
     state = torch.get_rng_state()
     views = [train_view(path, 16, 0.2, seed) for seed in (0, 0, 1)]
@@ -1388,10 +1291,6 @@ def test_streamed_batches_are_the_same_for_any_worker_count_and_each_rank_decode
         mixed_jpegs):
     """The draws decide every pixel: no workers, two workers, and two ranks of two micro-batches
     each (their slices put together) give the same global batches, step after step."""
-    from data import shard
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     listing = list_folder(str(mixed_jpegs))
 
     def batches(workers, rank=0, world=1, accum=1, steps=3):
@@ -1419,9 +1318,6 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
         mixed_jpegs):
     """Workers ended by a signal before handing over a micro-batch: the same pixels, decoded here;
     the next step starts new workers where the data order stands; an evaluation reads on here."""
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     def workers_that_exited():
         raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
         yield
@@ -1451,9 +1347,6 @@ def test_when_stopped_workers_leave_a_micro_batch_this_process_decodes_it_and_re
 def test_a_worker_killed_mid_run_is_replaced_and_the_batches_stay_the_same(mixed_jpegs):
     """A worker SIGKILLed mid-run (the OOM killer): its batch is decoded here, new workers start,
     every batch is the one a run without the kill reads; torch's error never leaks into the step."""
-    from operations.files import list_folder
-    from operations.streaming import ImageStream
-
     listing = list_folder(str(mixed_jpegs))
     steady, killed = ImageStream(listing, "cpu", 16, workers=0), ImageStream(listing, "cpu", 16,
                                                                               workers=2)
@@ -1522,11 +1415,6 @@ def test_stream_auto_streams_only_a_folder_over_the_memory_budget(mixed_jpegs, t
 
 
 def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs, tmp_path):
-    import probe
-    from data import first_samples
-    from operations.streaming import held_out
-    from operations.streaming import ImageStream, eval_view, standardised
-
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
              *STREAM_FLAGS, "--max_iters", "1", "--workers", "0"]
     assert run_train(*flags, out_dir=tmp_path / "run")[0] == 0
@@ -1543,32 +1431,19 @@ def test_a_streamed_checkpoint_is_probed_in_its_own_evaluation_view(mixed_jpegs,
         assert logged["layers"][name] == pytest.approx(probed[name][ckpt], rel=1e-5), name
 
 
-@pytest.mark.parametrize("break_it, expected", [
-    ("unreadable", "cannot read image"),
-    ("empty class", "Found no valid file for the classes fox"),
-    ("no split", "no test/ or val/ folder in"),
-])
-def test_bad_streamed_folders_are_one_line(capsys, mixed_jpegs, tmp_path, break_it, expected):
-    """An unreadable image is found by a worker, mid-run: its line comes back whole, naming the
-    file; an empty or mislaid folder is found before any work."""
-    import shutil
-
+def test_an_unreadable_image_met_by_a_streaming_worker_is_one_line_naming_it(capsys, mixed_jpegs,
+                                                                              tmp_path):
+    """Found mid-run, by a worker: its line comes back whole (an empty or mislaid streamed folder
+    is found before any work: train.py's refusals' table)."""
     root = tmp_path / "data"
     shutil.copytree(mixed_jpegs, root)
-    if break_it == "unreadable":
-        for path in (root / "train" / "cat").glob("*.jpg"):
-            path.write_bytes(b"not a jpeg")
-    elif break_it == "empty class":
-        shutil.rmtree(root / "val" / "fox")
-        (root / "val" / "fox").mkdir()
-    else:
-        shutil.rmtree(root / "val")
+    for path in (root / "train" / "cat").glob("*.jpg"):
+        path.write_bytes(b"not a jpeg")
     err = cli_error(capsys, "--objective", "mae", "--dataset", "folder", "--data_dir", str(root),
                     *STREAM_FLAGS, "--max_iters", "2", "--workers", "1", "--out_dir",
                     str(tmp_path / "o"))
-    assert expected in err
-    if break_it == "unreadable":
-        assert str(root / "train" / "cat") in err and "remove or replace" in err
+    assert "cannot read image" in err and str(root / "train" / "cat") in err
+    assert "remove or replace" in err
 
 
 def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_worker(
@@ -1577,29 +1452,12 @@ def test_a_signal_to_every_process_of_a_streamed_run_saves_it_and_leaves_no_work
     its step and saves, with no traceback, and no worker outlives it."""
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
              "--max_iters", "100000", "--eval_interval", "100000", "--workers", "2"]
-    proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
-                             str(tmp_path), "--log_interval", "1"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and '"loss"' not in ((tmp_path / "log.jsonl").exists()
-                                                       and (tmp_path / "log.jsonl").read_text()
-                                                       or ""):
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    proc, out = stopped_run(flags, tmp_path, lambda proc: os.killpg(proc.pid, signal.SIGTERM))
     assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # the whole process group is gone
         os.killpg(proc.pid, 0)
-
-
-def test_the_paper_preset_is_224_pixels_in_16_pixel_patches_with_maes_decoder():
-    c = Config.from_preset("bamboo-b-224", objective="mae")
-    assert (c.depth, c.width, c.heads, c.image_size, c.patch_size) == (48, 384, 6, 224, 16)
-    assert c.num_patches() == 196 and (c.decoder_depth, c.decoder_width) == (8, 512)
-    assert c.norm_pix_loss
 
 
 # ==================================================================================================
@@ -1633,8 +1491,6 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
                                                                       monkeypatch):
     """The speed must count the device's queued steps the loss read waits for (a 50 ms sleep in
     every read stands in for that here; run_train reads every step)."""
-    from operations import progress
-
     read_loss = progress.read_loss
 
     def waiting_read(*args):
@@ -1647,22 +1503,10 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
-def test_get_lr_warms_up_then_decays():
-    import train
-
-    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
-    lrs = [train.get_lr(i, cfg) for i in range(111)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
-
-
 @pytest.mark.parametrize("preset",
                          ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
                                     "base-96x256", "wikitext-deep"])
 def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
-    import train
-
     depth = PRESETS[preset]["depth"]
     for batch_size in (64, 256, 1024):
         cfg = train.schedule_defaults(train.TrainConfig(batch_size=batch_size), depth)
@@ -1675,9 +1519,13 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
     assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
 
 
-def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
-    import train
-
+def test_get_lr_warms_up_then_decays_and_a_preset_carries_its_recipe_that_flags_override(
+        tmp_path):
+    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
+    lrs = [train.get_lr(i, cfg) for i in range(111)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55) and lrs[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     folder = ["--dataset", "folder", "--data_dir", str(tmp_path)]
 
     def settings(*argv):
@@ -1694,17 +1542,14 @@ def test_a_preset_carries_its_recipe_and_flags_override_it(tmp_path):
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
     """bamboo-b's 48 blocks (width 16) through the CLI with the defaults' rate and warmup for a
     batch of 256, on batches of 8, 80 steps past the peak; float32 (bf16 is 1.7x slower on CPU)."""
-    import train
-
     cfg = train.schedule_defaults(train.TrainConfig(batch_size=256), PRESETS["bamboo-b"]["depth"])
     steps = cfg.warmup + 80
-    code, out, records = run_train("--preset", "bamboo-b", "--objective", "cls", "--width", "16",
-                                   "--heads", "1",
-                                   "--image_size", "32", "--patch_size", "8", "--dataset", "folder",
-                                   "--data_dir", tiny_data / "images", "--batch_size", "8",
-                                   "--cache_dir", IMAGE_CACHE, "--max_iters", steps,
-                                   "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr,
-                                   "--warmup", cfg.warmup, out_dir=tmp_path)
+    code, out, records = run_train(
+        "--preset", "bamboo-b", "--objective", "cls", "--width", "16", "--heads", "1",
+        "--image_size", "32", "--patch_size", "8", "--dataset", "folder", "--data_dir",
+        tiny_data / "images", "--batch_size", "8", "--cache_dir", IMAGE_CACHE, "--max_iters", steps,
+        "--eval_interval", steps, "--dtype", "float32", "--lr", cfg.lr, "--warmup", cfg.warmup,
+        out_dir=tmp_path)
     assert code == 0, out
     losses = list(train_losses(records).values())
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
@@ -1712,8 +1557,6 @@ def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp
 
 
 def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path, monkeypatch):
-    import train
-
     models, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
 
     class Kept(train.Bamboo):  # the model the run builds
@@ -1737,9 +1580,7 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
                                    for before, after in norms), norms
 
 
-def test_layer_decay_scales_each_layer():
-    import train
-
+def test_the_optimizer_scales_each_layer_decays_only_weights_and_is_the_reference_adamw():
     model = Bamboo(tiny("cls", depth=3))
     cfg = train.schedule_defaults(train.TrainConfig(layer_decay=0.5), depth=3)
     groups = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -1758,19 +1599,13 @@ def test_layer_decay_scales_each_layer():
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     assert decays[id(smooth.blocks[0].attn.vo.psi)] == 0
     assert decays[id(smooth.blocks[0].attn.vo.basis)] == 0
-
-
-def test_fused_adamw_matches_the_reference_adamw():
-    import train
-
     torch.manual_seed(0)
     model, reference = Bamboo(tiny("cls", depth=2)), Bamboo(tiny("cls", depth=2))
     reference.load_state_dict(model.state_dict())
     start = model.head.weight.detach().clone()
     cfg = train.schedule_defaults(train.TrainConfig(), depth=2)
     fused = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2)  # on the CPU: fused
-    # decay / no decay, nothing else
-    assert fused.defaults["fused"] and len(fused.param_groups) == 2
+    assert fused.defaults["fused"] and len(fused.param_groups) == 2  # decay / no decay, no more
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
     plain = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]],
                                 "weight_decay": g["weight_decay"]}
@@ -1787,21 +1622,27 @@ def test_fused_adamw_matches_the_reference_adamw():
     assert not torch.allclose(model.head.weight, start)
 
 
-def test_init_from_mae_loads_the_encoder(tiny_data, trained, tmp_path):
-    trained("mae", tmp_path / "mae")
-    # lr 0 leaves the weights as loaded, so the fine-tuning checkpoint shows what was loaded
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval",
-                                          "1"), "--init_from", str(tmp_path / "mae" / "ckpt.pt"),
-                             "--lr", "0", "--min_lr", "0", "--layer_decay", "0.65",
-                             out_dir=tmp_path / "cls")
+def test_init_from_mae_loads_the_encoder_or_its_first_blocks_and_resumes_without_it(
+        tiny_data, trained, tmp_path):
+    mae = trained("mae", tmp_path / "mae")
+    cls = image_flags(tiny_data, "cls", "--max_iters", "1", "--eval_interval", "1")
+    code, out, _ = run_train(*cls, "--init_from", mae, "--lr", "0", "--min_lr", "0",
+                             "--layer_decay", "0.65", out_dir=tmp_path / "cls")  # lr 0: as loaded
     assert code == 0, out
     match = re.search(r"loaded (\d+) tensors, skipped (\d+)", out)
     assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, out
-    mae = torch.load(tmp_path / "mae" / "ckpt.pt", weights_only=True)["model"]
-    cls = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)["model"]
-    shared = [k for k in cls if k in mae and not k.startswith("head")]
+    pretrained = torch.load(mae, weights_only=True)["model"]
+    tuned = torch.load(tmp_path / "cls" / "ckpt.pt", weights_only=True)["model"]
+    shared = [k for k in tuned if k in pretrained and not k.startswith("head")]
     assert len(shared) == int(match.group(1))
-    assert all(torch.equal(cls[k], mae[k]) for k in shared)
+    assert all(torch.equal(tuned[k], pretrained[k]) for k in shared)
+    code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
+    trunk = [k for k in torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["model"]
+             if k.startswith(TRUNK)]  # fewer blocks than pretrained: the first ones, all loaded
+    assert code == 0 and f"loaded {len(trunk)} tensors" in out and "blocks," in out, out
+    mae.unlink()  # a fine-tuning run resumes without its --init_from file
+    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "cls")
+    assert code == 0 and "resumed" in out, out
 
 
 def test_fine_tuning_keeps_the_pretrained_trunks_vo_param(tiny_data, tmp_path):
@@ -1825,15 +1666,6 @@ def test_a_text_trunk_is_tuned_with_its_tokens_and_a_preset_checked_on_the_data_
     assert code == 0 and f"evaluated {mlm} as trained: " in out, out
 
 
-def test_a_trunk_fine_tuned_with_fewer_blocks_loads_the_first_ones(tiny_data, trained, tmp_path):
-    mae = trained("mae", tmp_path / "mae")
-    cls = image_flags(tiny_data, "cls", "--max_iters", "1")
-    code, out, _ = run_train(*cls, "--init_from", mae, "--depth", "1", out_dir=tmp_path / "c")
-    trunk = [k for k in torch.load(tmp_path / "c" / "ckpt.pt", weights_only=True)["model"]
-             if k.startswith(TRUNK)]  # fewer blocks than pretrained: the first ones, all loaded
-    assert code == 0 and f"loaded {len(trunk)} tensors" in out and "blocks," in out, out
-
-
 def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path):
     """2 processes x 2 micro-batches agree with 1 process x 2 to 1e-4 (fp32: bf16's rounding alone
     moves the losses by as much)."""
@@ -1852,8 +1684,6 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
                                                                                tmp_path):
     """best.pt: the weights of the best evaluation so far, without optimizer or random states,
     loadable wherever a checkpoint is; --overwrite replaces it with the rest of the old run."""
-    from operations.checkpoint import model_from_checkpoint
-
     out = tmp_path / "run"
     train_run(tiny_data, "next", out, 4, "--eval_interval", "2", "--lr", "1e-1")
     evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
@@ -1981,8 +1811,6 @@ def test_each_run_records_the_commit_command_torch_machine_and_dtype_that_made_i
 def test_the_log_reaches_the_disk_line_by_line_while_the_run_goes(tiny_data, tmp_path, monkeypatch):
     """`tail -f log.jsonl` follows a run, and a run killed outright (SIGKILL, a lost node) keeps
     what it logged."""
-    import train
-
     lines_on_disk = []
     get_lr = train.get_lr  # called once at the start of every step
 
@@ -2033,8 +1861,6 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
 
 
 def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
-    import train
-
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", str(tiny_data / "images"),
              "--preset", "cifar-tiny", "--image_size", "16", "--depth", "2", "--max_iters", "1",
              "--batch_size", "16", "--cache_dir", IMAGE_CACHE]
@@ -2055,9 +1881,6 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
     """One table says where each setting applies, a row for every training setting; a flag given
     where it does nothing is named, never silent."""
     from dataclasses import fields
-
-    import train
-    from operations import checks
 
     rows = checks.where_flags_apply(train.TrainConfig(), Config(), False, set())
     assert {f.name for f in fields(train.TrainConfig)} <= set(rows)
@@ -2083,25 +1906,20 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
         assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
 
 
-def test_a_run_on_a_busy_cpu_names_threads_1(tiny_data, tmp_path, monkeypatch):
-    flags = image_flags(tiny_data, "cls", "--max_iters", "1", "--device", "cpu")
-    for load, said in ((99.0, True), (0.0, False)):
-        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-        code, out, _ = run_train(*flags, out_dir=tmp_path / str(load))
-        assert code == 0 and ("note: this CPU is busy (load 99.0 on" in out) == said, out
+def test_silent_flag_mixups_and_a_busy_cpu_are_said(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
-    code, out, _ = run_train(*flags, "--threads", "1", out_dir=tmp_path / "one")
-    assert code == 0 and "this CPU is busy" not in out  # chosen already
-
-
-def test_silent_flag_mixups_are_said(tiny_data, tmp_path):
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--warmup", "5"),
-                             out_dir=tmp_path / "w")
+                             "--device", "cpu", out_dir=tmp_path / "w")
     assert code == 0 and "--warmup 5 is not shorter than --max_iters 2" in out
+    assert "note: this CPU is busy (load 99.0 on" in out  # --threads 1 may be faster
+    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--threads", "1"),
+                             "--device", "cpu", out_dir=tmp_path / "one")
+    assert code == 0 and "this CPU is busy" not in out  # chosen already
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "1", "--probe_samples",
                                           "100000", "--train_samples", "100000", "--mlm_prob",
                                           "0.3", "--seq_len", "64", "--num_classes", "7"),
-                             out_dir=tmp_path / "p")
+                             "--device", "cpu", out_dir=tmp_path / "p")
     assert code == 0 and "--probe_samples 100000 is more than the " in out, out
     assert "--train_samples 100000 is more than the 96 training images" in out, out
     assert "note: this run ignores --mlm_prob (read only for --objective mlm)" in out
@@ -2109,6 +1927,7 @@ def test_silent_flag_mixups_are_said(tiny_data, tmp_path):
             "for --objective mae)") in out
     assert "note: this run ignores --seq_len (read only for text)" in out
     assert "--num_classes is the data's 2 here: the data sets it" in out
+    assert "this CPU is busy" not in out  # not busy
     code, out, _ = run_train(*image_flags(tiny_data, "cls", "--eval_only"), out_dir=tmp_path / "p")
     assert code == 0 and "--eval_only without --resume or --init_from scores freshly" in out
 
@@ -2146,31 +1965,33 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
-def test_resume_takes_new_iterations_and_the_data_location(tiny_data, trained, tmp_path):
-    trained("cls", tmp_path / "run")
-    moved = tmp_path / "moved"
-    shutil.copytree(tiny_data / "images", moved)
-    code, out, records = run_train("--resume", "--max_iters", "4", "--data_dir", str(moved),
-                                   out_dir=tmp_path / "run")
-    assert code == 0 and "resumed" in out, out
-    assert max(train_losses(records)) == 4
-    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+def test_resume_takes_new_iterations_the_data_location_and_this_invocations_threads(
+        tiny_data, trained, tmp_path):
+    """A log of whole records that lost its last newline resumes; a resume on another held-out set
+    says that 'best' now compares across sets; a finished run says so instead of silence."""
+    out, moved = tmp_path / "run", Path(shutil.copytree(tiny_data / "images", tmp_path / "moved"))
+    log = trained("cls", out).with_name("log.jsonl")
+    log.write_text(log.read_text().rstrip("\n"))
+    try:  # --threads is the invocation's own: a resume on another machine sets its own
+        code, printed, records = run_train("--resume", "--max_iters", "4", "--data_dir", moved,
+                                           "--threads", "2", out_dir=out)
+        assert code == 0 and "resumed" in printed and torch.get_num_threads() == 2, printed
+    finally:
+        torch.set_num_threads(1)
+    assert [r.get("step") for r in records][-5:] == [2, None, 3, 4, 4]  # eval, run, steps, eval
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 4 and ckpt["train"]["data_dir"] == str(moved)
-    # finished: says so instead of silence
-    code, out, _ = run_train("--resume", out_dir=tmp_path / "run")
-    assert code == 0 and "nothing to train" in out and "--max_iters" in out, out
-
-
-def test_a_fine_tuning_run_resumes_without_its_init_from_file(tiny_data, trained, tmp_path):
-    mae = trained("mae", tmp_path / "mae")
-    train_run(tiny_data, "cls", tmp_path / "ft", 1, "--init_from", str(mae))
-    mae.unlink()
-    code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "ft")
-    assert code == 0 and "resumed" in out, out
+    assert "different held-out sets" not in printed
+    code, printed, _ = run_train("--resume", "--eval_samples", "16", out_dir=out)
+    assert code == 0 and "'best' now compares evaluations on different held-out sets" in printed
+    code, printed, _ = run_train("--resume", out_dir=out)
+    assert code == 0 and "nothing to train" in printed and "--max_iters" in printed, printed
+    assert "different held-out sets" not in printed
 
 
 @pytest.mark.parametrize("change", ["moved", "class renamed", "file added", "text edited"])
-def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_path, change):
+def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_path, monkeypatch,
+                                                       change):
     """The same files with the same labels (a folder moved elsewhere is the same data), or the same
     text: renamed class folders would permute the labels, an added file change the data order."""
     kind = "text" if change == "text edited" else "images"
@@ -2193,33 +2014,15 @@ def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_pa
     if change == "moved":
         code, out, _ = run_train(*resume, out_dir=tmp_path / "run")
         assert code == 0 and "resumed from" in out, out
+        monkeypatch.chdir(tmp_path)  # however its path is written: one fingerprint
+        listed = [files.list_folder(d)[0]["test"] for d in ("moved", "./moved", str(data))]
+        assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
     else:
         err = cli_error(capsys, *resume, "--out_dir", str(tmp_path / "run"))
         assert f"--resume: the data in {data} are not those the run was trained on" in err, err
 
 
-def test_a_folder_keeps_its_fingerprint_however_its_path_is_written(tiny_data, monkeypatch):
-    from operations import files
-
-    monkeypatch.chdir(tiny_data)
-    listed = [files.list_folder(d)[0]["test"] for d in ("images", "./images",
-                                                          str(tiny_data / "images"))]
-    assert len({files.listing_fingerprint(samples) for samples in listed}) == 1
-
-
-def test_a_resume_on_another_held_out_set_says_that_best_compares_across_sets(trained, tmp_path):
-    out = tmp_path / "run"
-    trained("cls", out)
-    code, printed, _ = run_train("--resume", "--max_iters", "2", "--eval_samples", "16",
-                                 out_dir=out)
-    assert code == 0 and "'best' now compares evaluations on different held-out sets" in printed
-    code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=out)
-    assert code == 0 and "different held-out sets" not in printed, printed
-
-
 def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, monkeypatch):
-    import train
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "2")
     get_lr = train.get_lr
 
@@ -2240,26 +2043,7 @@ def test_a_resumed_run_logs_each_step_once_after_a_kill(tiny_data, tmp_path, mon
     assert [r["step"] for r in records if r.get("eval")] == [2, 4, 6]
 
 
-def test_a_log_of_whole_records_that_lost_its_last_newline_resumes(trained, tmp_path):
-    log = trained("cls", tmp_path).with_name("log.jsonl")
-    log.write_text(log.read_text().rstrip("\n"))
-    code, out, records = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
-    assert code == 0 and [r.get("step") for r in records][-3:] == [None, 3, 3], out  # run, step
-
-
-def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(capsys, monkeypatch):
-    from operations import checks, cli, progress
-    import train
-
-    before = torch.get_num_threads()
-    try:
-        train.start_processes(train.TrainConfig(threads=1, device="cpu"))
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-    assert "threads" in train.PER_INVOCATION  # a resume on another machine sets its own
-    with pytest.raises(cli.TrainingError, match="--threads -1 must be >= 0"):
-        checks.check_settings(train.TrainConfig(lr=1e-3, warmup=0, crop_scale=0.5, threads=-1))
+def test_the_resume_hint_names_the_launcher(monkeypatch):
     assert cli.resume_command("o", 1) == "python train.py --resume --out_dir o"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert cli.resume_command("o", 2) == "torchrun --nproc_per_node=2 train.py --resume --out_dir o"
@@ -2271,26 +2055,20 @@ def test_threads_are_set_per_invocation_and_the_resume_hint_names_the_launcher(c
 
 # --- 4c. The out_dir: one run at a time, written whole, nothing of another run lost
 
-def test_overwrite_starts_a_run_of_its_own_log(tiny_data, trained, tmp_path):
-    first = (trained("cls", tmp_path).with_name("log.jsonl")).read_text().splitlines()
-    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "2")
-    code, out, second = run_train(*flags, "--overwrite", "--seed", "7", out_dir=tmp_path)
-    assert code == 0, out
-    assert len(second) == len(first)  # its own log, not appended to the other run's
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
-
 
 def test_overwrite_replaces_all_of_a_run_and_nothing_else(tiny_data, trained, tmp_path):
     """A replacement removes every file the old run wrote (its per-image correctness too), and
-    nothing else (a mistyped --overwrite costs nothing: the refusals' table)."""
+    nothing else; its log is its own (a mistyped --overwrite costs nothing: the refusals' table)."""
     trained("cls", tmp_path)
     assert {"ckpt.pt", "log.jsonl", "eval_correct.npy"} <= {p.name for p in tmp_path.iterdir()}
     (tmp_path / "notes.txt").write_text("the user's own")
-    mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "1")
+    mae = image_flags(tiny_data, "mae", "--max_iters", "2", "--eval_interval", "1", "--seed", "7")
     code, out, records = run_train(*mae, "--overwrite", out_dir=tmp_path)
     assert code == 0 and "--overwrite: removed the old run's ckpt.pt best.pt log.jsonl" in out
     assert not (tmp_path / "eval_correct.npy").exists()  # the classifier's, not this run's
-    assert records[0]["from_step"] == 0 and [r["step"] for r in records if r.get("eval")] == [1, 2]
+    assert [r.get("step") for r in records] == [None, 1, 1, 2, 2]  # its run, steps and evaluations
+    assert records[0]["from_step"] == 0  # its own log, not appended to the other run's
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["train"]["seed"] == 7
     assert (tmp_path / "notes.txt").read_text() == "the user's own"
 
 
@@ -2298,8 +2076,6 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
         capsys, tiny_data, tmp_path):
     """A second run into an out_dir in use stops at once and writes nothing; the lock ends with the
     process that took it, even where a forked child (a DataLoader worker) outlives it."""
-    from operations.out_dir import out_dir_claimed
-
     script = (f"import os, sys, time; sys.path.insert(0, {REPO!r})\n"
               "from operations import out_dir\n"
               "claimed = out_dir.out_dir_claimed(sys.argv[1], False, False)\n"
@@ -2318,71 +2094,56 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_lock_ends_with_i
         pass
 
 
-def test_a_lock_file_that_is_a_pipe_or_a_link_is_one_line_not_a_hang(tmp_path):
+def test_a_lock_is_never_a_hang_or_a_link_and_a_failed_write_shows_its_own_error(tmp_path,
+                                                                                monkeypatch):
     """out_dir/.lock planted as a FIFO would block the open for ever; as a link it would lock (or
-    create) a file outside out_dir: both refused."""
-    from operations.cli import TrainingError
-    from operations.out_dir import out_dir_claimed
-
-    os.mkfifo(tmp_path / ".lock")
-    with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
-        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-            pass
-    (tmp_path / ".lock").unlink()
-    (tmp_path / ".lock").symlink_to(tmp_path.parent / "elsewhere.lock")
-    with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
-        with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-            pass
+    create) a file outside out_dir: both refused. A write that fails mid-run shows its error."""
+    for plant in (os.mkfifo, lambda lock: lock.symlink_to(tmp_path.parent / "elsewhere.lock")):
+        plant(tmp_path / ".lock")
+        with pytest.raises(TrainingError, match=r"cannot open .*\.lock \(.*\); remove it"):
+            with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+                pass
+        (tmp_path / ".lock").unlink()
     assert not (tmp_path.parent / "elsewhere.lock").exists()
 
+    def read_only(path):
+        raise PermissionError(13, "Permission denied", path)
 
-def test_temporary_files_of_a_killed_write_go_at_the_next_start_and_no_others(trained, tmp_path):
-    trained("cls", tmp_path)
-    left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
-    others = [".notes.x.tmp", "ckpt.pt.tmp", ".ckpt.pt.mine.tmp"]  # not atomic_write's names
-    for name in [*left, *others]:
-        (tmp_path / name).write_bytes(b"x" * 100)
-    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
-    assert code == 0, out
-    assert not [n for n in left if (tmp_path / n).exists()]
-    assert all((tmp_path / n).exists() for n in others)
+    with pytest.raises(OSError, match="No space left"):  # the folder made read-only mid-run
+        with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
+            (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
+            monkeypatch.setattr(os, "remove", read_only)
+            raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
+    # the write's error is shown (the lock file's removal failed quietly); the lock is let go
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
+    with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
+        pass
 
 
-def test_files_named_like_a_runs_own_but_not_written_by_one_are_left_alone(tmp_path):
+def test_a_start_removes_what_a_killed_run_left_and_no_file_of_the_users(trained, tmp_path):
     """Only atomic_write's temporary names are cleaned up, and .lock is removed only while empty
     (as a run leaves it): a user's .lock, or .tmp files of other names, stay as they are."""
-    from operations.out_dir import out_dir_claimed
-
-    mine = {".lock": "mine", ".ckpt.pt.mine.tmp": "mine", ".log.jsonl.draft.tmp": "mine"}
+    trained("cls", tmp_path)
+    left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
+    mine = {".lock": "mine", ".notes.x.tmp": "x", "ckpt.pt.tmp": "x", ".ckpt.pt.mine.tmp": "mine",
+            ".log.jsonl.draft.tmp": "mine"}  # not atomic_write's names
+    for name in left:
+        (tmp_path / name).write_bytes(b"x" * 100)
     for name, text in mine.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / ".ckpt.pt.ab12cd_4.tmp").write_bytes(b"half a checkpoint")  # a cut-off write
-    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
-        pass
+    code, out, _ = run_train("--resume", "--max_iters", "3", out_dir=tmp_path)
+    assert code == 0 and not [n for n in left if (tmp_path / n).exists()], out
     assert {name: (tmp_path / name).read_text() for name in mine} == mine
-    assert not (tmp_path / ".ckpt.pt.ab12cd_4.tmp").exists()
     (tmp_path / ".lock").write_text("")  # left by a run killed before its end
-    with out_dir_claimed(str(tmp_path), resume=False, overwrite=False):
+    with out_dir_claimed(str(tmp_path), resume=True, overwrite=False):
         pass
     assert not (tmp_path / ".lock").exists()
 
 
-def test_a_run_that_fails_before_training_leaves_no_empty_out_dir(capsys, tmp_path):
-    missing = ["--dataset", "folder", "--data_dir", str(tmp_path / "no-data")]
-    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "new"))
-    assert not (tmp_path / "new").exists()
-    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty as it was
-    assert "does not exist" in cli_error(capsys, *missing, "--out_dir", str(tmp_path / "mine"))
-    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
-
-
-def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_disk(tmp_path,
-                                                                                   monkeypatch):
-    import errno
-
-    from operations import checkpoint
-
-    # the old fixed temp name is never touched
+def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_failed_write(
+        tmp_path, monkeypatch):
+    """A full disk, or torch's stream writer failing (a RuntimeError), is one line: the last
+    checkpoint stays, no temporary file is left, and the old fixed temp name is never touched."""
     (tmp_path / "ckpt.pt.tmp").write_text("someone else's")
     umask = os.umask(0o027)  # the mode a plain open() would give, not mkstemp's 0o600
     try:
@@ -2396,37 +2157,20 @@ def test_checkpoints_use_a_temp_file_unique_to_the_process_and_survive_a_full_di
 
     monkeypatch.setattr(checkpoint.os, "chmod", no_modes)
     checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
+    for error, says in ((OSError(errno.ENOSPC, "No space left on device"),
+                         "No space left on device.*--resume"),
+                        (RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos "
+                                      "64 vs 0"), "could not write .*unexpected pos")):
+        def failing(obj, f, error=error):
+            f.write(b"partial")
+            raise error
 
-    def full_disk(obj, f):
-        f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
-    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*--resume"):
-        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
-    monkeypatch.undo()
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    # no temp file left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
-
-
-def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tmp_path,
-                                                                           monkeypatch):
-    from operations import checkpoint
-
-    def stream_writer_fails(obj, f):
-        f.write(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
-
-    checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 1})
-    monkeypatch.setattr(checkpoint.torch, "save", stream_writer_fails)
-    with pytest.raises(checkpoint.CheckpointError, match="could not write .*unexpected pos"):
-        checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
-    monkeypatch.undo()
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+        monkeypatch.setattr(checkpoint.torch, "save", failing)
+        with pytest.raises(checkpoint.CheckpointError, match=says):
+            checkpoint.save(str(tmp_path / "ckpt.pt"), {"step": 2})
+        monkeypatch.undo()
+        assert torch.load(tmp_path / "ckpt.pt", weights_only=True) == {"step": 1}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"]
 
 
 # --- 4d. Stopping: Ctrl-C and SIGTERM, the time limit, a non-finite loss, progress on the way
@@ -2434,15 +2178,7 @@ def test_a_checkpoint_write_that_torch_reports_as_a_runtime_error_is_one_line(tm
 def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     """Ctrl-C here; SIGTERM, the same handler, in the streamed run's test."""
     flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
-    proc = subprocess.Popen([sys.executable, "train.py", *flags, "--out_dir", str(tmp_path),
-                             "--log_interval", "1"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 60
-    while not ((tmp_path / "log.jsonl").exists()
-               and (tmp_path / "log.jsonl").read_text()) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    proc, out = stopped_run(flags, tmp_path, lambda proc: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, out
     assert "interrupted at step" in out and "Traceback" not in out
     assert "stop requested: finishing this step, then saving a checkpoint" in out
@@ -2451,12 +2187,11 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
 
 
-def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(capsys, tiny_data,
-                                                                              tmp_path):
+def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_says_so(
+        capsys, tiny_data, tmp_path):
     """Training stops while the evaluation and the checkpoint still fit (their last time, or before
     the first, a step per held-out batch and one for the probe); inf is refused."""
-    from operations import progress
-    import train
+    from tqdm import tqdm
 
     cfg = train.TrainConfig(time_limit=10, batch_size=16, eval_samples=0, probe_samples=0)
     clock = progress.Clock(time.time() - 7.5, cfg, held_out_batches=1)  # 2.5 s left
@@ -2473,61 +2208,15 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_must_be_finite(cap
     flags = image_flags(tiny_data, "cls", "--max_iters", "2")
     err = cli_error(capsys, *flags, "--time_limit", "inf", "--out_dir", str(tmp_path))
     assert err == "error: --time_limit inf must be a number of seconds >= 0 (0 means no limit)"
-
-
-def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
-        tiny_data, tmp_path, monkeypatch):
-    from operations import progress
-
-    # out of time only once the first evaluation has been timed (at step 2)
-    monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
-    flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
-                        "--time_limit", "60")
-    code, out, records = run_train(*flags, out_dir=tmp_path)
-    assert code == 0 and "time limit reached at step 2" in out, out
-    assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
-
-
-def test_a_time_limit_too_short_for_the_final_evaluation_says_so_once(capsys):
-    from tqdm import tqdm
-
-    from operations import progress
-    import train
-
     cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     clock = progress.Clock(time.time() - 2, cfg, held_out_batches=20)  # 21 s of evaluation
     clock.step_times = [1.0] * 3
     bar = tqdm(total=1000, disable=True)
-    for step in (3, 4):
+    for step in (3, 4):  # a limit too short for the final evaluation: said once
         clock.show_progress(bar, step, 2.5, 1e-3)
     out = capsys.readouterr().out
     assert out.count("note: --time_limit 10 s cannot hold the final evaluation (about 21 s, 20 "
                      "held-out batches)") == 1, out
-
-
-def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
-    """python train.py passes the time taken before its imports: a limit already spent there stops
-    the run after its first step, evaluated and saved."""
-    import train
-
-    flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
-    printed = io.StringIO()
-    with redirect_stdout(printed), redirect_stderr(printed):
-        code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert code == 0 and "time limit reached" in printed.getvalue(), printed.getvalue()
-    assert [r["step"] for r in log if r.get("eval")] == [1]
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
-    assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
-
-
-def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
-    from tqdm import tqdm
-
-    from operations import progress
-    import train
-
-    cfg = train.TrainConfig(max_iters=1000, time_limit=10, batch_size=16, eval_samples=0)
     # an evaluation: 2 batches and the probe, a step each (1 s); 5.5 s left
     clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
     clock.step_times = [1.0] * 11
@@ -2549,11 +2238,34 @@ def test_the_progress_bar_ends_where_the_time_limit_will_stop_the_run(capsys):
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
 
 
+def test_a_time_limit_met_right_after_an_evaluation_stops_there_without_another(
+        tiny_data, tmp_path, monkeypatch):
+    # out of time only once the first evaluation has been timed (at step 2)
+    monkeypatch.setattr(progress.Clock, "out_of_time", lambda self, step: self.eval_s is not None)
+    flags = image_flags(tiny_data, "cls", "--max_iters", "10", "--eval_interval", "2",
+                        "--time_limit", "60")
+    code, out, records = run_train(*flags, out_dir=tmp_path)
+    assert code == 0 and "time limit reached at step 2" in out, out
+    assert [r["step"] for r in records if r.get("eval")] == [2]  # not 2 and then 3
+
+
+def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
+    """python train.py passes the time taken before its imports: a limit already spent there stops
+    the run after its first step, evaluated and saved."""
+    flags = image_flags(tiny_data, "cls", "--max_iters", "40", "--time_limit", "900")
+    printed = io.StringIO()
+    with redirect_stdout(printed), redirect_stderr(printed):
+        code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert code == 0 and "time limit reached" in printed.getvalue(), printed.getvalue()
+    assert [r["step"] for r in log if r.get("eval")] == [1]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
+    assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
+
+
 def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch):
     """Loading the data, a progress line at a bounded rate, the stop on a line of its own, a summary
     on every exit."""
-    from operations import progress
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "6", "--eval_interval", "6")
     code, out, _ = run_train(*flags, out_dir=tmp_path / "a")  # reads the loss at every step
     lines = out.splitlines()
@@ -2575,8 +2287,6 @@ def test_a_run_in_a_log_file_says_what_it_does(tiny_data, tmp_path, monkeypatch)
 def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypatch):
     """In a log file (no terminal) an evaluation prints a progress line at most every
     PROGRESS_EVERY_S seconds, never after its last batch; its batches pass through unchanged."""
-    from operations import progress
-
     monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)
     assert list(progress.evaluation_progress(iter(range(4)), 4)) == [0, 1, 2, 3]
     lines = capsys.readouterr().out.splitlines()
@@ -2609,20 +2319,14 @@ def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, 
     assert (tmp_path / "ckpt.pt").read_bytes() == good
 
 
-def test_divergence_advice_names_the_rate_and_warmup_in_use_and_clipping_only_when_off():
-    from operations import progress
-    import train
-
-    advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))
-    assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
-
-
-def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved(capsys, tiny_data, tmp_path):
-    err = cli_error(capsys,
-                    *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval", "100",
-                                         "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
-                                 "--min_lr", "1e30"), "--out_dir", str(tmp_path))
+def test_non_finite_before_the_first_checkpoint_says_nothing_was_saved_and_the_advice_fits(
+        capsys, tiny_data, tmp_path):
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "50", "--eval_interval",
+                                         "100", "--grad_clip", "0", "--warmup", "0", "--lr", "1e30",
+                                         "--min_lr", "1e30"), "--out_dir", str(tmp_path))
     assert "no checkpoint was written yet" in err and not (tmp_path / "ckpt.pt").exists()
+    advice = progress.divergence_advice(train.TrainConfig(lr=3e-4, warmup=240))  # clipping on
+    assert "now 0.0003" in advice and "now 240" in advice and "grad_clip" not in advice
 
 
 # --- 4e. Mistakes and faults: each one line that says what to do
@@ -2650,9 +2354,6 @@ def log_ending(tail, keep=None):
 
 
 def offline_downloads(c, torchvision=True):
-    import urllib.error
-    import urllib.request
-
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
@@ -2691,9 +2392,30 @@ def truncated(c):
     (c.run / "ckpt.pt").write_bytes(blob[: len(blob) // 2])
 
 
+def copied(kind, change=lambda folder: None):
+    """A set-up: the tiny data's images or text (jpegs: the mixed JPEGs) copied into {tmp}/kind,
+    then changed."""
+    def setup(c):
+        source = c.request.getfixturevalue("mixed_jpegs") if kind == "jpegs" else c.data / kind
+        change(Path(shutil.copytree(source, c.tmp / kind)))
+    return setup
+
+
+def folder_of(classes):
+    """A set-up: {tmp}/images, write_folder's images of classes ({split: [names]}), and train/."""
+    def setup(c):
+        write_folder(c.tmp / "images", classes)
+        (c.tmp / "images" / "train").mkdir(exist_ok=True)
+    return setup
+
+
 NO_DATA = ["--dataset", "folder", "--data_dir", "{tmp}"]
 MAE_NO_DATA = ["--objective", "mae", "--data_dir", "{tmp}/d"]
 RESUME = ["--resume", "--max_iters", "3"]
+IMAGES_IN_TMP, TEXT_IN_TMP = ["@cls", "--data_dir", "{tmp}/images"], ["@next", "--data_dir",
+                                                                      "{tmp}/text"]
+STREAMED = ["--objective", "mae", "--dataset", "folder", "--data_dir", "{tmp}/jpegs", *STREAM_FLAGS,
+            "--max_iters", "2", "--workers", "1"]
 WIKITEXT = ["--objective", "next", "--dataset", "wikitext2", "--data_dir", "{tmp}/d",
             "--tokenizer", "bytes"]
 # train.py's refusals: (set-up, argv, what the one line says); --out_dir is {run} unless given. A
@@ -2713,6 +2435,7 @@ TRAIN_REFUSALS = [
     (None, [*NO_DATA, "--probe_samples", "-1"], "--probe_samples -1 must be >= 0"),
     (None, [*NO_DATA, "--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
     (None, [*NO_DATA, "--weight_decay", "-0.1"], "--weight_decay -0.1 must be >= 0"),
+    (None, [*NO_DATA, "--threads", "-1"], "--threads -1 must be >= 0"),
     (None, [*NO_DATA, "--mask_ratio", "0.005"],
      "Config.mask_ratio=0.005 must hide some patches and leave others"),
     (None, [*NO_DATA, "--mask_ratio", "0.995"],
@@ -2723,7 +2446,38 @@ TRAIN_REFUSALS = [
     (None, [*MAE_NO_DATA, "--workers", "-2"], "--workers -2 must be"),
     (None, [*MAE_NO_DATA, "--crop_scale", "1.5"], "--crop_scale 1.5 must be"),
     (None, [*MAE_NO_DATA, "--memory_gb", "-1"], "--memory_gb -1.0 must be"),
-    # the out_dir is checked before any data is read
+    # the data: missing, unreadable, not what the objective needs
+    (None, ["@cls", "--data_dir", "{tmp}/nope"],
+     "nope does not exist; point --data_dir at an image folder"),
+    (lambda c: (c.tmp / "a_file").write_text("x"), ["@cls", "--data_dir", "{tmp}/a_file"],
+     "a_file is a file, not a folder; point --data_dir at an image folder"),
+    (copied("images", lambda f: (f / "test" / "red" / "broken.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n not really")), IMAGES_IN_TMP, "broken.png (UnidentifiedImageError"),
+    (folder_of({"train": ["cat", "dog"], "test": ["dog", "emu"]}), IMAGES_IN_TMP,
+     "classes (only in training: ['cat'], only in test: ['emu'])"),
+    (folder_of({"train": ["all"], "test": ["all"]}), IMAGES_IN_TMP,
+     "num_classes=1 must be at least 2 for cls"),
+    (folder_of({"test": ["a", "b"]}), IMAGES_IN_TMP, "train: Couldn't find any class folder"),
+    ([folder_of({"train": ["a", "b"], "test": ["a", "b"]}), lambda c: (c.tmp / "images/test/c")
+      .mkdir() or (c.tmp / "images/test/c/notes.txt").write_text("not an image")], IMAGES_IN_TMP,
+     "test: Found no valid file for the classes c"),
+    (copied("text", lambda f: (f / "train.txt").write_text("")), TEXT_IN_TMP,
+     "train.txt is empty; give --train_file a file with text in it"),
+    (copied("text", lambda f: (f / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 500)),
+     TEXT_IN_TMP, "train.txt is not UTF-8 text (byte 3 is 0xe9); convert it, e.g. iconv"),
+    (None, ["@next", "--val_file", "nosuch.txt"],
+     "nosuch.txt is missing; put the text there, or point --data_dir and --val_file"),
+    (copied("text", lambda f: (f / "folder.txt").mkdir()), [*TEXT_IN_TMP, "--val_file",
+                                                           "folder.txt"],
+     "folder.txt is not a file (a folder, a pipe)"),
+    (None, ["@cls", "--objective", "next"],
+     "--objective next needs a text dataset (wikitext2, wikitext103, text)"),
+    (None, ["@cls", "--heads", "3"], "Config.heads=3"),
+    (copied("jpegs", lambda f: shutil.rmtree(f / "val" / "fox") or (f / "val" / "fox").mkdir()),
+     STREAMED, "Found no valid file for the classes fox"),  # a streamed folder: before any work
+    (copied("jpegs", lambda f: shutil.rmtree(f / "val")), STREAMED, "no test/ or val/ folder in"),
+    # the out_dir is checked before any data is read; a failed start leaves no out_dir behind
+    (lambda c: c.run.mkdir(), [*NO_DATA[:3], "{tmp}/no-data"], "does not exist"),  # the user's
     (lambda c: (c.tmp / "file").write_text("not a folder"),
      [*NO_DATA[:3], "{tmp}/no-data", "--out_dir", "{tmp}/file"], "is a file"),
     (None, [*NO_DATA[:3], "{tmp}/no-data", "--out_dir", ""], "--out_dir '' must name a folder"),
@@ -2812,12 +2566,6 @@ def test_each_mistake_is_one_line_that_changes_no_file(capsys, tmp_path, table_r
 
 
 def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
-    import bench
-    import look
-    from operations import export
-    import probe
-    import train
-
     for parse, argv in ((train.build_parser().parse_args, ["--max_iter", "5"]),
                         (probe.build_parser().parse_args, ["x.pt", "--sample", "4"]),
                         (bench.build_parser().parse_args, ["cls:cifar-tiny", "--batch", "4"]),
@@ -2830,8 +2578,6 @@ def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
 
 def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data,
                                                                              tmp_path, monkeypatch):
-    import train
-
     calls = {"n": 0}
     dumps = train.json.dumps
 
@@ -2856,22 +2602,20 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(cap
 
 def test_running_out_of_memory_is_one_line_that_names_the_batch(capsys, tiny_data, tmp_path,
                                                                  monkeypatch):
-    import data
-
     def too_large(data, draws):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
                            "83886080000 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(data.ImageData, "train_batch", too_large)
+    monkeypatch.setattr(ImageData, "train_batch", too_large)
     err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "1"), "--out_dir",
                     str(tmp_path))
     assert err.startswith("error: out of memory (DefaultCPUAllocator") and "--batch_size" in err
 
 
-def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise(capsys, tmp_path,
-                                                                                  monkeypatch):
-    from operations.cli import one_line_errors
-
+def test_a_failure_is_one_line_that_says_truthfully_what_is_left_and_others_still_raise(
+        capsys, tmp_path, monkeypatch):
+    """A rank whose peer died, a streaming worker killed, an interrupt: each one line, saying
+    whether a checkpoint is left to resume."""
     def peer_gone():
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
                            "by peer [127.0.0.1]:2")
@@ -2894,10 +2638,6 @@ def test_a_rank_whose_peer_died_says_so_in_one_line_and_other_errors_still_raise
         with one_line_errors(str(tmp_path)):
             peer_gone()
 
-
-def test_a_failure_says_truthfully_whether_a_checkpoint_is_left(capsys, tmp_path, monkeypatch):
-    import train
-
     def interrupted_twice(args, started):
         raise KeyboardInterrupt
 
@@ -2918,11 +2658,6 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
         capsys, tiny_data, tmp_path, monkeypatch):
     """Each evaluation logs probe.py's own per-layer metrics for the checkpoint; a run with them
     trains bit for bit as one without; look.py draws them for several runs."""
-    import shutil
-
-    import look
-    import probe
-
     flags = image_flags(tiny_data, "mae", "--max_iters", "4", "--eval_interval", "2")
     code, out, logged = run_train(*flags, "--probe_samples", "8", out_dir=tmp_path / "a")
     assert code == 0, out
@@ -2971,30 +2706,12 @@ def test_each_evaluation_logs_the_probes_layer_metrics_exactly_and_disturbs_noth
     assert "c: abs_cos_centered of the last layer at steps [4]: nan" in capsys.readouterr().out
 
 
-def test_look_draws_a_log_cut_short_and_says_when_a_run_diverged(capsys, tmp_path):
-    import look
-
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
-    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
-    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
-                                              '"val_loss": Infinity}\n\n')  # a blank line too
-    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
-    assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("tool, flag", [("probe", "--json"), ("probe", "--plot"), ("look", "--out"),
                                         ("export", "--out"), ("bench", "--json")])
 def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(capsys, tmp_path,
                                                                               tool, flag):
     """One check of an output path for every tool that writes, before any work: a run's own files,
     a missing folder, a folder; the system's write errors are one line too."""
-    import bench
-    import look
-    import probe
-    from operations import checkpoint, export
-    from operations.cli import RUN_FILES
-
     model = Bamboo(tiny("cls"))
     checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
                                              "model": model.state_dict(), "window": None})
@@ -3022,14 +2739,8 @@ def test_no_tool_writes_over_a_runs_own_files_and_a_name_too_long_is_one_line(ca
         assert "(File name too long); write elsewhere" in err and err.count("\n") == 1, err
 
 
-def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(capsys,
-                                                                                   tiny_data,
-                                                                                   tmp_path,
-                                                                                   monkeypatch):
-    import json
-
-    import probe
-
+def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behind(
+        capsys, tiny_data, tmp_path, monkeypatch):
     (tmp_path / "p.json").write_text("the previous report")
 
     def full_disk(*args, **kwargs):
@@ -3043,16 +2754,13 @@ def test_probe_json_is_written_atomically_and_a_failed_write_leaves_nothing_behi
     err = capsys.readouterr().err
     assert f"could not write {tmp_path / 'p.json'} (No space left on device)" in err
     assert err.count("\n") == 1
-    # the temp file is gone, the old report kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temporary file left
     assert (tmp_path / "p.json").read_text() == "the previous report"
     assert probe.main(argv) == 0
     assert json.loads((tmp_path / "p.json").read_text())["depth"] == {argv[0]: 1}
 
 
-def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
-    from probe import token_metrics
-
+def test_identical_tokens_are_fully_smoothed_orthogonal_ones_not_at_all_and_batches_average():
     m = token_metrics(torch.randn(3, 1, 16).expand(3, 10, 16))
     assert m["cos"] == pytest.approx(1.0) and m["std"] == pytest.approx(0.0, abs=1e-9)
     assert m["hc_dc"] == pytest.approx(0.0, abs=1e-9) and m["erank"] == pytest.approx(1.0)
@@ -3065,21 +2773,22 @@ def test_identical_tokens_are_fully_smoothed_and_orthogonal_ones_not_at_all():
         u, _ = torch.linalg.qr(torch.randn(20, k, dtype=torch.float64))
         v, _ = torch.linalg.qr(torch.randn(32, k, dtype=torch.float64))
         assert token_metrics((u @ v.T)[None])["erank"] == pytest.approx(k, rel=1e-6)
+    h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)  # a batch: the mean of its samples'
+    for name, value in token_metrics(h).items():
+        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]),
+                                      rel=1e-9)
 
 
 def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     """Centred i.i.d. N(0, I_d) tokens have pairwise cosines close to N(rho, (1 - rho^2) / d), rho
     = -1/(T-1); E|N(mu, s^2)| = s sqrt(2/pi) exp(-mu^2 / 2s^2) + mu (1 - 2 Phi(-mu/s))."""
-    from probe import token_metrics
-
     torch.manual_seed(0)
     T, d = 32, 1024
     rho = -1 / (T - 1)
     s = math.sqrt((1 - rho ** 2) / d)
     phi = 0.5 * (1 + math.erf(-rho / s / math.sqrt(2)))
     expected = s * math.sqrt(2 / math.pi) * math.exp(-rho ** 2 / (2 * s ** 2)) + rho * (1 - 2 * phi)
-    # a shared offset: raw cos is high, centred is not
-    m = token_metrics(torch.randn(16, T, d) + 5.0)
+    m = token_metrics(torch.randn(16, T, d) + 5.0)  # an offset: raw cos high, centred not
     assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
     assert m["cos"] > 0.9
 
@@ -3116,9 +2825,7 @@ def test_pure_attention_stack_collapses_and_centred_metrics_do_not_call_it_diver
         assert m["hc_dc"][-1] < 1e-5 and m["std"][-1] < 1e-5 * m["std"][0]
 
 
-def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio():
-    from probe import attention_entropy, update_ratio
-
+def test_attention_entropy_and_the_update_ratio_known_and_reported_for_every_block():
     T = 10
     uniform = torch.full((2, 3, T, T), 1 / T)
     one_hot = torch.eye(T).expand(2, 3, T, T)
@@ -3127,11 +2834,6 @@ def test_attention_entropy_of_uniform_and_one_hot_attention_and_the_update_ratio
     before = torch.randn(3, 6, 8)  # the update: the relative change of the stream
     assert update_ratio(before, 1.5 * before).tolist() == pytest.approx([0.5] * 3)
     assert update_ratio(before, before).tolist() == [0.0] * 3
-
-
-def test_probe_reports_entropy_and_update_for_every_block():
-    import probe
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", depth=3)).eval()
     x, _ = batch(model.config)
@@ -3149,8 +2851,6 @@ def test_probe_reports_entropy_and_update_for_every_block():
 
 @pytest.mark.parametrize("tokens,width", [(16, 48), (48, 16)])
 def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
-    from probe import singular_values
-
     torch.manual_seed(0)
     h = torch.randn(3, tokens, width, dtype=torch.float64)
     # rank 2
@@ -3159,34 +2859,15 @@ def test_singular_values_from_the_gram_matrix_equal_svdvals(tokens, width):
     assert torch.allclose(singular_values(h), expected, atol=1e-6 * expected.max())
 
 
-def test_metrics_in_batches_equal_one_sample_at_a_time():
-    from probe import token_metrics
-
-    torch.manual_seed(0)
-    h = torch.randn(6, 10, 24) + torch.randn(6, 1, 24)
-    whole = token_metrics(h)
-    for name, value in whole.items():
-        assert value == pytest.approx(np.mean([token_metrics(h[i:i + 1])[name] for i in range(6)]),
-                                      rel=1e-9)
-
-
-def test_vo_spectrum_of_a_hand_built_value_output_product():
-    from probe import vo_spectrum
-
+def test_vo_spectrum_of_a_hand_built_product_and_head_products_have_the_full_eigenvalues():
     model = Bamboo(tiny("cls", width=8, heads=2, depth=1))
     model.blocks[0], _ = hand_built_block(torch.ones(8))
     dominant, positive = vo_spectrum(model)
-    # head 0: +3 dominates, head 1: -2
-    assert dominant == [0.0] and positive == [pytest.approx(6 / 8)]
+    assert dominant == [0.0] and positive == [pytest.approx(6 / 8)]  # head 0: +3, head 1: -2
     # LayerNorm gain is folded in: flipping head 1's channels flips its eigenvalues' signs
     model.blocks[0], _ = hand_built_block(torch.tensor([1.0] * 4 + [-1.0] * 4))
     dominant, positive = vo_spectrum(model)
     assert dominant == [1.0] and positive == [pytest.approx(4 / 8)]
-
-
-def test_head_products_have_the_eigenvalues_of_the_full_matrix():
-    from probe import head_value_output
-
     torch.manual_seed(0)
     block = Bamboo(tiny("cls", width=32, heads=2, depth=1)).blocks[0]
     with torch.no_grad():
@@ -3194,8 +2875,7 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
     small = head_value_output(block)
     w_v = block.attn.qkv.weight.detach().double()[64:]
     w_o, g = block.attn.proj.weight.detach().double(), block.ln1.weight.detach().double()
-    for h in range(2):
-        # (32, 32), rank 16
+    for h in range(2):  # (32, 32), rank 16
         full = torch.diag(g) @ w_v[16 * h:16 * (h + 1)].T @ w_o[:, 16 * h:16 * (h + 1)].T
         big = torch.linalg.eigvals(full)
         big = big[big.abs().argsort(descending=True)][:16]
@@ -3204,8 +2884,6 @@ def test_head_products_have_the_eigenvalues_of_the_full_matrix():
 
 
 def test_beta_of_a_model_against_itself_is_one():
-    from probe import beta
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", depth=3))
     qk, v = beta(model, model)
@@ -3220,8 +2898,6 @@ def test_beta_of_a_model_against_itself_is_one():
 
 
 def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, trained, tmp_path):
-    import probe
-
     argv = [trained("cls", tmp_path / "cls"), "init:cifar-tiny,image_size=16,neutreno=0.6",
             "--labels", "trained,init", "--dataset", "folder", "--data_dir", tiny_data / "images",
             "--samples", "8", "--batch_size", "3"]
@@ -3240,8 +2916,7 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
             assert len(report["metrics"][name][label]) == 5
     # itself; padded to 5
     assert report["metrics"]["beta_v"]["trained"] == [None, 1.0, 1.0, None, None]
-    # depth 2 against depth 4: no pairs
-    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4
+    assert report["metrics"]["beta_v"]["init"][1:] == [None] * 4  # depth 2 vs 4: no pairs
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trained" in out.out and "abs_cos_centered" in out.out
     for relative, last, label in ((False, 4, "layer"), (True, 1.0, "relative depth")):
@@ -3252,8 +2927,6 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
 
 def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoother(
         capsys, tiny_data, trained, tmp_path):
-    import probe
-
     code, out = probe_cli(capsys, trained("cls", tmp_path / "cls"),
                           "init:cifar-tiny,image_size=16,depth=2,width=32",  # trained's shape
                           "--labels", "trained,fresh", "--dataset", "folder", "--data_dir",
@@ -3269,11 +2942,13 @@ def test_the_probe_table_fits_100_columns_and_the_figure_says_which_way_is_smoot
     assert set(labels) == set(probe.AXES)  # every metric has its panel, none without a label
     smoothing = [name for name, label in labels.items() if "smooth" in label]
     assert len(smoothing) >= 8 and labels["beta_v"] == "ratio to trained; above 1: larger"
+    report = probe.main([str(tmp_path / "cls" / "ckpt.pt"), "--samples", "1000", "--json",
+                         str(tmp_path / "p.json")])  # more samples than the held-out split's
+    assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
+    assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
 
 
 def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
-    import probe
-
     samples = torch.rand(4, 3, 16, 16)
     classifier, _ = probe.load_model("init:cifar-tiny,image_size=16", "folder")
     with pytest.raises(ValueError, match="--mask probes MAE's visible patches; it needs an MAE"):
@@ -3289,8 +2964,6 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
 
 
 def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
-    import bench
-
     try:
         code, out = probe_cli(capsys, "init:cifar-tiny,image_size=16", "--dataset", "folder",
                               "--data_dir", tiny_data / "images", "--samples", "2", "--device",
@@ -3308,19 +2981,10 @@ def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsy
         torch.set_num_threads(1)  # the suite's, for the tests after this one
 
 
-def test_probe_samples_beyond_the_split_record_what_was_probed(capsys, trained, tmp_path):
-    import probe
-
-    ckpt = trained("cls", tmp_path / "run")
-    report = probe.main([str(ckpt), "--samples", "1000", "--json", str(tmp_path / "p.json")])
-    assert report == 0 and json.loads((tmp_path / "p.json").read_text())["samples"] == 32
-    assert "note: the held-out split has 32 samples; probed 32, not 1000" in capsys.readouterr().out
-
-
-def test_foreign_specs_take_true_and_false_as_words_in_any_case():
-    from operations import cli, hub
-
-    # never a text that reads as True (offline: no download)
+def test_foreign_specs_take_true_and_false_in_any_case_and_failed_loads_give_advice_that_fits(
+        monkeypatch):
+    """Never a text that reads as True (offline: no download); a pickle behind a spec is refused in
+    one line (no code ran); an unknown name offline advises pretrained=0 only where not given."""
     vit = hub.load(TIMM_VIT.replace("pretrained=0", "pretrained=False") + ",class_token=no,"
                         "qkv_bias=false,global_pool=avg").model
     assert vit.cls_token is None and vit.blocks[0].attn.qkv.bias is None
@@ -3328,40 +2992,6 @@ def test_foreign_specs_take_true_and_false_as_words_in_any_case():
     assert gpt2.model.config.reorder_and_upcast_attn is True
     assert gpt2.model.config.layer_norm_epsilon == 1.0
     assert cli.config_from_spec("cifar-tiny,checkpointing=TRUE").checkpointing is True
-
-
-def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys, tmp_path,
-                                                                                   monkeypatch):
-    """The tools share one mapping of errors to lines; an output that cannot be written is named
-    as the user gave it, never as its hidden temporary file."""
-    import tempfile
-
-    import bench
-    from operations import figures
-
-    def out_of_memory(args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
-
-    monkeypatch.setattr(bench, "run", out_of_memory)
-    assert bench.main(["cls:cifar-tiny,width=100000"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: out of memory (CUDA out of memory.") and err.count("\n") == 1
-
-    def read_only(dir, prefix, suffix):
-        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1" + suffix))
-
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
-    with pytest.raises(OSError) as e:
-        figures.save_figure(None, str(tmp_path / "fig.png"))
-    assert e.value.filename == str(tmp_path / "fig.png")
-
-
-def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
-    """A pickle behind a spec is refused in one line (no code ran); an unknown name offline
-    advises pretrained=0 only where it was not given."""
-    import pickle
-
-    from operations import hub
 
     def refused(name, pretrained, settings):
         raise pickle.UnpicklingError("Weights only load failed")
@@ -3383,27 +3013,28 @@ def test_foreign_loads_that_fail_give_advice_that_fits(monkeypatch):
         hub.load("hf:gpt3")
 
 
-def test_a_folder_made_read_only_mid_run_reports_the_failed_write_not_the_lock(tmp_path,
-                                                                               monkeypatch):
-    from operations.out_dir import out_dir_claimed
+def test_every_tool_says_out_of_memory_and_unwritable_outputs_by_name_in_one_line(capsys, tmp_path,
+                                                                                   monkeypatch):
+    """The tools share one mapping of errors to lines; an output that cannot be written is named
+    as the user gave it, never as its hidden temporary file."""
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
-    def read_only(path):
-        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(bench, "run", out_of_memory)
+    assert bench.main(["cls:cifar-tiny,width=100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory (CUDA out of memory.") and err.count("\n") == 1
 
-    with pytest.raises(OSError, match="No space left"):
-        with out_dir_claimed(str(tmp_path / "run"), resume=False, overwrite=False):
-            (tmp_path / "run" / "ckpt.pt").write_bytes(b"x")
-            monkeypatch.setattr(os, "remove", read_only)
-            raise OSError(28, "No space left on device", "ckpt.pt")  # the write's error
-    # the write's error is shown (the lock file's removal failed quietly); the lock is let go
-    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "ckpt.pt"]
-    with out_dir_claimed(str(tmp_path / "run"), resume=True, overwrite=False):
-        pass
+    def read_only(dir, prefix, suffix):
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1" + suffix))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OSError) as e:
+        figures.save_figure(None, str(tmp_path / "fig.png"))
+    assert e.value.filename == str(tmp_path / "fig.png")
 
 
 def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
-    import probe
-
     model = Bamboo(tiny("cls"))
     with torch.no_grad():
         model.blocks[1].mlp.proj.bias[0] = float("nan")  # finite through block 0, not after block 1
@@ -3415,10 +3046,6 @@ def test_non_finite_hidden_states_are_named_not_fed_to_the_eigen_solver():
 def hub_offline(what, network_up=False):
     """A set-up: transformers' `what` cannot reach the hub (and hub_unreachable says it can)."""
     def setup(c):
-        import transformers
-
-        from operations import hub
-
         def offline(*args, **kwargs):
             raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
@@ -3474,7 +3101,9 @@ def test_probe_refuses_each_mistake_in_one_line(capsys, table_row, setup, argv, 
 # 6. operations/fast.py: speedups keep results (compilation, CUDA graphs, AdamW, bf16)
 # ==================================================================================================
 
-def test_mlm_head_on_chosen_positions_equals_the_full_head():
+def test_mlm_head_on_chosen_positions_equals_the_full_head_and_static_shapes_the_targets_path():
+    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
+    indexing: both give the full head's logits and loss at the chosen positions."""
     torch.manual_seed(0)
     model = Bamboo(tiny("mlm"))
     x, _ = batch(model.config)
@@ -3485,13 +3114,6 @@ def test_mlm_head_on_chosen_positions_equals_the_full_head():
     reference = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-100)
     assert torch.allclose(loss, reference, atol=1e-6)
     assert torch.allclose(logits, full[targets != -100], atol=1e-6)
-
-
-def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path():
-    """Training gathers the k chosen positions per window (graph-safe); given targets, boolean
-    indexing."""
-    model = Bamboo(tiny("mlm"))
-    x, _ = batch(model.config)
     torch.manual_seed(0)
     logits, loss = model(x)
     assert logits.shape == (len(x) * model.config.num_chosen(x.shape[1]), model.config.vocab_size)
@@ -3504,9 +3126,6 @@ def test_mlm_training_path_with_static_shapes_equals_the_explicit_targets_path()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
-    import bamboo
-    from bamboo import ChunkedCrossEntropy
-
     monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 5)  # 5 rows a chunk: 4 chunks + a part
     torch.manual_seed(0)
     h = torch.randn(23, 16, requires_grad=True)
@@ -3517,8 +3136,7 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
     full_grads = torch.autograd.grad(3 * full, (h, weight))
     with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
         chunked = ChunkedCrossEntropy.apply(h.to(dtype), weight.to(dtype), targets)
-    # the 3 checks the incoming gradient is applied
-    grads = torch.autograd.grad(3 * chunked, (h, weight))
+    grads = torch.autograd.grad(3 * chunked, (h, weight))  # 3: the incoming gradient applied
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(chunked.float(), full, rtol=tolerance)
     for a, b in zip(grads, full_grads):
@@ -3533,8 +3151,6 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     gradients; without gradients (evaluation) it gives the same value from the logits alone."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import bamboo
-
     monkeypatch.setattr(bamboo, "LOGITS_PER_CHUNK", 64 * 7)  # 7 rows a chunk: several chunks
     torch.manual_seed(0)
     model = Bamboo(tiny("next", depth=2))
@@ -3548,8 +3164,8 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     assert torch.allclose(loss, reference, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, reference_grads))
     with torch.no_grad(), FlopCounterMode(display=False) as flops:
-        held_out = model.next_token_loss(h, targets)
-    assert torch.allclose(held_out, reference, atol=1e-6)
+        evaluated = model.next_token_loss(h, targets)
+    assert torch.allclose(evaluated, reference, atol=1e-6)
     rows, width = h.flatten(0, 1).shape  # without gradients: the logits' matmul alone
     assert flops.get_total_flops() == 2 * rows * width * model.config.vocab_size
 
@@ -3593,29 +3209,14 @@ def test_the_readme_commands_run_in_order_each_into_its_own_out_dir():
 
 def test_every_fast_name_the_code_and_readme_cite_exists():
     """A docstring or the README that names one of fast's functions names a real one."""
-    from operations import fast
-
     texts = [open(os.path.join(REPO, path)).read() for path in (*REFERENCE_FILES, "README.md")]
     cited = {name for text in texts for name in re.findall(r"\bfast\.([A-Za-z_]\w*)", text)}
     assert cited and not {name for name in cited if name != "py" and not hasattr(fast, name)}
 
 
-def test_fast_trains_the_model_itself_without_compilation():
-    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
-    loss."""
-    from operations import fast
-
-    for objective in ("mae", "cls", "mlm", "next"):
-        model = Bamboo(tiny(objective))
-        for device in ("cpu", "meta"):
-            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
-
-
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatch):
     """Each block runs again in backward (its forward counted), with the same dropout draws."""
-    import bamboo
-
     grads, runs, forward = {}, [], bamboo.Block.forward
     monkeypatch.setattr(bamboo.Block, "forward", lambda *args: runs.append(1) or forward(*args))
     for flag in (False, True):
@@ -3642,8 +3243,6 @@ def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatc
 ])
 def test_compile_plan_picks_graphs_only_where_safe_and_says_why(asked, device, options, ddp,
                                                                 expected, why):
-    from operations import fast
-
     mode, reason = fast.compile_plan(asked, torch.device(device),
                                      tiny(options.pop("objective", "cls"), **options), ddp)
     assert mode == expected and why in reason and (reason == "") == (why == "")
@@ -3656,8 +3255,6 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
     graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
     from torch._dynamo.utils import counters
-
-    from operations import fast
 
     graphs = {}
     for depth in (3, 8):
@@ -3687,8 +3284,6 @@ def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
     keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
     from torch._dynamo.utils import counters
 
-    from operations import fast
-
     torch.manual_seed(0)
     model = Bamboo(tiny("next", vocab_size=100))
     x, _ = batch(model.config)
@@ -3711,10 +3306,6 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     batch."""
     from torch._dynamo.utils import counters
 
-    from operations import fast
-    from data import ImageData
-    from train import TrainConfig, evaluate
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", image_size=16))
     data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
@@ -3722,16 +3313,21 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     counters.clear()
     fast.compile_blocks(model, backend="eager")
     # 32 = 12 + 12 + 8
-    metrics = evaluate(model, data, TrainConfig(eval_samples=0), 12, torch.device("cpu"))
+    metrics = train.evaluate(model, data, train.TrainConfig(eval_samples=0), 12,
+                             torch.device("cpu"))
     assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
     torch._dynamo.reset()
 
 
-def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentiates_the_loss_only():
-    """MAE's and next-token's y=None reach the model as None; the graphed callable returns the
-    loss alone, out is kept beside it without gradient (else it gets a zero gradient each step)."""
-    from operations import fast
-
+def test_uncompiled_the_model_trains_itself_and_the_graph_wrapper_differentiates_the_loss_only():
+    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
+    loss. Under CUDA graphs MAE's and next-token's y=None reach the model as None; the graphed
+    callable returns the loss alone, out is kept beside it without gradient (else it gets a zero
+    gradient each step)."""
+    for objective in ("mae", "cls", "mlm", "next"):
+        model = Bamboo(tiny(objective))
+        for device in ("cpu", "meta"):
+            assert fast.for_training(model, torch.device(device), torch.float32)[0] is model
     model = Bamboo(tiny("mae"))
     x, _ = batch(model.config)
     wrapped = fast.LossOnly(model, (x, None))
@@ -3747,15 +3343,31 @@ def test_the_cuda_graph_wrapper_passes_missing_arguments_as_none_and_differentia
     assert wrapped(tokens).requires_grad and wrapped.out is None
 
 
+def test_bf16_autocast_tracks_fp32_training():
+    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60
+    steps."""
+    final = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Bamboo(tiny("cls", width=64))
+        x, y = batch(model.config, B=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(60):
+            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+                loss = model(x, y)[1]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final[dtype] = model(x, y)[1].item()  # measured in fp32
+    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
+
+
 # ==================================================================================================
 # 7. operations/adapters.py and export.py: timm and Hugging Face models, both ways
 # ==================================================================================================
 
 @pytest.mark.parametrize("objective", ["cls", "next"])
 def test_our_model_through_the_generic_path_gives_the_native_numbers(objective):
-    from operations import adapters
-    import probe
-
     torch.manual_seed(0)
     model = Bamboo(tiny(objective, depth=3, neutreno=0.6)).eval()
     x, _ = batch(model.config)
@@ -3793,8 +3405,6 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     from safetensors import safe_open
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
-
-    from operations import checkpoint, export
 
     torch.manual_seed(0)
     model = Bamboo(tiny(objective)).eval()
@@ -3837,8 +3447,6 @@ def own_file(name, text="the user's own"):
 
 
 def exported(out):
-    from operations import export
-
     assert export.main([str(out.parent / "c.pt"), "--out", str(out)]) == 0
 
 
@@ -3860,8 +3468,6 @@ EXPORT_REFUSALS = [  # (model, set-up of the --out path, --out, what the one lin
 @pytest.mark.parametrize("model, setup, out, says", EXPORT_REFUSALS)
 def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_over(
         tmp_path, capsys, model, setup, out, says):
-    from operations import checkpoint, export
-
     model = Bamboo(tiny(model.get("objective", "cls"),
                         **{k: v for k, v in model.items() if k != "objective"}))
     checkpoint.save(str(tmp_path / "c.pt"), {"config": model.config.to_dict(),
@@ -3875,11 +3481,10 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_o
         == before, err
 
 
-def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
+def test_the_adapters_read_the_libraries_weights_and_attention_as_the_libraries_compute_them():
     """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
-    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D)."""
-    import probe
-
+    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D), and
+    the attention they recompute is the libraries' own explicit attention."""
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
         model, _ = probe.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
@@ -3902,11 +3507,6 @@ def test_the_value_output_spectrum_reads_timms_fused_qkv_and_gpt2s_conv1d():
                 assert torch.allclose(got.abs().sort().values, largest.abs().sort().values,
                                       atol=1e-6)
                 assert (got.real > 0).sum() == (largest.real > 0).sum()
-
-
-def test_recomputed_attention_equals_the_libraries_explicit_attention():
-    import probe
-
     torch.manual_seed(0)
     for name in ("gpt2", "bert"):
         model, _ = probe.load_model(HF_TINY[name], "")
@@ -3927,9 +3527,6 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
         capsys, tiny_data, monkeypatch):
     """No network: the hub's offline switch is set after one quick connection attempt, so a model
     or a tokenizer missing from the cache is one line within seconds (not ~30 s of retries)."""
-    import data
-
-    from operations import files
     from huggingface_hub import constants
 
     def no_network(*args, **kwargs):
@@ -3941,7 +3538,7 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     t0 = time.time()  # a tokenizer alone (--tokenizer hf:NAME) too
     with pytest.raises(files.DataError, match="could not load the Hugging Face tokenizer 'gpt2'"):
-        data.get_tokenizer("hf:gpt2")
+        get_tokenizer("hf:gpt2")
     assert time.time() - t0 < 10 and constants.HF_HUB_OFFLINE
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # and again for the models
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -3956,8 +3553,6 @@ def test_without_network_a_hub_model_fails_in_seconds_with_advice_that_works(
 def test_hugging_faces_vit_mae_is_probed_unmasked_unless_told(capsys, tiny_data, tmp_path):
     """Every patch, in order, by default: the hooked states equal the library's own; --mask keeps
     a quarter of the patches, the same ones in every run, and changes the numbers."""
-    import probe
-
     model, _ = probe.load_model(HF_MAE, "")
     x = torch.rand(2, 3, 16, 16)
     ratio = model.model.config.mask_ratio
@@ -4024,10 +3619,6 @@ HUB_REFUSALS = [  # (spec, what the one line says)
 
 @pytest.mark.parametrize("spec, says", HUB_REFUSALS)
 def test_a_foreign_spec_that_cannot_be_probed_as_given_is_one_line(tmp_path, spec, says):
-    import argparse
-
-    from operations import hub
-
     torch.save({"state_dict": {"x": argparse.Namespace(a=1)}}, tmp_path / "other.pt")
     with pytest.raises(ValueError) as e:
         hub.load(spec.replace("{other}", str(tmp_path / "other.pt")))
@@ -4036,8 +3627,6 @@ def test_a_foreign_spec_that_cannot_be_probed_as_given_is_one_line(tmp_path, spe
 
 
 def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, tiny_data, tmp_path):
-    import probe
-
     T = 12
     causal = torch.tril(torch.ones(T, T))
     uniform = (causal / causal.sum(-1, keepdim=True))[None, None]  # (1, 1, T, T)
@@ -4059,10 +3648,6 @@ def test_causal_attention_entropy_is_reported_against_its_own_ceiling(capsys, ti
 def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(monkeypatch):
     """Offline stand-ins for the hub: the image model is normalised with its processor's mean and
     std, and a pretrained text model other than GPT-2 reads the hub's tokenizer by default."""
-    import transformers
-
-    from operations import cli, hub
-
     def random_weights(spec):  # the suite's tiny model of that spec, as if downloaded
         name, settings = cli.split_spec(spec.removeprefix("hf:"))
         settings.pop("pretrained")
@@ -4082,35 +3667,14 @@ def test_a_pretrained_hugging_face_model_reads_its_own_statistics_and_tokenizer(
     assert hub.load("hf:facebook/opt-125m").tokenizer == "hf:facebook/opt-125m"
 
 
-def test_an_unloadable_gpt2_encoding_names_the_offline_fix_that_works(monkeypatch):
+def test_tokenizers_are_read_where_they_can_be_loaded_and_offline_the_fix_that_works_is_named(
+        capsys, tiny_data, tmp_path, monkeypatch):
     """Offline, tiktoken's gpt2 needs two files; r50k_base (GPT-2's ranks) needs one, which a
     TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
     import tiktoken
 
-    import data
-
-    from operations import files
-
-    def offline(name):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(files.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
-        data.get_tokenizer("gpt2")
-    with pytest.raises(files.DataError) as e:
-        data.get_tokenizer("cl100k_base")
-    assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
-
-
-def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_data, tmp_path,
-                                                                   monkeypatch):
-    import transformers
-
-    from operations import hub
-    import data
-
     folder = byte_level_tokenizer(tmp_path / "tok")
-    tok = data.get_tokenizer(f"hf:{folder}")
+    tok = get_tokenizer(f"hf:{folder}")
     assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
     common = ("--dataset", "text", "--data_dir", tiny_data / "text", "--samples", "4")
     code, out = probe_cli(capsys, HF_TINY["opt"], *common, "--tokenizer", f"hf:{folder}")
@@ -4120,18 +3684,25 @@ def test_hugging_face_tokenizers_are_read_where_they_can_be_loaded(capsys, tiny_
     assert hub.hf_tokenizer(opt, "facebook/opt-125m", True) == "hf:facebook/opt-125m"
     assert hub.hf_tokenizer(opt, "opt", False) is None
 
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(files.DataError, match=r"or --tokenizer r50k_base: GPT-2's ranks in one"):
+        get_tokenizer("gpt2")
+    with pytest.raises(files.DataError) as e:
+        get_tokenizer("cl100k_base")
+    assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
+
 
 # ==================================================================================================
 # 8. look.py: looking at what a model does
 # ==================================================================================================
 
-def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
+def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_and_labels_few(
+        capsys, tiny_data, tmp_path, monkeypatch):
     """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
     draw an out_dir, named NAME."""
-    import shutil
-
-    import look
-
     flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
     assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
     shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
@@ -4142,24 +3713,26 @@ def test_look_draws_a_runs_log_kept_as_a_file(capsys, tiny_data, tmp_path):
     assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
                       str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
-
-
-def test_smoothing_labels_at_most_about_eight_evaluations_so_they_never_overlap(tmp_path,
-                                                                              monkeypatch):
-    import look
-
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
+                                              '"val_loss": Infinity}\n\n')  # a blank line too
+    assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    assert "e: every val_loss is non-finite (diverged); nothing to draw" in capsys.readouterr().err
     records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
-               for i in range(1, 17)]
-    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+               for i in range(1, 17)]  # 16 evaluations: about eight labelled, never overlapping
+    (tmp_path / "e" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     drawn, save_figure = [], look.save_figure
     monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
                         save_figure(fig, path))
-    assert look.main(["smoothing", str(tmp_path), "--out", str(tmp_path / "s.png")]) == 0
+    assert look.main(["smoothing", str(tmp_path / "e"), "--out", str(tmp_path / "s.png")]) == 0
     labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
     assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
-def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
+def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_one(
+        capsys, trained, tmp_path):
     torch.manual_seed(0)
     model = Bamboo(tiny("next")).eval()
     prompt = torch.randint(0, 64, (2, 5))
@@ -4173,9 +3746,6 @@ def test_generate_with_top_k_one_continues_with_the_likeliest_token_each_time():
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
     with pytest.raises(ValueError, match="needs a next-token model"):
         Bamboo(tiny("mlm")).generate(prompt, 1)
-
-
-def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_path):
     ckpt = trained("next", tmp_path / "next")
     code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
                          "--max_new_tokens", "12", "--seed", "3")
@@ -4192,8 +3762,6 @@ def test_look_samples_text_from_a_next_token_checkpoint(capsys, trained, tmp_pat
 def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_information():
     """No beta panels without a pair; a metric that moves by 1e-4 near 1 is drawn flat (a y-range
     of at least 5% of its size); y-labels wrap, never overlapping the next panel."""
-    import probe
-
     wobble = [0.9999, 1.0, 0.99995]
     report = {"labels": ["a"], "depth": {"a": 2}, "samples": 4, "attn_entropy_ceiling": {"a": 1.0},
               "metrics": {name: {"a": wobble} for name in probe.AXES}}
@@ -4217,8 +3785,6 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
 def half_tokenizer(c):
     """A tokenizer with fewer ids than the model: it would fail on the first id it cannot decode."""
     import tiktoken
-
-    import look
 
     half = tiktoken.Encoding("half", pat_str=r"[\s\S]", special_tokens={},
                              mergeable_ranks={bytes([i]): i for i in range(128)})
@@ -4268,8 +3834,6 @@ def test_look_refuses_each_mistake_in_one_line_and_draws_nothing(capsys, tmp_pat
 
 
 def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, tiny_data, tmp_path):
-    import look
-
     ckpt = train_run(tiny_data, "mae", tmp_path / "mae", 2, "--norm_pix_loss")
     code, out = look_cli(capsys, "reconstruct", ckpt, "--samples", "3", "--out", tmp_path / "r.png")
     width, height = png_size(tmp_path / "r.png")  # 4 columns, 3 rows
@@ -4293,8 +3857,6 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
 
 
 def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path):
-    import look
-
     runs = [trained(kind, tmp_path / kind).parent for kind in ("cls", "next")]
     for run in runs:
         code, out = look_cli(capsys, "attention", run / "ckpt.pt", "--layers", "0,-1", "--heads",
@@ -4331,15 +3893,17 @@ def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path
 # 9. bench.py: step time, MFU and memory
 # ==================================================================================================
 
-def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
-    import bench
+QUICK_BENCH = ["--batch_size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1", "--dtype",
+               "float32"]  # bench.py's flags for a quick run (flags after them override)
 
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
-                                            "next:cifar-tiny,seq_len=16,vocab_size=64",
-                                            "--batch_size", "2", "--steps", "1", "--rounds", "2",
-                                            "--warmup", "1",
-                                            "--dtype", "float32,bfloat16", "--compile", "off"])
-    rows = bench.run(args)
+
+def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step(capsys,
+                                                                                 tmp_path):
+    """One run compares configs and dtypes, or attention kernels (its rows written as JSON too);
+    --profile shows one step's profile."""
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64", *QUICK_BENCH,
+        "--rounds", "2", "--dtype", "float32,bfloat16", "--compile", "off"]))
     out = capsys.readouterr().out
     assert [(r["spec"].split(":")[0], r["dtype"]) for r in rows] == [
         ("cls", "float32"), ("cls", "bfloat16"), ("next", "float32"), ("next", "bfloat16")]
@@ -4350,21 +3914,27 @@ def test_bench_compares_configs_and_dtypes_in_one_run(capsys):
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
     assert "MFU %" in out and "peak: cpu (peak unknown: no MFU)" in out
     assert "first step of cls:cifar-tiny,image_size=16 (bamboo, float32, off): " in out  # at once
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", *QUICK_BENCH, "--attention", "sdpa,explicit", "--json",
+        str(tmp_path / "b.json")]))
+    assert [r["attention"] for r in rows] == ["sdpa", "explicit"]
+    assert " explicit " in capsys.readouterr().out
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
+    bench.run(bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", *QUICK_BENCH,
+                                               "--profile", "5"]))
+    out = capsys.readouterr().out
+    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
 
 
 def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys, monkeypatch):
     """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
     it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
-    import bench
-
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16",
-                                            "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
-                                            "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against",
-                                            "--batch_size", "2", "--steps", "1", "--rounds", "1",
-                                            "--warmup", "1", "--dtype", "float32", "--compile",
-                                            "blocks"])
-    rows = bench.run(args)
+    rows = bench.run(bench.build_parser().parse_args([
+        "cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
+        "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against", *QUICK_BENCH, "--compile",
+        "blocks"]))
     assert [(r["impl"], r["compiled"]) for r in rows] == [
         ("bamboo", "blocks"), ("timm VisionTransformer", "model"), ("bamboo", "blocks"),
         ("HF GPT2LMHeadModel", "model"), ("bamboo", "blocks"), ("HF BertForMaskedLM", "model")]
@@ -4373,62 +3943,20 @@ def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(ca
         assert library["params_m"] == pytest.approx(ours["params_m"], rel=0.1)  # the same shape
 
 
-def test_bench_compares_attention_kernels_in_one_run_and_writes_its_rows_as_json(capsys, tmp_path):
-    import bench
-
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32",
-                                            "--attention", "sdpa,explicit", "--json",
-                                            str(tmp_path / "b.json")])
-    rows = bench.run(args)
-    assert [r["attention"] for r in rows] == ["sdpa", "explicit"]
-    assert " explicit " in capsys.readouterr().out
-    written = json.loads((tmp_path / "b.json").read_text())
-    assert written["rows"] == rows and written["batch_size"] == 2 and written["device"]
-
-
-def test_bench_times_the_first_step_until_the_device_has_run_it(monkeypatch):
+def test_bench_times_steps_the_device_has_run_and_only_after_seconds_of_untimed_ones(monkeypatch):
     """On CUDA a step is queued and run later: the first step's time (where compilation shows) waits
-    for the device, as the timed rounds do (a 50 ms wait stands in for the device's)."""
-    import time
-
-    import bench
-
+    for the device, as the timed rounds do (a 50 ms wait stands in for the device's); a machine
+    runs its first seconds of work slower: the rounds start after WARM_S."""
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--dtype", "float32"])
+    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", *QUICK_BENCH])
     row, = bench.run(args)
     assert row["first_step_s"] >= 0.05 and row["step_ms"] >= 50
-
-
-def test_bench_times_its_rounds_only_after_seconds_of_untimed_steps(monkeypatch):
-    """A machine runs its first seconds of work slower: the rounds start after WARM_S."""
-    import time
-
-    import bench
-
     monkeypatch.setattr(bench, "WARM_S", 0.5)
     steps, step = [], bench.Runner.step
     monkeypatch.setattr(bench.Runner, "step", lambda self: steps.append(time.perf_counter())
                         or step(self))
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--warmup", "1", "--dtype", "float32"])
     bench.build_runners(args, torch.device("cpu"))
     assert steps[-1] - steps[0] >= 0.45 and len(steps) > 2
-
-
-def test_bench_profiles_one_step(capsys):
-    import bench
-
-    args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", "--batch_size", "2",
-                                            "--steps", "1",
-                                            "--rounds", "1", "--warmup", "1", "--profile", "5",
-                                            "--dtype", "float32"])
-    bench.run(args)
-    out = capsys.readouterr().out
-    assert "profile of one step: cls:cifar-tiny" in out and "Self CPU" in out
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -4443,64 +3971,9 @@ def test_bench_profiles_one_step(capsys):
     (["cls:cifar-tiny", "--json", "no/such/folder/b.json"], "the folder no/such/folder does not"),
 ])
 def test_bench_rejects_bad_arguments_in_one_line_before_any_step(capsys, argv, says):
-    import bench
-
     assert bench.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
-
-
-def test_wikitext_download_checks_the_archive(tmp_path, monkeypatch):
-    import io as _io
-    import zipfile
-
-    from operations import files
-
-    def fake_zip(members):
-        buffer = _io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as z:
-            for name in members:
-                z.writestr(f"wikitext-2-raw/wiki.{name}.raw", f" = {name} = \n" + "word " * 30000)
-        return buffer.getvalue()
-
-    seen = []
-    monkeypatch.setattr(files, "_fetch",
-                        lambda url: seen.append(url) or fake_zip(["train", "valid", "test"]))
-    target = files.download_wikitext("wikitext2", str(tmp_path / "ok"))
-    assert sorted(os.listdir(target)) == ["test.txt", "train.txt", "valid.txt"]
-    assert open(os.path.join(target, "valid.txt")).read().startswith(" = valid = ")
-    assert seen == ["https://wikitext.smerity.com/wikitext-2-raw-v1.zip"]
-    own = tmp_path / "own" / "wikitext-2-raw"  # a user's train.txt and test.txt: only valid.txt
-    own.mkdir(parents=True)
-    for split in ("train", "test"):
-        (own / f"{split}.txt").write_text(f"the user's own {split}")
-    files.download_wikitext("wikitext2", str(tmp_path / "own"))
-    assert [(own / f"{s}.txt").read_text()[:20] for s in ("train", "valid", "test")] == [
-        "the user's own train", " = valid = \nword wor", "the user's own test"]
-    # an archive without its test split is refused, and leaves nothing behind
-    monkeypatch.setattr(files, "_fetch", lambda url: fake_zip(["train", "valid"]))
-    with pytest.raises(files.DataError, match="could not download wikitext2"):
-        files.download_wikitext("wikitext2", str(tmp_path / "bad"))
-    assert not [p for p in (tmp_path / "bad").rglob("*") if p.is_file()]
-
-
-def test_bf16_autocast_tracks_fp32_training():
-    """bf16 autocast (the CPU default where native) must not change where training goes: 5% after 60
-    steps."""
-    final = {}
-    for dtype in (None, torch.bfloat16):
-        torch.manual_seed(0)
-        model = Bamboo(tiny("cls", width=64))
-        x, y = batch(model.config, B=16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(60):
-            with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
-                loss = model(x, y)[1]
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        final[dtype] = model(x, y)[1].item()  # measured in fp32
-    assert final[torch.bfloat16] == pytest.approx(final[None], rel=0.05), final
 
 
 # ==================================================================================================
@@ -4512,24 +3985,19 @@ def test_bf16_autocast_tracks_fp32_training():
 def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
     """fast.for_training never assigns a method or attribute on the model or its modules (torch's
     compile slot aside): the methods a reader studies are the ones that train."""
-    from operations import fast
-
     model = Bamboo(tiny(objective, neutreno=0.4))
     before = instance_attributes(model)
     for device in ("cpu", "meta"):  # the CPU's wrappers, and those of any other device
         fast.for_training(model, torch.device(device), torch.bfloat16, compile_mode)
         after = instance_attributes(model)
         for name, attributes in after.items():
-            changed = {
-                key for key in attributes.keys() | before[name].keys()
-                if attributes.get(key) is not before[name].get(key)
-            } - {
-                "_compiled_call_impl", "_is_torch_compile",
-            }  # torch.compile's own
+            changed = {key for key in attributes.keys() | before[name].keys()
+                       if attributes.get(key) is not before[name].get(key)}
+            changed -= {"_compiled_call_impl", "_is_torch_compile"}  # torch.compile's own
             assert not changed, (name, changed)
         for module_name, submodule in model.named_modules():
-            shadowed = [
-                key for key in vars(submodule) if callable(getattr(type(submodule), key, None))]
+            shadowed = [key for key in vars(submodule)
+                        if callable(getattr(type(submodule), key, None))]
             assert not shadowed, (module_name, shadowed)
 
 
@@ -4545,8 +4013,6 @@ def test_measurement_tools_do_not_import_the_trainer():
 def test_imports_point_one_way_down_the_stated_order():
     """Every module imports only modules before it in LAYERS (inside functions too); the tutorial's
     files import only named packages besides, and operations/ as modules: out_dir.out_dir_claimed"""
-    import ast
-
     modules = {p[:-3].replace("/", ".") for p in os.listdir(REPO) + [
         f"operations/{f}" for f in os.listdir(f"{REPO}/operations")]
         if p.endswith(".py") and not p.startswith(("test_", "operations/__init__"))}
@@ -4575,9 +4041,9 @@ def test_imports_point_one_way_down_the_stated_order():
 def test_reference_code_passes_ruff_at_100_columns():
     """The reference's lines are at most 100 characters; no file has unused imports or names, or
     undefined names (ruff, run by the suite wherever it runs)."""
-    for select, files in (("E501,F", REFERENCE_FILES), ("F", ("results",))):
+    for select, paths in (("E501,F", REFERENCE_FILES), ("F", ("results",))):
         ruff = [sys.executable, "-m", "ruff", "check", "--no-cache", "--line-length", "100"]
-        done = subprocess.run([*ruff, "--select", select, *files], cwd=REPO, capture_output=True,
+        done = subprocess.run([*ruff, "--select", select, *paths], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
 
@@ -4603,11 +4069,6 @@ def test_the_readme_links_each_name_to_its_lines(tmp_path):
 def test_functions_fit_on_a_screen_and_the_training_loop_holds_the_step():
     """No function over 60 lines but train.train (a run's state as its locals, as nanoGPT's
     script); its loop shows each of the step's verbs itself, in order."""
-    import ast
-    import inspect
-
-    import train
-
     lengths = {}
     for path in REFERENCE_FILES:
         for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
@@ -4732,8 +4193,6 @@ def test_per_layer_metrics_under_cuda_graphs_leave_training_as_it_was(tiny_data,
 def test_to_device_leaves_a_cuda_tensor_where_it_is_whatever_the_device_is_called():
     """--device cuda names no index, while the GPU-resident data sits on cuda:0: pinning it
     would fail."""
-    from data import to_device
-
     x = torch.arange(6, device="cuda:0")
     assert to_device(x, torch.device("cuda")) is x
     moved = to_device(torch.arange(6), torch.device("cuda"))
