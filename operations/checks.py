@@ -137,15 +137,9 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
                                 f"--resume may change only {may}; drop --{name}{hint}")
     # fields added since: defaults
     settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}
-    for f in fields(train_config):
-        kinds = (int, float) if f.type is float else f.type
-        value = settings[f.name]
-        if not isinstance(value, kinds) or (f.type is not bool and isinstance(value, bool)):
-            raise checkpoint.CheckpointError(f"{path}: its training setting {f.name}={value!r} is "
-                                             "damaged; train again")
     settings.update({name: getattr(train_config, name) for name in per_invocation})
     settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
-    return train_config(**settings), ckpt  # every field, of its type: checked above
+    return train_config(**settings), ckpt
 
 
 def check_same_data(resumed, data, data_dir, eval_samples, master=True):

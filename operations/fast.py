@@ -18,6 +18,10 @@ PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
+# --compile auto on a CPU: per objective, the compilation that paid most over its quick recipe,
+# and the fewest steps from which its saving wins back the first step's compilation (measured on
+# a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); other objectives stay eager
+CPU_COMPILE = {"cls": ("blocks", 400), "mae": ("model", 1200), "next": ("model", 200)}
 
 
 # ----------------------------------------------------------------------------- device and dtype
@@ -90,8 +94,6 @@ def use_explicit_attention(asked, device, dtype, config):
     """Whether to build the model with explicit matmul-softmax-matmul attention: `asked` is
     bench.py's --attention (train.py asks auto); under auto, on CPU in bf16/fp16 for short
     sequences only, where it was measured to beat the fused kernel."""
-    if asked not in ATTENTION_CHOICES:
-        raise ValueError(f"--attention {asked!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if asked != "auto":
         return asked == "explicit"
     tokens = config.num_patches() if config.is_image else config.seq_len
@@ -101,14 +103,16 @@ def use_explicit_attention(asked, device, dtype, config):
 
 # ----------------------------------------------------------------------------- the module to train
 
-def for_training(model, device, dtype, compile="off", ddp=False):
+def for_training(model, device, dtype, compile="off", ddp=False, steps=0):
     """(module to train, compile mode, note): what train.py calls as module(x, y), and a line that
     says which compilation was chosen and why. Every choice runs the model's own forward and loss
     (the compile tests of test_all.py check loss and gradients against the plain model):
 
-      --compile off, or auto on CPU    model itself: every loss eager, as bamboo.py reads
+      --compile off (auto on CPU       model itself: every loss eager, as bamboo.py reads
+        where it does not pay)
       model                            torch.compile(model): the same forward and loss, compiled
-      blocks (auto under DDP)          model with its Blocks compiled in place (compile_blocks);
+      blocks (auto under DDP, and on   model with its Blocks compiled in place (compile_blocks);
+        CPU where it pays)
                                        next: CompiledNextToken(model), model.next_token_loss
                                        (ChunkedCrossEntropy) compiled as one more region
       graphs (auto on one GPU)         CUDAGraphed(the module of blocks): its forward and backward
@@ -117,7 +121,7 @@ def for_training(model, device, dtype, compile="off", ddp=False):
     Under graphs, run the module under autocast with cache_enabled=False (the autocast cache would
     hold tensors from outside the graph) and feed it batches of one shape."""
     module = model
-    mode, why = compile_plan(compile, device, model.config, ddp)
+    mode, why = compile_plan(compile, device, model.config, ddp, steps)
     if mode == "model":
         module = torch.compile(module)
     elif mode in ("blocks", "graphs"):
@@ -126,17 +130,23 @@ def for_training(model, device, dtype, compile="off", ddp=False):
             module = CompiledNextToken(model)
     if mode == "graphs":
         module = CUDAGraphed(module)
+    if compile == "auto" and device.type == "cpu" and mode != "off":
+        module = EagerIfCompilingFails(module, model)
     return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
 
 
-def compile_plan(asked, device, config, ddp):
-    """(mode, reason): the compilation to use for --compile `asked`, and why where it differs."""
-    if asked not in COMPILE_MODES:
-        raise ValueError(f"--compile {asked!r}: choose one of {', '.join(COMPILE_MODES)}")
+def compile_plan(asked, device, config, ddp, steps=0):
+    """(mode, reason): the compilation to use for --compile `asked` in a run of `steps` steps, and
+    why where it differs."""
+    if asked == "auto" and device.type == "cpu":
+        mode, least = CPU_COMPILE.get(config.objective, ("off", 0))
+        if mode != "off" and steps >= least and not ddp:
+            return mode, f"auto: on a CPU, compiling {config.objective} pays from {least} steps"
+        why = f"from {least} steps, without DDP" if least else "not measured to pay for it"
+        return "off", f"auto compiles on a CPU where it pays ({why}); --compile forces it"
     if asked == "auto":
         if device.type != "cuda":
-            return "off", (f"auto compiles on CUDA only; on {device.type} pass --compile blocks or "
-                           "model to compile")
+            return "off", f"auto compiles on CUDA and CPUs only; on {device.type} pass --compile"
         asked = "graphs"
     if asked != "graphs":
         return asked, ""
@@ -158,6 +168,25 @@ def compile_blocks(model, **compile_kwargs):
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(**compile_kwargs)
+
+
+class EagerIfCompilingFails(nn.Module):
+    """module, until a call whose compilation fails (no C++ compiler, an op the compiler cannot
+    take): from then on the model runs eagerly, said in one line. What auto chooses on a CPU."""
+
+    def __init__(self, module, model):
+        super().__init__()
+        self.module, self.model, self.config = module, model, model.config
+
+    def forward(self, *args):
+        try:
+            return self.module(*args)
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as e:
+            print(f"note: compilation failed ({str(e).splitlines()[0][:120]}); the run goes on "
+                  "uncompiled, as --compile off", flush=True)
+            torch.compiler.set_stance("force_eager")  # compiled blocks now run as written
+            self.module = self.model
+            return self.model(*args)
 
 
 class CompiledNextToken(nn.Module):

@@ -195,21 +195,12 @@ def tokenize_cached(path, tokenizer, cache_dir):
 
 def cifar(name, data_dir, train):
     """(uint8 images (N, 3, H, W), labels, class names) of a CIFAR split, via torchvision."""
-    try:
-        import torchvision
-    except ImportError:
-        raise DataError(f"--dataset {name} downloads through torchvision, which is not installed: "
-                        "pip install torchvision, or use --dataset folder --data_dir DIR") from None
+    import torchvision
 
     cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
-    archive = os.path.join(data_dir, cls.filename)
-    had_archive = os.path.exists(archive)
-    try:
+    try:  # a partial archive is checked (md5) and downloaded again next time
         ds = cls(data_dir, train=train, download=True)
     except Exception as e:  # URLError, socket timeouts, md5 mismatch, ...
-        if os.path.exists(archive) and not had_archive:
-            # leave no half-written archive behind; never one that was there before
-            os.remove(archive)
         raise DataError(f"could not download {name} to {data_dir} ({type(e).__name__}: {e}); "
                         f"put {cls.base_folder}/ there by hand, or use --dataset folder "
                         "--data_dir DIR with an ImageFolder tree") from None

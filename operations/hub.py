@@ -31,8 +31,6 @@ def load(spec):
         model = hf_model(name, pretrained, settings)
         statistics = hf_image_statistics(name) if pretrained and is_image(model.config) else None
         return Foreign(model.eval(), spec, statistics, hf_tokenizer(model.config, name, pretrained))
-    except ImportError as e:
-        raise ValueError(f"{spec} needs {e.name}; pip install timm transformers") from None
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused it: no code ran
         raise ValueError(f"{spec}: its weights are a pickle with more than tensors, which is not "
                          "loaded (it could run code); use safetensors or plain tensor weights") \

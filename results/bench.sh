@@ -65,6 +65,23 @@ compile_time() {
   done
 }
 compile_time
+# --compile auto on a CPU (fast.CPU_COMPILE_FROM_STEPS): each quick recipe's model at its batch, bf16, compiled
+# blocks and the whole model against eager, each mode in its own process with an empty inductor cache (cold
+# first step), then the blocks again on the cache it left (warm first step). Evaluation runs eagerly.
+cpu_compile() {
+  for spec in "cls:cifar-small 128" "mae:cifar-deep 128" "next:wikitext-small 16"; do
+    set -- $spec
+    local name=${1%%:*} cache
+    for mode in model blocks; do
+      cache=$(mktemp -d)
+      TORCHINDUCTOR_CACHE_DIR=$cache run "cpu-compile-$name-$mode" "$1" --batch_size "$2" --compile off,$mode \
+        --rounds 3 --steps 2 --warmup 1
+    done
+    TORCHINDUCTOR_CACHE_DIR=$cache run "cpu-compile-$name-blocks-warm" "$1" --batch_size "$2" --compile off,blocks \
+      --rounds 3 --steps 2 --warmup 1
+  done
+}
+cpu_compile
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # The allocator: glibc's defaults against glibc told by environment to keep freed memory (no code needed).
