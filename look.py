@@ -119,14 +119,10 @@ def reconstruct(args):
 def parse_indices(text, count, what):
     """'0,2,-1' -> [0, 2, count - 1], each checked to be one of count."""
     try:
-        picked = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--{what} takes whole numbers separated by commas, not "
-                         f"{text!r}") from None
-    bad = [i for i in picked if not -count <= i < count]
-    if bad:
-        raise ValueError(f"--{what} {bad[0]} is out of range: the model has {count} {what}")
-    return [i % count for i in picked]
+        return [range(count)[int(t)] for t in text.split(",")]
+    except (ValueError, IndexError):
+        raise ValueError(f"--{what} {text}: the model has {count} {what}; give whole numbers from "
+                         f"{-count} to {count - 1}, separated by commas") from None
 
 
 @torch.no_grad()
@@ -366,14 +362,12 @@ def build_parser():
 
 def check_args(args):
     """One line for the first bad argument, before any model is loaded."""
-    positive = {"num_samples": "a continuation", "max_new_tokens": "a token", "samples": "an image"}
-    for name, what in positive.items():
-        if getattr(args, name, 1) < 1:
-            raise ValueError(f"--{name} must be at least 1 ({what})")
-    if getattr(args, "temperature", 1) <= 0 or not math.isfinite(getattr(args, "temperature", 1)):
+    for name, least in (("num_samples", 1), ("max_new_tokens", 1), ("samples", 1), ("top_k", 0),
+                        ("index", 0), ("threads", 0)):
+        if getattr(args, name, least) < least:
+            raise ValueError(f"--{name} must be at least {least}")
+    if not 0 < getattr(args, "temperature", 1) < math.inf:
         raise ValueError("--temperature must be a finite number > 0")
-    if getattr(args, "top_k", 0) < 0 or getattr(args, "index", 0) < 0 or args.threads < 0:
-        raise ValueError("--top_k, --index and --threads must be >= 0")
     if getattr(args, "out", ""):
         check_output_path("--out", args.out)
 

@@ -34,11 +34,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiktoken
 import torch
 import torch.nn.functional as F
 # transformers binds its log handler to the stderr of its first import: here, not to a test's
 # capsys stream, which closes after the test
 import transformers.utils.logging
+from PIL import Image
+from torch._dynamo.utils import counters
 
 import bamboo
 import bench
@@ -255,8 +258,6 @@ def cli_error(capsys, *argv):
 def tiny_data(tmp_path_factory):
     """An ImageFolder of two colour classes (a colour plus a smooth wave and light noise, so that
     hidden patches are predictable), and a train/val pair of text files."""
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("data")
     rng = np.random.default_rng(0)
     for split, n in (("train", 48), ("test", 16)):
@@ -294,8 +295,6 @@ def assert_spectra(model, mode):
 
 def write_folder(root, classes_per_split, n=4, blue=True):
     """An ImageFolder tree of 16x16 noise images, {split: [class names]}; blue=False: no blue."""
-    from PIL import Image
-
     rng = np.random.default_rng(0)
     for split, classes in classes_per_split.items():
         for name in classes:
@@ -310,8 +309,6 @@ def write_folder(root, classes_per_split, n=4, blue=True):
 @pytest.fixture(scope="session")
 def mixed_jpegs(tmp_path_factory):
     """225 JPEGs of mixed sizes (12 to 96 px a side), three classes, train/ and val/."""
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("mixed")
     rng = np.random.default_rng(0)
     for split, n in (("train", 60), ("val", 15)):
@@ -408,8 +405,6 @@ def look_cli(capsys, *argv):
 
 
 def png_size(path):
-    from PIL import Image
-
     with Image.open(path) as image:
         return image.size
 
@@ -1050,8 +1045,6 @@ def test_smooth_model_reads_smoother_than_sharpen_at_init_on_cos_hc_dc_and_erank
 
 def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data, tmp_path,
                                                                         monkeypatch, capsys):
-    from PIL import Image
-
     folder, cache = tmp_path / "images", tmp_path / "cache"
     shutil.copytree(tiny_data / "images", folder)
     decoded = ImageData("folder", str(folder), "cpu", 16)  # no cache_dir: nothing kept
@@ -1179,8 +1172,6 @@ def test_pixel_statistics_see_every_class_and_need_no_float_copy_of_all_the_imag
 def test_an_image_over_pils_size_limit_is_one_line_naming_it(tiny_data, monkeypatch):
     """PIL refuses an image over twice its pixel limit (a decompression bomb) with an error of its
     own; here the limit is lowered so that a 16x16 image is one."""
-    from PIL import Image
-
     path = next((tiny_data / "images" / "test").glob("*/*.png"))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(files.DataError, match="DecompressionBombError") as e:
@@ -1827,19 +1818,10 @@ def test_wandb_gets_the_logged_numbers_and_without_the_package_the_flag_is_one_l
     """--wandb_project: every logged step and evaluation, numbers only, then finish; a failure
     mid-run is one line. (A stand-in module records the calls.)"""
     calls = []
-
-    class Run:
-        def log(self, numbers, step):
-            calls.append((step, numbers))
-
-        def finish(self):
-            calls.append("finish")
-
-    def init(project, config, name):
-        calls.append((project, config["max_iters"], name))
-        return Run()
-
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    run = types.SimpleNamespace(log=lambda numbers, step: calls.append((step, numbers)),
+                                finish=lambda: calls.append("finish"))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda project, config,
+                        name: calls.append((project, config["max_iters"], name)) or run))
     code, _, records = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2",
                                               "--eval_interval", "2", "--wandb_project", "p"),
                                  out_dir=tmp_path / "run")
@@ -3224,14 +3206,14 @@ def test_activation_checkpointing_gives_the_same_gradients(objective, monkeypatc
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
-MAE_MODE, PAYS = fast.CPU_COMPILE["mae"]
+NEXT_MODE, PAYS = fast.CPU_COMPILE["next"]
 
 
 @pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
-    ("auto", "cpu", {"objective": "mlm", "steps": 10 ** 6}, False, "off", "not measured to pay"),
-    ("auto", "cpu", {"objective": "mae", "steps": PAYS}, False, MAE_MODE, f"from {PAYS} steps"),
-    ("auto", "cpu", {"objective": "mae", "steps": PAYS - 1}, False, "off", f"from {PAYS} steps"),
-    ("auto", "cpu", {"objective": "mae", "steps": PAYS}, True, "off", "without DDP"),
+    ("auto", "cpu", {"objective": "mae", "steps": 10 ** 6}, False, "off", "not measured to pay"),
+    ("auto", "cpu", {"objective": "next", "steps": PAYS}, False, NEXT_MODE, f"from {PAYS} steps"),
+    ("auto", "cpu", {"objective": "next", "steps": PAYS - 1}, False, "off", f"from {PAYS} steps"),
+    ("auto", "cpu", {"objective": "next", "steps": PAYS}, True, "off", "without DDP"),
     ("auto", "meta", {}, False, "off", "auto compiles on CUDA and CPUs only"),
     ("auto", "cuda", {}, False, "graphs", ""),
     ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),
@@ -3254,31 +3236,27 @@ def test_compilation_chosen_on_a_cpu_that_fails_leaves_the_run_eager_in_one_line
     """Without a C++ compiler the first step says so in one line and gives the eager loss."""
     import torch._inductor.config as inductor
 
-    torch._dynamo.reset()
     monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))
     monkeypatch.setattr(inductor, "fx_graph_cache", False)
     monkeypatch.setitem(fast.CPU_COMPILE, "cls", ("blocks", 1))
     model = Bamboo(tiny("cls"))
     eager = model(*batch(model.config))[1]
-    module, mode, _ = fast.for_training(model, torch.device("cpu"), torch.float32, "auto",
-                                        steps=1)
+    module, mode, _ = fast.for_training(model, torch.device("cpu"), torch.float32, "auto", steps=1)
     try:
-        loss = module(*batch(model.config))[1]
+        torch._dynamo.reset()
+        assert mode == "blocks" and torch.equal(module(*batch(model.config))[1], eager)
     finally:
         torch.compiler.set_stance("default")
         torch._dynamo.reset()
-    assert mode == "blocks" and torch.equal(loss, eager)
-    said = capsys.readouterr().out.strip().splitlines()
-    assert len(said) == 1 and said[0].startswith("note: compilation failed (") and \
-        said[0].endswith("the run goes on uncompiled, as --compile off")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith("note: compilation failed (") and said[0].endswith(
+        "the run goes on uncompiled, as --compile off")
 
 
 @pytest.mark.parametrize("objective", ["cls", "mae", "next"])
 def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
     """Each Block is compiled in place; identical Blocks reuse one graph, so the count of compiled
     graphs does not grow with depth (block 0, which has no V0 yet, is the one other graph)."""
-    from torch._dynamo.utils import counters
-
     graphs = {}
     for depth in (3, 8):
         torch.manual_seed(0)
@@ -3305,8 +3283,6 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
 def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
     """Regional compilation of next-token's loss (through AOTAutograd, as inductor compiles it)
     keeps the model's loss and every gradient, with no graph break inside the chunked loss."""
-    from torch._dynamo.utils import counters
-
     torch.manual_seed(0)
     model = Bamboo(tiny("next", vocab_size=100))
     x, _ = batch(model.config)
@@ -3327,8 +3303,6 @@ def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
 def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_data):
     """evaluate() must not compile (or, under graphs, capture) graphs for its own, smaller last
     batch."""
-    from torch._dynamo.utils import counters
-
     torch.manual_seed(0)
     model = Bamboo(tiny("cls", image_size=16))
     data = ImageData("folder", str(tiny_data / "images"), torch.device("cpu"), image_size=16)
@@ -3343,10 +3317,8 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
 
 
 def test_uncompiled_the_model_trains_itself_and_the_graph_wrapper_differentiates_the_loss_only():
-    """Uncompiled, every objective trains the model itself on any device: no wrapper, no other
-    loss. Under CUDA graphs MAE's and next-token's y=None reach the model as None; the graphed
-    callable returns the loss alone, out is kept beside it without gradient (else it gets a zero
-    gradient each step)."""
+    """Uncompiled, every objective trains the model itself; under CUDA graphs y=None reaches the
+    model as None, and only the loss is differentiated (out is kept beside it, detached)."""
     for objective in ("mae", "cls", "mlm", "next"):
         model = Bamboo(tiny(objective))
         for device in ("cpu", "meta"):
@@ -3505,9 +3477,8 @@ def test_what_timm_and_hugging_face_do_not_have_is_refused_and_nothing_written_o
 
 
 def test_the_adapters_read_the_libraries_weights_and_attention_as_the_libraries_compute_them():
-    """Each head's W_V W_O from the adapters equals the product taken by hand from the library's
-    own weights (timm: rows of the fused qkv Linear; GPT-2: columns of the transposed Conv1D), and
-    the attention they recompute is the libraries' own explicit attention."""
+    """Each head's W_V W_O equals the product taken by hand from timm's fused qkv and GPT-2's
+    Conv1D, and the attention recomputed is the libraries' own explicit attention."""
     for spec in (TIMM_VIT, HF_TINY["gpt2"]):
         model, _ = probe.load_model(spec, "")
         library, D, nh = model.model, model.blocks[0].attn.weights()["q"].shape[0], model.heads
@@ -3694,8 +3665,6 @@ def test_tokenizers_are_read_where_they_can_be_loaded_and_offline_the_fix_that_w
         capsys, tiny_data, tmp_path, monkeypatch):
     """Offline, tiktoken's gpt2 needs two files; r50k_base (GPT-2's ranks) needs one, which a
     TIKTOKEN_CACHE_DIR can hold: the message names it for gpt2, and only for gpt2."""
-    import tiktoken
-
     folder = byte_level_tokenizer(tmp_path / "tok")
     tok = get_tokenizer(f"hf:{folder}")
     assert tok.n_vocab == 256 and tok.decode(tok.encode_ordinary("héllo, wörld")) == "héllo, wörld"
@@ -3807,8 +3776,6 @@ def test_the_probe_figure_draws_no_noise_as_signal_and_no_panel_without_informat
 
 def half_tokenizer(c):
     """A tokenizer with fewer ids than the model: it would fail on the first id it cannot decode."""
-    import tiktoken
-
     half = tiktoken.Encoding("half", pat_str=r"[\s\S]", special_tokens={},
                              mergeable_ranks={bytes([i]): i for i in range(128)})
     c.monkeypatch.setattr(look, "get_tokenizer", lambda name: half if name == "half" else
@@ -3832,7 +3799,7 @@ LOOK_REFUSALS = [  # (set-up, argv, what the one line says), as table_row reads 
       "drop --tokenizer to use the one it was trained with (bytes)")),
     ("cls", SAMPLE, "holds a cls model"),
     ("cls", ["attention", "{run}/ckpt.pt", "--layers", "5", "--out", "{tmp}/a.png"],
-     "--layers 5 is out of range: the model has 2 layers"),
+     "--layers 5: the model has 2 layers; give whole numbers from -2 to 1"),
     ("cls", ["attention", "{run}/ckpt.pt", "--index", "100000", "--out", "{tmp}/a.png"],
      "--index 100000 is past the 32 held-out samples; choose 0 to 31"),
     (None, ["curves", "{tmp}", "--out", "{tmp}/c.png"], "no log at"),
@@ -3967,9 +3934,8 @@ def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(ca
 
 
 def test_bench_times_steps_the_device_has_run_and_only_after_seconds_of_untimed_ones(monkeypatch):
-    """On CUDA a step is queued and run later: the first step's time (where compilation shows) waits
-    for the device, as the timed rounds do (a 50 ms wait stands in for the device's); a machine
-    runs its first seconds of work slower: the rounds start after WARM_S."""
+    """The first step's time waits for the device, as the rounds do (a 50 ms wait stands in for
+    CUDA's queue); the rounds start after WARM_S of untimed steps."""
     monkeypatch.setattr(bench, "device_sync", lambda device: lambda: time.sleep(0.05))
     args = bench.build_parser().parse_args(["cls:cifar-tiny,image_size=16", *QUICK_BENCH])
     row, = bench.run(args)

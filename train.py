@@ -176,8 +176,8 @@ def get_lr(it, cfg):
     peak cfg.lr is base_lr x batch / 256 and the warmup max(100, 10 x depth) (schedule_defaults)."""
     if it < cfg.warmup:
         return cfg.lr * (it + 1) / cfg.warmup
-    progress = min(1.0, (it - cfg.warmup) / max(1, cfg.max_iters - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    decayed = min(1.0, (it - cfg.warmup) / max(1, cfg.max_iters - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * decayed))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -252,9 +252,8 @@ def train(args, started=None):
             out_dir.remove_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
             f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
-            "GFLOPs/sample, "
-            f"{device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} = "
-            f"{world} x {cfg.grad_accum} x {micro_batch}"
+            f"GFLOPs/sample, {device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} "
+            f"= {world} x {cfg.grad_accum} x {micro_batch}"
             + ("" if cfg.eval_only else f", peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps"))
         say("\n".join(checks.settings_lines(cfg, config, data, sources, device)))
 
@@ -365,7 +364,8 @@ def train(args, started=None):
                 if cfg.time_limit and not stopping:  # no room left for a step and an evaluation
                     stopping = clock.out_of_time(step)
                     stopping = progress.any_rank(stopping, device) if ddp else stopping
-                    stop.reason = "time limit reached" if stopping else None
+                    if stopping or stop.reason == "time limit reached":  # as the ranks agreed
+                        stop.reason = (stop.reason or "time limit reached") if stopping else None
                 if stopping:
                     if master:
                         bar.write(progress.how_to_resume(stop.reason, step, world, cfg.out_dir))
@@ -485,8 +485,7 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
 
 def main(argv=None, started=None):
     args = build_parser().parse_args(argv)
-    out_dir = getattr(args, "out_dir", TrainConfig.out_dir)
-    with cli.one_line_errors(out_dir) as outcome:  # a user's mistake: one line
+    with cli.one_line_errors(getattr(args, "out_dir", TrainConfig.out_dir)) as outcome:
         outcome.code = train(args, started)
     return outcome.code
 

@@ -174,8 +174,8 @@ class Foreign:
         try:
             if hasattr(self.model, "forward_features"):  # timm: the trunk without the head
                 self.model.forward_features(x)
-            elif hasattr(self.model.config, "objective"):  # bamboo's own model, seen from outside
-                self.model(x, x if self.causal else None)  # next: every token in, as targets too
+            elif hasattr(self.model.config, "objective"):  # bamboo's cls or next, from outside
+                self.model(x, x if self.causal else None)  # (mae and mlm would mask or corrupt)
             elif self.is_mae:  # every patch in order unless masked (noise: which are kept)
                 before, self.model.config.mask_ratio = self.model.config.mask_ratio, mask_ratio
                 try:

@@ -21,18 +21,18 @@ LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
 
 def check_exportable(config):
     """One line for a model the libraries have no counterpart of."""
-    if config.objective == "mlm":
-        raise ValueError("an mlm model has no export here (its head is BERT's, its trunk GPT-2's "
-                         "without the causal mask); export cls, mae or next models")
-    if config.neutreno > 0:
-        raise ValueError(f"this model uses NeuTRENO (lambda {config.neutreno}), which timm and "
-                         "Hugging Face do not have; only softmax-attention models export")
-    if config.vo_param != "free":
-        raise ValueError(f"this model's W_V W_O is {config.vo_param}, which timm and Hugging Face "
-                         "do not have; only vo_param free exports")
-    if config.is_image and config.pool != "mean":
-        raise ValueError("a CLS-token pool has no position in timm's layout here; only --pool "
-                         "mean models export")
+    refusals = [
+        (config.objective == "mlm", "an mlm model has no export here (its head is BERT's, its "
+         "trunk GPT-2's without the causal mask); export cls, mae or next models"),
+        (config.neutreno > 0, f"this model uses NeuTRENO (lambda {config.neutreno}), which timm "
+         "and Hugging Face do not have; only softmax-attention models export"),
+        (config.vo_param != "free", f"this model's W_V W_O is {config.vo_param}, which timm and "
+         "Hugging Face do not have; only vo_param free exports"),
+        (config.is_image and config.pool != "mean", "a CLS-token pool has no position in timm's "
+         "layout here; only --pool mean models export")]
+    for refused, line in refusals:
+        if refused:
+            raise ValueError(line)
 
 
 def timm_kwargs(config):

@@ -20,8 +20,8 @@ COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
 # --compile auto on a CPU: per objective, the compilation that paid most over its quick recipe,
 # and the fewest steps from which its saving wins back the first step's compilation (measured on
-# a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); other objectives stay eager
-CPU_COMPILE = {"cls": ("blocks", 400), "mae": ("model", 1200), "next": ("model", 200)}
+# a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); mae and mlm stay eager
+CPU_COMPILE = {"cls": ("blocks", 400), "next": ("model", 200)}
 
 
 # ----------------------------------------------------------------------------- device and dtype
@@ -108,12 +108,12 @@ def for_training(model, device, dtype, compile="off", ddp=False, steps=0):
     says which compilation was chosen and why. Every choice runs the model's own forward and loss
     (the compile tests of test_all.py check loss and gradients against the plain model):
 
-      --compile off (auto on CPU       model itself: every loss eager, as bamboo.py reads
-        where it does not pay)
-      model                            torch.compile(model): the same forward and loss, compiled
-      blocks (auto under DDP, and on   model with its Blocks compiled in place (compile_blocks);
-        CPU where it pays)
-                                       next: CompiledNextToken(model), model.next_token_loss
+      off (auto on a CPU where         model itself: every loss eager, as bamboo.py reads
+        compiling does not pay)
+      model (auto on a CPU for the     torch.compile(model): the same forward and loss, compiled
+        objectives CPU_COMPILE names)
+      blocks (auto under DDP on        model with its Blocks compiled in place (compile_blocks);
+        CUDA, and as CPU_COMPILE says) next: CompiledNextToken(model), model.next_token_loss
                                        (ChunkedCrossEntropy) compiled as one more region
       graphs (auto on one GPU)         CUDAGraphed(the module of blocks): its forward and backward
                                        captured as CUDA graphs and replayed (the optimizer apart)
