@@ -45,7 +45,7 @@ def read_prompt(path):
 
 
 def sample(args):
-    """Continue the prompt num_samples times; print each continuation."""
+    """Continue the prompt num_samples times, printing each continuation as it is generated."""
     model, train_cfg, _ = load(args.checkpoint, "next")
     trained_with = train_cfg.get("tokenizer", "gpt2")
     tokenizer = get_tokenizer(args.tokenizer or trained_with)
@@ -55,14 +55,17 @@ def sample(args):
                          f"trained with ({trained_with})")
     prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
     ids = tokenizer.encode_ordinary(prompt) or [tokenizer.encode_ordinary("\n")[0]]
-    tokens = torch.tensor([ids] * args.num_samples)
     generator = torch.Generator().manual_seed(args.seed)
-    out = model.generate(tokens, args.max_new_tokens, args.temperature, args.top_k or None,
-                         generator)
-    texts = [tokenizer.decode(row[len(ids):].tolist()) for row in out]
-    for text in texts:
-        print(prompt + text)
-        print("---------------")
+    for _ in range(args.num_samples):
+        tokens, shown = torch.tensor([ids]), ""
+        print(prompt, end="", flush=True)
+        for _ in range(args.max_new_tokens):  # a token at a time, printed as it comes
+            tokens = model.generate(tokens, 1, args.temperature, args.top_k or None, generator)
+            text = tokenizer.decode(tokens[0, len(ids):].tolist())
+            if not text.endswith("\ufffd"):  # a character split across tokens waits for its end
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+        print(text[len(shown):] + "\n---------------")
 
 
 # ----------------------------------------------------------------------------- reconstruct

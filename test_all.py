@@ -3724,7 +3724,7 @@ def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_a
 
 
 def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_one(
-        capsys, trained, tmp_path):
+        capsys, trained, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = Bamboo(tiny("next")).eval()
     prompt = torch.randint(0, 64, (2, 5))
@@ -3739,6 +3739,16 @@ def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_
     with pytest.raises(ValueError, match="needs a next-token model"):
         Bamboo(tiny("mlm")).generate(prompt, 1)
     ckpt = trained("next", tmp_path / "next")
+    generated, generate = [], Bamboo.generate  # never silent: each token printed as it comes
+    monkeypatch.setattr(Bamboo, "generate", lambda *a: generated.append(
+        len(capsys.readouterr().out)) or generate(*a))
+    monkeypatch.setattr(look, "get_tokenizer", lambda name: types.SimpleNamespace(
+        n_vocab=256, encode_ordinary=lambda text: list(text.encode()),
+        decode=lambda ids: "x" * len(ids)))  # one character a token
+    assert look_cli(capsys, "sample", ckpt, "--prompt", "ab", "--max_new_tokens", "3",
+                    "--num_samples", "2")[0] == 0
+    assert generated == [2, 1, 1, 1 + 17 + 2, 1, 1]  # ab, x, x, x + the rule, ab, x, x
+    monkeypatch.undo()
     code, out = look_cli(capsys, "sample", ckpt, "--prompt", "the quick", "--num_samples", "2",
                          "--max_new_tokens", "12", "--seed", "3")
     texts = out.out.split("---------------\n")
