@@ -87,9 +87,14 @@ def analyze(folder):
     result = {"part_a": part_a(logs)}
     if all(os.path.exists(os.path.join(logs, f"s{s}-6x128-softmax.jsonl")) for s in SEEDS_B):
         e7_logs = os.path.join(os.path.dirname(os.path.abspath(folder)), "e7", "logs")
+        deep = [arms_of(logs, s, "24x64", ("softmax", "neutreno-0.6")) for s in SEEDS_B]
         result["part_b"] = {"trend_seeds_3_5": trend(dict.fromkeys(SEEDS_B, logs)),
                             "trend_seeds_0_5": trend({**dict.fromkeys(SEEDS_A, e7_logs),
-                                                      **dict.fromkeys(SEEDS_B, logs)})}
+                                                      **dict.fromkeys(SEEDS_B, logs)}),
+                            # secondary: G(24x64) over this machine's six seeds, one dtype
+                            "G_24x64_seeds_0_5": paired_summary(
+                                result["part_a"]["G"]["per_seed"]
+                                + [a["neutreno-0.6"][0] - a["softmax"][0] for a in deep])}
     return result
 
 
@@ -110,7 +115,8 @@ def report(result):
         b = result["part_b"]
         lines += [f"part B, trend G(24x64) - G(6x128), seeds 3-5: {interval(b['trend_seeds_3_5'])}",
                   f"part B, trend over seeds 0-5 (0-2 from experiment 7): "
-                  f"{interval(b['trend_seeds_0_5'])}"]
+                  f"{interval(b['trend_seeds_0_5'])}",
+                  f"G(24x64) over this machine's seeds 0-5: {interval(b['G_24x64_seeds_0_5'])}"]
     return "\n".join(lines)
 
 
