@@ -32,7 +32,11 @@ def parse_spec(spec):
     if not sep:
         raise ValueError(f"bad spec {spec!r}; write "
                          f"OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
-    return config_from_spec(rest, objective=objective)
+    config = config_from_spec(rest, objective=objective)
+    if config.objective != objective:  # a row is labelled by its prefix
+        raise ValueError(f"spec {spec!r} says objective {config.objective} after its prefix "
+                         f"{objective}; drop objective=")
+    return config
 
 
 def synthetic_batch(config, batch_size, device, generator, extra_token=False):

@@ -3965,6 +3965,7 @@ def test_bench_times_steps_the_device_has_run_and_only_after_seconds_of_untimed_
     (["cls:cifar-tiny", "--threads", "-1"], "--threads -1 must be at least 1"),
     (["cls:cifar-tiny", "--dtype", "float8"], "unknown --dtype 'float8'"),
     (["cls:cifar-tiny", "--warmup", "0"], "--warmup must be at least 1"),
+    (["cls:cifar-tiny,objective=mae"], "says objective mae after its prefix cls"),
     (["cls:cifar-tiny", "--attention", "fused"], "unknown --attention 'fused'"),
     (["cls:cifar-tiny", "--json", "no/such/folder/b.json"], "the folder no/such/folder does not"),
 ])

@@ -235,7 +235,7 @@ def train(args, started=None):
         # what the step calls: the model itself, or the same forward and loss compiled (--compile
         # auto: CUDA graphs on one GPU, compiled blocks under DDP and on a CPU where they pay)
         module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp,
-                                                       cfg.max_iters - step)
+                                                       cfg.max_iters)
         say(note)
         if ddp:
             module = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda"

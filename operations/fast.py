@@ -58,7 +58,8 @@ def cpu_info():
 
 def cpu_has_bf16():
     """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
-    return " avx512_bf16" in cpu_info() or " amx_bf16" in cpu_info()
+    flags = cpu_info()
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def cpu_model():
@@ -81,9 +82,10 @@ def pick_dtype(name, device):
 
 
 def peak_tflops(device, dtype):
-    """Dense peak TFLOP/s of a CUDA GPU in the table, in dtype (float32 runs as TF32: half the
-    bf16 peak); None elsewhere."""
-    if device.type != "cuda":
+    """Dense peak TFLOP/s of a CUDA GPU in the table, in dtype (float32: as TF32, half the bf16
+    peak, where TF32 is on); None elsewhere."""
+    if device.type != "cuda" or (dtype == torch.float32
+                                 and not torch.backends.cuda.matmul.allow_tf32):
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
@@ -179,9 +181,10 @@ class EagerIfCompilingFails(nn.Module):
         self.module, self.model, self.config = module, model, model.config
 
     def forward(self, *args):
-        try:
-            return self.module(*args)
-        except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as e:
+        try:  # the backward is compiled with the forward, so that its failure is met here too
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                return self.module(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
             print(f"note: compilation failed ({str(e).splitlines()[0][:120]}); the run goes on "
                   "uncompiled, as --compile off", flush=True)
             torch.compiler.set_stance("force_eager")  # compiled blocks now run as written

@@ -65,7 +65,7 @@ compile_time() {
   done
 }
 compile_time
-# --compile auto on a CPU (fast.CPU_COMPILE_FROM_STEPS): each quick recipe's model at its batch, bf16, compiled
+# --compile auto on a CPU (fast.CPU_COMPILE): each quick recipe's model at its batch, bf16, compiled
 # blocks and the whole model against eager, each mode in its own process with an empty inductor cache (cold
 # first step), then the blocks again on the cache it left (warm first step). Evaluation runs eagerly.
 cpu_compile() {

@@ -178,8 +178,8 @@ def table(report):
                    f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}], sd {d['sd']:.2f}, sign test p {d['sign_test_p']:.3g}"),
               (f"- verdict on D ({len(seeds)} seed{'s' * (len(seeds) > 1)}): {report['verdict']}"
                if report["final"] else
-               f"- no verdict: {len(seeds)} of the plan's {PLANNED_SEEDS} seeds; interim reading "
-               f"({len(seeds)} of {PLANNED_SEEDS} seeds): {report['verdict']}"),
+               f"- no verdict: {len(seeds)} of the plan's {PLANNED_SEEDS} seeds; interim reading: "
+               f"{report['verdict']}"),
               f"- GPU seconds per seed: {seconds} (predicted {report['predicted_seed_s']:.0f})",
               "- D by GPU: " + "; ".join(f"{g}: {' '.join(f'{v:+.2f}' for v in ds)}"
                                          for g, ds in report["D_by_gpu"].items())]
