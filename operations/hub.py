@@ -89,10 +89,10 @@ def hf_model(name, pretrained, settings):
     spec's texts, each typed as its default is)."""
     import transformers
 
-    transformers.logging.set_verbosity_error()  # its config warnings are not the probe's output
-    if pretrained:
+    if pretrained:  # its warnings say what was not loaded
         return transformers.AutoModel.from_pretrained(
             name, attn_implementation="eager", **{k: cli.typed(k, v) for k, v in settings.items()})
+    transformers.logging.set_verbosity_error()  # a fresh config's warnings are not the probe's
     try:
         default = transformers.AutoConfig.for_model(name)
     except ValueError:  # not a model type: a hub name, whose configuration needs the network
