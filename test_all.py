@@ -2449,7 +2449,7 @@ TRAIN_REFUSALS = [
                                                            "folder.txt"],
      "folder.txt is not a file (a folder, a pipe)"),
     (None, ["@cls", "--objective", "next"],
-     "--objective next needs a text dataset (wikitext2, wikitext103, text)"),
+     "a text model (next) cannot be run on --dataset folder; use wikitext2 or wikitext103 or text"),
     (None, ["@cls", "--heads", "3"], "Config.heads=3"),
     (copied("jpegs", lambda f: shutil.rmtree(f / "val" / "fox") or (f / "val" / "fox").mkdir()),
      STREAMED, "Found no valid file for the classes fox"),  # a streamed folder: before any work

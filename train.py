@@ -157,7 +157,7 @@ def resolve_settings(args):
             checks.check_scored_as_trained(cfg.init_from, pretrained, settings)
     sources.update(dict.fromkeys(given, "flags"))
     objective = settings.get("objective", Config.objective)
-    checks.check_dataset_fits(objective, cfg.dataset, IMAGE_OBJECTIVES)
+    streaming.check_dataset_fits(objective in IMAGE_OBJECTIVES, objective, cfg.dataset)
     Config.from_dict(settings)  # a bad model flag stops here, before the data is decoded
     derived = {"lr": cfg.lr == -1, "min_lr": cfg.lr == -1, "warmup": cfg.warmup == -1}
     cfg = schedule_defaults(cfg, settings.get("depth", Config.depth))

@@ -12,7 +12,7 @@ from dataclasses import fields
 import torch
 
 from bamboo import TRUNK
-from data import IMAGE_DATASETS, TEXT_DATASETS
+from data import IMAGE_DATASETS
 from operations import checkpoint
 from operations.cli import RUN_FILES, TrainingError, flags_given
 from operations.streaming import ImageStream
@@ -84,16 +84,6 @@ def check_settings(cfg):
             raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
                                 "(WANDB_MODE=offline logs without network), or drop the flag") \
                 from None
-
-
-def check_dataset_fits(objective, dataset, image_objectives):
-    """An image objective needs an image dataset, a text objective a text one."""
-    image = objective in image_objectives
-    if image != (dataset in IMAGE_DATASETS):
-        wanted = IMAGE_DATASETS if image else TEXT_DATASETS
-        raise TrainingError(f"--objective {objective} needs "
-                            f"{'an image' if image else 'a text'} dataset "
-                            f"({', '.join(wanted)}), not --dataset {dataset}")
 
 
 def check_vocab_size(asked, tokenizer_ids):

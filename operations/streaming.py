@@ -246,6 +246,14 @@ def open_images(name, data_dir, device, image_size, train=True, train_samples=0,
                      statistics)
 
 
+def check_dataset_fits(is_image, objective, dataset):
+    """An image model needs an image dataset, a text model a text one: training's and looking's."""
+    if is_image != (dataset in IMAGE_DATASETS):
+        kind, fits = ("an image", IMAGE_DATASETS) if is_image else ("a text", TEXT_DATASETS)
+        raise DataError(f"{kind} model ({objective}) cannot be run on --dataset {dataset}; use "
+                        f"{' or '.join(fits)}")
+
+
 def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=""):
     """The held-out split a model of `config` was trained on (train_cfg: checkpoint.data_settings),
     or the one named, un-augmented and on the CPU, normalised as training saw it: ImageData or
@@ -253,10 +261,7 @@ def held_out(config, train_cfg, dataset="", data_dir="", tokenizer="", val_file=
     c = config
     dataset = dataset or train_cfg.get("dataset") or ("cifar10" if c.is_image else "wikitext2")
     data_dir = data_dir or train_cfg.get("data_dir") or "./data"
-    if c.is_image != (dataset in IMAGE_DATASETS):
-        kind, fits = ("an image", IMAGE_DATASETS) if c.is_image else ("a text", TEXT_DATASETS)
-        raise DataError(f"{kind} model ({c.objective}) cannot be run on --dataset {dataset}; use "
-                        f"{' or '.join(fits)}")
+    check_dataset_fits(c.is_image, c.objective, dataset)
     if c.is_image:  # a streamed run is evaluated in its own view (and a stream reads only a folder)
         streamed = dataset == "folder" and train_cfg.get("stream") == "on"
         return open_images(dataset, data_dir, "cpu", c.image_size, train=False,
