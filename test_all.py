@@ -3399,16 +3399,17 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     a save_pretrained folder), and the library's model then computes our logits or features."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = Bamboo(tiny(objective)).eval()
+    model = Bamboo(tiny(objective, vocab_size=256)).eval()  # next: the bytes tokenizer's ids
     for p in model.parameters():  # no zero-initialised head or bias hides a wrong mapping
         p.data.add_(torch.randn_like(p) * 0.02)
     ckpt = tmp_path / "ckpt.pt"
     statistics = (torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1), torch.full((1, 3, 1, 1), 0.2))
     checkpoint.save(str(ckpt), {"config": model.config.to_dict(), "model": model.state_dict(),
-                                "window": None, "statistics": statistics, "classes": ["a", "b"]})
+                                "window": None, "statistics": statistics, "classes": ["a", "b"],
+                                "train": {"tokenizer": "bytes"}})
     out = tmp_path / ("gpt2" if objective == "next" else "vit.safetensors")
     if objective == "next":  # a folder with files of its own, none a model's: written into
         out.mkdir()
@@ -3417,9 +3418,11 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     assert f"wrote {out}" in capsys.readouterr().out
     x, _ = batch(model.config)
     with torch.no_grad():
-        if objective == "next":
-            theirs = GPT2LMHeadModel.from_pretrained(out).eval()(input_ids=x[:, :-1]).logits
+        if objective == "next":  # as a user loads it: the model and its tokenizer
+            theirs = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=x[:, :-1]).logits
             ours = model.token_logits(model.next_token_features(x)[0])
+            assert AutoTokenizer.from_pretrained(out)("héllo")["input_ids"] == list(
+                "héllo".encode())
         else:
             vit = export.timm_model(model.config).eval()
             vit.load_state_dict(load_file(out))  # strict: every tensor named and shaped alike

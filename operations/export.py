@@ -13,6 +13,7 @@ from functools import partial
 
 import torch.nn as nn
 
+from data import get_tokenizer
 from operations.checkpoint import atomic_write, model_from_checkpoint
 from operations.cli import check_output_path, one_line_errors
 
@@ -107,6 +108,39 @@ def to_gpt2(model):
     return out
 
 
+def hf_tokenizer(encoding, vocab_size):
+    """The tokenizer a model trained with, for Hugging Face: an hf: one as it is; a tiktoken BPE
+    as GPT2TokenizerFast (its ranks as ids, its merges recovered from the ranks) where GPT-2's
+    pre-tokenizer splits text as the encoding does; else None."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+    from transformers import GPT2TokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if hasattr(encoding, "tokenizer"):  # hf:NAME
+        return encoding.tokenizer
+    ranks = encoding._mergeable_ranks
+    if encoding.n_vocab != vocab_size or (len(ranks) > 256 and encoding._pat_str != r50k_pat_str):
+        return None
+    char = bytes_to_unicode()
+    merges = [tuple("".join(char[b] for b in part) for part in bpe_pair(ranks, token, rank))
+              for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if len(token) > 1]
+    vocab = {"".join(char[b] for b in token): rank for token, rank in ranks.items()}
+    special = next(iter(encoding._special_tokens), None)  # GPT-2's <|endoftext|>
+    return GPT2TokenizerFast(vocab={**vocab, **encoding._special_tokens}, merges=merges,
+                             unk_token=special, bos_token=special, eos_token=special)
+
+
+def bpe_pair(ranks, token, rank):
+    """The two tokens whose merge made `token`: tiktoken's BPE on its bytes, stopped at `rank`."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best, i = min((ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        if best >= rank:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
 def export(path, out):
     """Write the checkpoint at path for timm (a .safetensors state dict, cls and mae) or Hugging
     Face (a save_pretrained folder, next); returns the line that says how to load it."""
@@ -130,7 +164,17 @@ def export(path, out):
         hf = GPT2LMHeadModel(gpt2_config(c))
         hf.load_state_dict(to_gpt2(model))
         hf.save_pretrained(out)
-        return f"wrote {out}: transformers.GPT2LMHeadModel.from_pretrained({out!r})"
+        name = ckpt.get("train", {}).get("tokenizer", "gpt2")
+        try:
+            tokenizer, why = hf_tokenizer(get_tokenizer(name), c.vocab_size), "no GPT-2 form"
+        except ValueError as e:  # offline, without the encoding's file
+            tokenizer, why = None, str(e)
+        if tokenizer is None:
+            return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}); "
+                    f"no tokenizer ({name}: {why}), so pass it token ids")
+        tokenizer.save_pretrained(out)
+        return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}), "
+                f"transformers.AutoTokenizer.from_pretrained({out!r})")
     from safetensors.torch import save
 
     check_output_path("--out", out)
