@@ -13,7 +13,7 @@ import torch
 
 from bamboo import TRUNK
 from data import IMAGE_DATASETS
-from operations import checkpoint
+from operations import checkpoint, fast
 from operations.cli import RUN_FILES, TrainingError, flags_given
 from operations.streaming import ImageStream
 
@@ -222,7 +222,7 @@ def settings_lines(cfg, config, data, sources, device):
     """What streaming does, then every setting by where it came from; a note for each flag given
     that does nothing here, and for a CPU busy with other work."""
     lines, unused = [], {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = fast.cpus()
     load = 0.0
     with suppress(AttributeError, OSError):  # no load average: Windows
         load = os.getloadavg()[0]

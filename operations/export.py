@@ -22,18 +22,18 @@ LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
 
 def check_exportable(config):
     """One line for a model the libraries have no counterpart of."""
-    refusals = [
-        (config.objective == "mlm", "an mlm model has no export here (its head is BERT's, its "
-         "trunk GPT-2's without the causal mask); export cls, mae or next models"),
-        (config.neutreno > 0, f"this model uses NeuTRENO (lambda {config.neutreno}), which timm "
-         "and Hugging Face do not have; only softmax-attention models export"),
-        (config.vo_param != "free", f"this model's W_V W_O is {config.vo_param}, which timm and "
-         "Hugging Face do not have; only vo_param free exports"),
-        (config.is_image and config.pool != "mean", "a CLS-token pool has no position in timm's "
-         "layout here; only --pool mean models export")]
-    for refused, line in refusals:
-        if refused:
-            raise ValueError(line)
+    if config.objective == "mlm":
+        raise ValueError("an mlm model has no export here (its head is BERT's, its trunk GPT-2's "
+                         "without the causal mask); export cls, mae or next models")
+    if config.neutreno > 0:
+        raise ValueError(f"this model uses NeuTRENO (lambda {config.neutreno}), which timm and "
+                         "Hugging Face do not have; only softmax-attention models export")
+    if config.vo_param != "free":
+        raise ValueError(f"this model's W_V W_O is {config.vo_param}, which timm and Hugging Face "
+                         "do not have; only vo_param free exports")
+    if config.is_image and config.pool != "mean":
+        raise ValueError("a CLS-token pool has no position in timm's layout here; only --pool "
+                         "mean models export")
 
 
 def timm_kwargs(config):
@@ -108,7 +108,7 @@ def to_gpt2(model):
     return out
 
 
-def hf_tokenizer(encoding, vocab_size):
+def exported_tokenizer(encoding, vocab_size):
     """The tokenizer a model trained with, for Hugging Face: an hf: one as it is; a tiktoken BPE
     as GPT2TokenizerFast (its ranks as ids, its merges recovered from the ranks) where GPT-2's
     pre-tokenizer splits text as the encoding does; else None."""
@@ -166,7 +166,7 @@ def export(path, out):
         hf.save_pretrained(out)
         name = ckpt.get("train", {}).get("tokenizer", "gpt2")
         try:
-            tokenizer, why = hf_tokenizer(get_tokenizer(name), c.vocab_size), "no GPT-2 form"
+            tokenizer, why = exported_tokenizer(get_tokenizer(name), c.vocab_size), "no GPT-2 form"
         except ValueError as e:  # offline, without the encoding's file
             tokenizer, why = None, str(e)
         if tokenizer is None:

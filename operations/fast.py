@@ -5,6 +5,7 @@ Measurements: results/bench/README.md (CPU) and results/gpu/README.md (GPU).
 Run: python -c "import torch, bamboo; from operations import fast; print(fast.for_training(
      bamboo.Bamboo(bamboo.Config(objective='next')), torch.device('cpu'), torch.bfloat16))"
 """
+import os
 import platform
 
 import torch
@@ -45,6 +46,11 @@ def pick_device(name, local_rank=0):
         count = torch.cuda.device_count()
         raise ValueError(f"--device {name}: there are only {count} CUDA devices")
     return device
+
+
+def cpus():
+    """The CPUs this process may run on (its affinity, where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_info():

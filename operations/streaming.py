@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from data import IMAGE_DATASETS, TEXT_DATASETS, ImageData, TextData, shard, to_device
+from operations import fast
 from operations.files import DataError, as_batch, list_folder, listing_fingerprint, read_rgb
 
 
@@ -36,10 +37,8 @@ class ImageStream:
         self.classes, self.num_classes = list(classes), len(classes)
         self.device, self.image_size, self.channels = torch.device(device), image_size, 3
         if workers < 0:  # this rank's share of the node's CPUs but the one that trains, at most 8
-            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                    else os.cpu_count() or 1)
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            workers = min(8, max(1, cpus // ranks_here - 1))
+            workers = min(8, max(1, fast.cpus() // ranks_here - 1))
         self.crop_scale, self.workers = crop_scale, workers
         self.shard = (rank, world, grad_accum)
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)

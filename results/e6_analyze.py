@@ -116,7 +116,8 @@ def analyze(root, seeds=None):
     seconds, gpus = [], []
     for s in seeds:
         arms = {t: kept(os.path.join(root, f"s{s}"), t) for t in TRUNKS}
-        seconds.append(sum(arm[0] for arm in arms.values() if arm[2]) or arms["deep"][0])
+        own = arms["deep"][2]  # experiment 11 timed each arm; experiment 6 the whole seed
+        seconds.append(arms["shallow"][0] + arms["deep"][0] if own else arms["deep"][0])
         gpus.append(" / ".join(sorted({arm[1] for arm in arms.values()})))
     by_gpu = {g: [top1[s]["deep"] - top1[s]["shallow"] for s, gs in zip(seeds, gpus) if gs == g]
               for g in sorted(set(gpus))}
