@@ -391,8 +391,9 @@ class Bamboo(nn.Module):
       mlm:  x tokens (B, T) -> out = logits (N, vocab) at the N chosen positions, in row-major
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
-      next: x tokens (B, T) -> out = None, loss predicting x[:, 1:] (or pass y (B, T) as explicit
-            targets, nanoGPT-style); the logits: model.token_logits(h) of next_token_features
+      next: x tokens (B, T) -> out = the last position's logits (B, 1, vocab), loss predicting
+            x[:, 1:]; or pass y (B, T) as targets, nanoGPT-style, and out is what follows x.
+            Every position's logits: model.token_logits(h) of next_token_features
     """
 
     def __init__(self, config, explicit_attention=False):
@@ -641,7 +642,8 @@ class Bamboo(nn.Module):
         return self.ln_f(h), targets
 
     def forward_next(self, tokens, y=None):
-        return None, self.next_token_loss(*self.next_token_features(tokens, y))
+        h, targets = self.next_token_features(tokens, y)
+        return self.token_logits(h[:, -1:]), self.next_token_loss(h, targets)
 
     def next_token_loss(self, h, targets):
         """Mean cross-entropy of the logits of the features h (B, T, D) over targets (B, T). No

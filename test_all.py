@@ -545,13 +545,11 @@ def test_objective_shapes_loss_and_gradients(objective):
     c = tiny(objective, pool="cls" if objective == "cls" else "mean")
     model = Bamboo(c)
     x, y = batch(c)
-    out, loss = model(x, y)  # next: no logits (its loss never holds them all); token_logits
-    if objective == "next":
-        out = model.token_logits(model.next_token_features(x, y)[0])
+    out, loss = model(x, y)  # next: the last position's logits, what follows x
     expected = {"mae": (4, c.num_patches(), c.patch_size ** 2 * c.channels),
                 "cls": (4, c.num_classes),
                 "mlm": (4 * c.num_chosen(c.seq_len), c.vocab_size),  # the chosen positions
-                "next": (4, c.seq_len - 1, c.vocab_size)}[objective]
+                "next": (4, 1, c.vocab_size)}[objective]
     assert out.shape == expected
     assert torch.isfinite(loss)
     loss.backward()
@@ -3131,9 +3129,9 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     model = Bamboo(tiny("next", depth=2))
     x, _ = batch(model.config)
     out, loss = model(x)
-    assert out is None
     grads = torch.autograd.grad(loss, list(model.parameters()))
     h, targets = model.next_token_features(x)
+    assert torch.equal(out, model.token_logits(h)[:, -1:])  # what follows x[:, :-1]
     reference = F.cross_entropy(model.token_logits(h).flatten(0, 1), targets.flatten())
     reference_grads = torch.autograd.grad(reference, list(model.parameters()))
     assert torch.allclose(loss, reference, atol=1e-6)
@@ -3272,8 +3270,7 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
         out, loss = module(x, y)
         loss.backward()
         assert torch.allclose(loss, eager_loss, atol=1e-6)
-        assert (out is eager_out is None) if objective == "next" else torch.allclose(
-            out, eager_out, atol=1e-6)
+        assert torch.allclose(out, eager_out, atol=1e-6)
         graphs[depth] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     # the decoder's blocks, or next's loss: one more
@@ -3295,7 +3292,7 @@ def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
     grads = torch.autograd.grad(loss, list(model.parameters()))
     breaks = dict(counters["graph_break"])
     torch._dynamo.reset()
-    assert out is None and breaks == {}
+    assert torch.equal(out, model(x)[0]) and breaks == {}
     assert torch.allclose(loss, plain_loss, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain_grads))
 
@@ -3332,10 +3329,10 @@ def test_uncompiled_the_model_trains_itself_and_the_graph_wrapper_differentiates
     out, expected = model(x)
     assert torch.equal(loss, expected) and loss.requires_grad
     assert torch.equal(wrapped.out, out) and not wrapped.out.requires_grad
-    text = Bamboo(tiny("next"))  # no logits: out stays None
+    text = Bamboo(tiny("next"))  # out: the last position's logits
     tokens, _ = batch(text.config)
     wrapped = fast.LossOnly(text, (tokens, None))
-    assert wrapped(tokens).requires_grad and wrapped.out is None
+    assert wrapped(tokens).requires_grad and wrapped.out.shape == (len(tokens), 1, 64)
 
 
 def test_bf16_autocast_tracks_fp32_training():
@@ -4110,7 +4107,7 @@ def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, obj
     eager_out, eager = model(x, y)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
     # frees the eager autograd graph: a capture must not meet it
-    eager_out = None if eager_out is None else eager_out.detach()
+    eager_out = eager_out.detach()
     eager = eager.detach()
     module, chosen, _ = fast.for_training(model, CUDA, torch.float32, mode)
     assert chosen == mode
@@ -4118,10 +4115,7 @@ def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, obj
         out, loss = module(x, y)
         grads = torch.autograd.grad(loss, list(model.parameters()))
     assert torch.allclose(loss, eager, rtol=1e-3)
-    if objective == "next":  # the chunked loss holds no logits
-        assert out is None and eager_out is None
-    else:  # logits too
-        assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)
+    assert out.shape == eager_out.shape and torch.allclose(out, eager_out, rtol=1e-3, atol=1e-4)
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-5) for a, b in zip(grads, eager_grads))
 
 

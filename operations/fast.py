@@ -200,8 +200,8 @@ class EagerIfCompilingFails(nn.Module):
 
 class CompiledNextToken(nn.Module):
     """model's next-token forward with model.next_token_loss compiled as one region, which fuses
-    each chunk's log-softmax and gradient into a few kernels: forward(tokens, y=None) ->
-    (None, loss)."""
+    each chunk's log-softmax and gradient into a few kernels: forward(tokens, y=None) -> (the last
+    position's logits, loss), as the model's."""
 
     def __init__(self, model, **compile_kwargs):
         super().__init__()
@@ -209,7 +209,8 @@ class CompiledNextToken(nn.Module):
         self.loss = torch.compile(model.next_token_loss, **compile_kwargs)
 
     def forward(self, tokens, y=None):
-        return None, self.loss(*self.model.next_token_features(tokens, y))
+        h, targets = self.model.next_token_features(tokens, y)
+        return self.model.token_logits(h[:, -1:]), self.loss(h, targets)
 
 
 class CUDAGraphed(nn.Module):
