@@ -1,9 +1,10 @@
-"""A trained model out to the library it equals: cls or MAE as a timm VisionTransformer state dict
-(.safetensors, its metadata the input size, mean, std and classes), next as a Hugging Face GPT-2
-folder. What has no counterpart there (NeuTRENO, smooth/sharpen, mlm, CLS pooling) is refused.
+"""A trained model out to the library it equals, as a folder: cls or MAE for timm's
+create_model (VisionTransformer weights, and its config: input size, mean, std, classes), next as
+Hugging Face's GPT-2. What has no counterpart there (NeuTRENO, smooth/sharpen, mlm, CLS pooling) is
+refused.
 
-Run: python -m operations.export out/ckpt.pt --out vit.safetensors   (cls, mae: timm)
-     python -m operations.export out/ckpt.pt --out gpt2/             (next: save_pretrained)
+Run: python -m operations.export out/ckpt.pt --out vit/    (cls, mae: timm)
+     python -m operations.export out/ckpt.pt --out gpt2/   (next: save_pretrained)
 """
 import argparse
 import json
@@ -15,7 +16,8 @@ import torch.nn as nn
 
 from data import get_tokenizer
 from operations.checkpoint import atomic_write, model_from_checkpoint
-from operations.cli import check_output_path, one_line_errors
+from operations.cli import RUN_FILES, one_line_errors
+from operations.streaming import eval_crop
 
 LAYER_NORM_EPS = 1e-5  # torch's default, which every LayerNorm of ours uses
 
@@ -142,60 +144,74 @@ def bpe_pair(ranks, token, rank):
 
 
 def export(path, out):
-    """Write the checkpoint at path for timm (a .safetensors state dict, cls and mae) or Hugging
-    Face (a save_pretrained folder, next); returns the line that says how to load it."""
+    """Write the checkpoint at path as a folder its library loads: timm (cls, mae) or Hugging Face
+    (next); returns the line that says how to load it."""
     model, ckpt = model_from_checkpoint(path)
     c = model.config
     check_exportable(c)
+    library = "Hugging Face" if c.objective == "next" else "timm"
+    if (os.path.exists(out) and not os.path.isdir(out)) or out.endswith(".safetensors"):
+        raise ValueError(f"--out {out}: the export is a folder {library} loads; give --out a "
+                         "folder's path (not a file's)")
+    written = sorted(f for f in (os.listdir(out) if os.path.isdir(out) else ())
+                     if f in ("config.json", "generation_config.json", *RUN_FILES)
+                     or (f.startswith(("model", "pytorch_model"))
+                         and f.endswith((".safetensors", ".bin")))
+                     or f.endswith(".index.json"))
+    if written:
+        raise ValueError(f"--out {out} already holds a model ({', '.join(written)}); remove "
+                         "it or export to another folder")
     if c.objective == "next":
-        from transformers import GPT2LMHeadModel
-
-        if (os.path.exists(out) and not os.path.isdir(out)) or out.endswith(".safetensors"):
-            raise ValueError(f"--out {out}: a next-token model exports as a Hugging Face folder; "
-                             "give --out a folder's path (not a file's)")
-        written = sorted(f for f in (os.listdir(out) if os.path.isdir(out) else ())
-                         if f in ("config.json", "generation_config.json")
-                         or (f.startswith(("model", "pytorch_model"))
-                             and f.endswith((".safetensors", ".bin")))
-                         or f.endswith(".index.json"))
-        if written:
-            raise ValueError(f"--out {out} already holds a model ({', '.join(written)}); remove "
-                             "it or export to another folder")
-        hf = GPT2LMHeadModel(gpt2_config(c))
-        hf.load_state_dict(to_gpt2(model))
-        hf.save_pretrained(out)
-        name = ckpt.get("train", {}).get("tokenizer", "gpt2")
-        try:
-            tokenizer, why = exported_tokenizer(get_tokenizer(name), c.vocab_size), "no GPT-2 form"
-        except ValueError as e:  # offline, without the encoding's file
-            tokenizer, why = None, str(e)
-        if tokenizer is None:
-            return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}); "
-                    f"no tokenizer ({name}: {why}), so pass it token ids")
-        tokenizer.save_pretrained(out)
-        return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}), "
-                f"transformers.AutoTokenizer.from_pretrained({out!r})")
+        return export_gpt2(model, ckpt, out)
     from safetensors.torch import save
 
-    check_output_path("--out", out)
-    if os.path.exists(out):
-        raise ValueError(f"--out {out} exists; remove it or export to another file")
-    tensors = save({k: v.contiguous() for k, v in to_timm(model).items()}, metadata=about(ckpt))
-    atomic_write(out, lambda f: f.write(tensors))  # the system's write errors: one line
-    return (f"wrote {out}: VisionTransformer(**{timm_kwargs(c)!r}, norm_layer=partial("
-            f"nn.LayerNorm, eps={LAYER_NORM_EPS})), then load_state_dict(safetensors.torch."
-            f"load_file({out!r}))")
+    os.makedirs(out, exist_ok=True)
+    meta = about(ckpt)
+    tensors = save({k: v.contiguous() for k, v in to_timm(model).items()},
+                   metadata={k: json.dumps(v) for k, v in meta.items()})
+    atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(tensors))
+    config = {"architecture": "vit_base_patch16_224", "num_classes": timm_kwargs(c)["num_classes"],
+              "model_args": timm_kwargs(c),
+              "pretrained_cfg": {**{k: v for k, v in meta.items() if k != "classes"},
+                                 "label_names": meta["classes"],
+                                 "crop_pct": eval_crop(c.image_size), "interpolation": "bicubic",
+                                 "fixed_input_size": True}}
+    atomic_write(os.path.join(out, "config.json"),
+                 lambda f: f.write(json.dumps(config, indent=2).encode()))
+    return (f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True) (timm's "
+            f"LayerNorm eps, 1e-6; ours, exactly: VisionTransformer(**model_args, norm_layer="
+            f"partial(nn.LayerNorm, eps={LAYER_NORM_EPS})))")
+
+
+def export_gpt2(model, ckpt, out):
+    """A next-token model as Hugging Face's GPT-2 folder, with its tokenizer where it has one."""
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel(gpt2_config(model.config))
+    hf.load_state_dict(to_gpt2(model))
+    hf.save_pretrained(out)
+    name = ckpt.get("train", {}).get("tokenizer", "gpt2")
+    try:
+        tokenizer = exported_tokenizer(get_tokenizer(name), model.config.vocab_size)
+        why = "no GPT-2 form"
+    except ValueError as e:  # offline, without the encoding's file
+        tokenizer, why = None, str(e)
+    if tokenizer is None:
+        return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}); "
+                f"no tokenizer ({name}: {why}), so pass it token ids")
+    tokenizer.save_pretrained(out)
+    return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}), "
+            f"transformers.AutoTokenizer.from_pretrained({out!r})")
 
 
 def about(ckpt):
-    """What a user of the weights needs beside them, as the safetensors file's metadata (text): the
-    input size, the pixel mean and std training normalised with, and the class names in order."""
+    """What a user of the weights needs beside them, in the safetensors header and timm's config:
+    the input size, the pixel mean and std training normalised with, and the class names."""
     c, statistics = ckpt["config"], ckpt.get("statistics")
-    meta = {"input_size": json.dumps([c["channels"], c["image_size"], c["image_size"]]),
-            "classes": json.dumps(ckpt.get("classes"))}
+    meta = {"input_size": [c["channels"], c["image_size"], c["image_size"]],
+            "classes": ckpt.get("classes")}
     if statistics is not None:
-        meta.update(mean=json.dumps(statistics[0].flatten().tolist()),
-                    std=json.dumps(statistics[1].flatten().tolist()))
+        meta.update(mean=statistics[0].flatten().tolist(), std=statistics[1].flatten().tolist())
     return meta
 
 
@@ -203,8 +219,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Export a trained model to timm or Hugging Face.",
                                      allow_abbrev=False)
     parser.add_argument("checkpoint", help="a train.py checkpoint (ckpt.pt or best.pt)")
-    parser.add_argument("--out", required=True, help="a .safetensors file (cls, mae) or a folder "
-                        "(next)")
+    parser.add_argument("--out", required=True, help="the folder to write (made if missing)")
     args = parser.parse_args(argv)
     with one_line_errors() as outcome:
         print(export(args.checkpoint, os.path.normpath(args.out)))

@@ -215,12 +215,17 @@ def train_view(path, size, crop_scale, seed):
         return np.asarray(view(read_rgb(path)))
 
 
+def eval_crop(size):
+    """The share of the resized image evaluation keeps (MAE's build_transform; timm's crop_pct)."""
+    return 224 / 256 if size <= 224 else 1.0
+
+
 def eval_view(path, size):
-    """MAE's evaluation view: Resize(int(size / crop), bicubic) of the shorter side, then
-    CenterCrop(size); crop is 224 / 256 up to 224 px, else 1 (MAE's build_transform)."""
+    """MAE's evaluation view: Resize(int(size / eval_crop(size)), bicubic) of the shorter side,
+    then CenterCrop(size)."""
     from torchvision import transforms as T
 
-    short = int(size / (224 / 256 if size <= 224 else 1.0))
+    short = int(size / eval_crop(size))
     view = T.Compose([T.Resize(short, interpolation=T.InterpolationMode.BICUBIC),
                       T.CenterCrop(size)])
     return np.asarray(view(read_rgb(path)))
