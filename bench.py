@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +49,6 @@ def synthetic_batch(config, batch_size, device, generator, extra_token=False):
     return torch.randint(0, config.vocab_size, (batch_size, config.seq_len + extra_token),
                          generator=generator).to(device), None
 
-
-# -------------------------------------------------------------------- what users would pick instead
 
 def timm_vit(c):
     model = export.timm_model(c)  # the VisionTransformer our export loads into
@@ -95,25 +92,17 @@ def vit_pytorch_mae(c):
     return "vit-pytorch MAE", model, lambda m, x, y: m(x)
 
 
-# ----------------------------------------------------------------------------- one config
-
 class Runner:
     """One model, its optimizer and a fixed synthetic batch; step() is one full training step."""
 
     def __init__(self, config, args, device, dtype, compile_mode, reference=False,
                  attention="auto"):
         torch.manual_seed(0)
-        if reference:
-            # the usual library implementation of the same shape
+        self.config, self.device = config, device
+        if reference:  # the usual library model of the same shape, compiled whole as users would
             builders = {"cls": timm_vit, "next": hf_gpt2, "mlm": hf_bert, "mae": vit_pytorch_mae}
             self.name, model, self.loss_fn = builders[config.objective](config)
-        else:
-            explicit = fast.use_explicit_attention(attention, device, dtype, config)
-            model = Bamboo(config, explicit_attention=explicit)
-            self.name, self.loss_fn = "bamboo", lambda m, x, y: m(x, y)[1]
-        self.config = config
-        self.model = model.to(device).train()
-        if reference:  # the library model compiled whole, as its users would
+            self.model = model.to(device).train()
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE,
                                                fused=device.type in ("cuda", "cpu"))
             plan, _ = fast.compile_plan(compile_mode, device, config, ddp=False)
@@ -122,6 +111,9 @@ class Runner:
             self.compiled = "model" if plan == "blocks" else plan  # what ran: the whole model
             self.attention = "library"
         else:  # exactly as train.py does
+            explicit = fast.use_explicit_attention(attention, device, dtype, config)
+            self.model = Bamboo(config, explicit_attention=explicit).to(device).train()
+            self.name, self.loss_fn = "bamboo", lambda m, x, y: m(x, y)[1]
             self.optimizer = self.model.configure_optimizer(LEARNING_RATE, weight_decay=0.05,
                                                             beta2=0.95)
             self.forward, self.compiled, _ = fast.for_training(self.model, device, dtype,
@@ -130,15 +122,12 @@ class Runner:
         self.batch = synthetic_batch(config, args.batch_size, device,
                                      torch.Generator().manual_seed(0),
                                      extra_token=config.objective == "next" and not reference)
-        self.autocast = torch.autocast(device.type, dtype=dtype,
-                                       cache_enabled=self.compiled != "graphs") \
-            if dtype != torch.float32 else nullcontext()
+        self.autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
+                                       cache_enabled=self.compiled != "graphs")
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        self.device = device
 
     def step(self):
-        if self.compiled == "graphs" and self.name != "bamboo":
-            # the library model under mode="reduce-overhead"
+        if self.compiled == "graphs" and self.name != "bamboo":  # under mode="reduce-overhead"
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:
             loss = self.loss_fn(self.forward, *self.batch)
@@ -163,15 +152,6 @@ def fastest_ms(calls, rounds, reps, sync=lambda: None):
             best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1000)
     return best
 
-
-def peak_tflops(device, dtype):
-    """(peak TFLOP/s or None, where it comes from) for the table's MFU."""
-    peak = fast.peak_tflops(device, dtype)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return peak, f"{name}, table peak" if peak else f"{name} (peak unknown: no MFU)"
-
-
-# ----------------------------------------------------------------------------- the table
 
 def device_sync(device):
     """A call that waits for the device's queued work (CUDA runs asynchronously)."""
@@ -202,7 +182,7 @@ def build_runners(args, device):
     while time.perf_counter() < warm_until:
         for runner in runners:
             runner.step()
-    return entries, runners, {dtype: peak_tflops(device, dtype) for dtype in dtypes}
+    return entries, runners, {dtype: fast.peak_tflops(device, dtype) for dtype in dtypes}
 
 
 def peak_memory(device, runners):
@@ -218,9 +198,10 @@ def peak_memory(device, runners):
 
 
 def print_table(args, device, entries, runners, step_ms, memory, peaks):
-    for dtype, (peak, source) in peaks.items():
-        print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({source})" if peak
-              else f"peak: {source}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    for dtype, peak in peaks.items():  # a GPU in fast.PEAK_BF16_TFLOPS, or no MFU
+        print(f"peak {str(dtype).replace('torch.', '')}: {peak:.3g} TFLOP/s ({name}, table peak)"
+              if peak else f"peak: {name} (peak unknown: no MFU)")
     print(f"device {device}, batch {args.batch_size}, {args.rounds} rounds x {args.steps} "
           f"steps (fastest round), {torch.get_num_threads()} threads")
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8} "
@@ -234,7 +215,7 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
         step = step_ms[i] / 1000
         tokens = c.num_patches() if c.is_image else c.seq_len
         tflops = training_flops(c) * args.batch_size / step / 1e12
-        peak = peaks[dtype][0]
+        peak = peaks[dtype]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
         rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
                      "compiled": runner.compiled, "attention": runner.attention,
@@ -243,12 +224,10 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
                      "mfu": 100 * tflops / peak if peak else None, "peak_mib": mem,
                      "params_m": params, "first_step_s": runner.first_step_s})
         r = rows[-1]
-        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} "
-              f"{r['attention']:<8} {params:>7.2f}M "
-              f"{r['step_ms']:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} {tflops:>8.3f} "
-              f"{r['mfu'] if r['mfu'] is not None else float('nan'):>6.1f} "
-              f"{mem if mem is not None else float('nan'):>9.0f} {runner.first_step_s:>6.1f} "
-              f"{rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
+        print(f"{spec:<34} {r['impl']:<22} {r['dtype']:<8} {r['compiled']:<6} {r['attention']:<8} "
+              f"{params:>7.2f}M {step * 1000:>9.1f} {r['samples_s']:>10.1f} {r['tokens_s']:>10.0f} "
+              f"{tflops:>8.3f} {r['mfu'] or float('nan'):>6.1f} {mem or float('nan'):>9.0f} "
+              f"{runner.first_step_s:>6.1f} {rows[0]['step_ms'] / r['step_ms']:>7.2f}x")
     return rows
 
 
@@ -277,12 +256,11 @@ def profile_step(runner, title, rows):
     """torch.profiler on one training step: the operators that take the most time."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda"
-                                           else [])
-    with profile(activities=activities) as prof:
+    cuda = runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         runner.step()
         device_sync(runner.device)()
-    sort = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"\nprofile of one step: {title}")
     print(prof.key_averages().table(sort_by=sort, row_limit=rows))
 

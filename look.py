@@ -17,31 +17,18 @@ from probe import AXES, TOKEN_METRICS
 from operations import runlog
 from operations.checkpoint import data_settings, model_from_checkpoint
 from operations.cli import check_output_path, one_line_errors
-from operations.figures import least_visible_range, pyplot, save_figure
+from operations.figures import least_visible_range, save_figure, subplots
 from operations.files import read_text
 from operations.streaming import held_out
 
 
-# ----------------------------------------------------------------------------- inputs
-
 def load(path, objective=None):
-    """(model in eval mode, its training settings, its step) from a checkpoint of `objective`, if
-    given."""
+    """(model in eval mode, its training settings, its step); objective, if given, is required."""
     model, ckpt = model_from_checkpoint(path)
     if objective and model.config.objective != objective:
         raise ValueError(f"{path} holds a {model.config.objective} model; this command needs a "
                          f"{objective} model")
     return model.eval(), data_settings(ckpt), ckpt.get("step")
-
-
-# ----------------------------------------------------------------------------- sample
-
-def read_prompt(path):
-    """The text of a UTF-8 prompt file, or one line that says why not."""
-    try:
-        return read_text(path)  # one line (DataError) for text that is not UTF-8
-    except OSError as e:
-        raise ValueError(f"cannot read --prompt_file {path} ({e.strerror})") from None
 
 
 def sample(args):
@@ -53,7 +40,10 @@ def sample(args):
         raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.n_vocab} ids, the model "
                          f"knows {model.config.vocab_size}; drop --tokenizer to use the one it was "
                          f"trained with ({trained_with})")
-    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+    try:  # text that is not UTF-8: one line (DataError)
+        prompt = read_text(args.prompt_file) if args.prompt_file else args.prompt
+    except OSError as e:
+        raise ValueError(f"cannot read --prompt_file {args.prompt_file} ({e.strerror})") from None
     ids = tokenizer.encode_ordinary(prompt) or [tokenizer.encode_ordinary("\n")[0]]
     generator = torch.Generator().manual_seed(args.seed)
     for _ in range(args.num_samples):
@@ -68,13 +58,10 @@ def sample(args):
         print(text[len(shown):] + "\n---------------")
 
 
-# ----------------------------------------------------------------------------- reconstruct
-
 @torch.no_grad()
 def mae_columns(model, images, seed=0):
     """(original, masked, reconstruction, reconstruction with the visible patches pasted back), each
-    (N, C, H, W) normalised as the inputs, and the hidden pixels (N, 1, H, W), True where MAE's
-    masks (drawn with seed) hid them."""
+    (N, C, H, W) as the inputs, and the pixels (N, 1, H, W) that MAE's masks (seeded) hid."""
     c = model.config
     noise = torch.rand(len(images), c.num_patches(), generator=torch.Generator().manual_seed(seed))
     latent, mask, ids_restore = model.forward_encoder(images, c.mask_ratio, noise)
@@ -101,23 +88,17 @@ def reconstruct(args):
     names = ("original", f"masked ({c.mask_ratio:.0%})", "reconstruction",
              "reconstruction + visible")
     rows = len(pixels[0])
-    plt = pyplot()
-    fig, axes = plt.subplots(rows, 4, figsize=(8, 2 * rows), squeeze=False)
-    for row in range(rows):
-        for col, batch in enumerate(pixels):
-            ax = axes[row, col]
-            ax.imshow(batch[row].permute(1, 2, 0).squeeze(-1).numpy(),
+    fig, axes = subplots(rows, 4, figsize=(8, 2 * rows), layout="tight")
+    for column, name, batch in zip(axes.T, names, pixels):
+        column[0].set_title(name, fontsize=9)
+        for ax, image in zip(column, batch):
+            ax.imshow(image.permute(1, 2, 0).squeeze(-1).numpy(),
                       cmap="gray" if c.channels == 1 else None, interpolation="nearest")
             ax.axis("off")
-            if row == 0:
-                ax.set_title(names[col], fontsize=9)
     fig.suptitle(f"MAE reconstructions of {rows} held-out images: {args.checkpoint}, step {step}",
                  fontsize=10)
-    fig.tight_layout()
     save_figure(fig, args.out)
 
-
-# ----------------------------------------------------------------------------- attention
 
 def parse_indices(text, count, what):
     """'0,2,-1' -> [0, 2, count - 1], each checked to be one of count."""
@@ -130,19 +111,17 @@ def parse_indices(text, count, what):
 
 @torch.no_grad()
 def attention(args):
-    """The attention of chosen layers and heads for one held-out sample: over the image's patch
-    grid, or as a queries x keys map labelled with the window's tokens."""
+    """Attention maps of chosen layers and heads for one held-out image or text window."""
     model, train_cfg, _ = load(args.checkpoint)
     c = model.config
     layers = parse_indices(args.layers, c.depth, "layers")
     heads = parse_indices(args.heads, c.heads, "heads")
     data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
     first = first_samples(data, args.index + 1)
+    if args.index >= len(first):
+        raise ValueError(f"--index {args.index} is past the {len(first)} held-out samples; "
+                         f"choose 0 to {len(first) - 1}")
     x = first[args.index:args.index + 1]
-    if len(x) == 0:
-        n = len(first)
-        raise ValueError(f"--index {args.index} is past the {n} held-out samples; choose 0 to "
-                         f"{n - 1}")
     _, attns = model.hidden_states(x, need_weights=True)
     maps = {(layer, head): attns[layer][0, head] for layer in layers for head in heads}
     if c.is_image:
@@ -152,15 +131,13 @@ def attention(args):
         fig = attention_over_tokens([data.tokenizer.decode([i]) for i in x[0].tolist()], maps)
     kind = "image" if c.is_image else "text window"
     fig.suptitle(f"Attention, held-out {kind} {args.index}", fontsize=11)
-    fig.tight_layout()
     save_figure(fig, args.out)
 
 
 def attention_over_image(image, maps, grid):
     """The image, then per (layer, head) the attention each patch receives (mean over queries;
     a CLS token's column left out) drawn over the image on its patch grid."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(maps) + 1, figsize=(3 * (len(maps) + 1), 3.3), squeeze=False)
+    fig, axes = subplots(1, len(maps) + 1, figsize=(3 * (len(maps) + 1), 3.3), layout="tight")
     axes[0, 0].imshow(image.numpy())
     axes[0, 0].set_title("the image", fontsize=9)
     size = image.shape[0]
@@ -180,34 +157,26 @@ def attention_over_image(image, maps, grid):
 
 
 def attention_over_tokens(tokens, maps, shown=24):
-    """Per (layer, head) the queries x keys map of the window's first `shown` tokens, each row
-    and column labelled with its token, so the labels never collide."""
-    plt = pyplot()
+    """Per (layer, head) the queries x keys map of the first `shown` tokens, each labelled."""
     labels = [repr(t)[1:-1][:10] for t in tokens[:shown]]
-    fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 5.5), squeeze=False)
+    fig, axes = subplots(1, len(maps), figsize=(5.5 * len(maps), 5.5), layout="tight")
     for ax, ((layer, head), probs) in zip(axes[0], maps.items()):
         part = probs[:shown, :shown].numpy()
         fig.colorbar(ax.imshow(part, cmap="viridis", vmin=0), ax=ax, fraction=0.046, pad=0.04)
         ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
         ax.set_yticks(range(len(labels)), labels, fontsize=6)
         ax.set_title(f"block {layer}, head {head} (first {len(labels)} tokens)", fontsize=9)
-        ax.set_xlabel("key token", fontsize=8)
-        ax.set_ylabel("query token", fontsize=8)
+        ax.set(xlabel="key token", ylabel="query token")
     return fig
 
 
-# ----------------------------------------------------------------------------- curves
-
 def read_log(out_dir):
-    """(training records, evaluation records) of out_dir/log.jsonl, or of a log kept as a .jsonl
-    file (results/ keeps runs' logs so)."""
+    """(training records, evaluation records) of out_dir/log.jsonl, or of a kept NAME.jsonl."""
     path = out_dir if str(out_dir).endswith(".jsonl") else os.path.join(out_dir, "log.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"no log at {path}; give the --out_dir of a train.py run or its log")
-    train, evals = [], []
-    for record in runlog.read_log(path):
-        if "run" not in record:  # an invocation's first record says what made it
-            (evals if record.get("eval") else train).append(record)
+    records = [r for r in runlog.read_log(path) if "run" not in r]  # not an invocation's first
+    train, evals = [r for r in records if not r.get("eval")], [r for r in records if r.get("eval")]
     if not train and not evals:
         raise ValueError(f"{path} holds no step yet; look again once the run has logged")
     return train, evals
@@ -234,14 +203,11 @@ def loss_kind(evals):
 def curves_figure(logs):
     """One panel per metric (never two scales on one axis: MAE's pixel loss and a classifier's
     cross-entropy get a panel each), one line per run, one colour per run."""
-    plt = pyplot()
-    panels = []  # (key, loss kind or None)
-    for key in CURVES:
-        for train, evals in logs.values():
-            if any(key in r for r in (train if key == "loss" else evals)):
-                panel = (key, loss_kind(evals) if key in ("loss", "val_loss") else None)
-                panels += [panel] if panel not in panels else []
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    panels = list(dict.fromkeys(  # (key, loss kind or None), each once, in CURVES' order
+        (key, loss_kind(evals) if key in ("loss", "val_loss") else None)
+        for key in CURVES for train, evals in logs.values()
+        if any(key in r for r in (train if key == "loss" else evals))))
+    fig, axes = subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), layout="tight")
     for ax, (key, kind) in zip(axes[0], panels):
         for colour, (out_dir, (train, evals)) in enumerate(logs.items()):  # a run: one colour
             if kind is not None and loss_kind(evals) != kind:
@@ -252,31 +218,26 @@ def curves_figure(logs):
                 print(f"note: {run_label(out_dir)}: every {key} is non-finite (diverged); nothing "
                       "to draw for it", file=sys.stderr)
             if points:
-                label = run_label(out_dir)
                 dense = key == "loss" and len(points) > 2  # a few points: marked, or unseen
-                ax.plot(*zip(*points), label=label, lw=1, marker="" if dense else "o", ms=3,
-                        color=f"C{colour}")
+                ax.plot(*zip(*points), label=run_label(out_dir), lw=1, ms=3,
+                        marker="" if dense else "o", color=f"C{colour}")
         title = CURVES[key] + (f" ({kind})" if kind else "")
         ax.set(title=title, xlabel="step", ylabel=title)
         least_visible_range(ax)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a panel whose runs all diverged has none
             ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig
 
 
 def curves(args):
     """Training loss and each held-out metric against steps, one line per out_dir."""
-    logs = {out_dir: read_log(out_dir) for out_dir in args.out_dirs}
-    save_figure(curves_figure(logs), args.out)
+    save_figure(curves_figure({out_dir: read_log(out_dir) for out_dir in args.out_dirs}), args.out)
 
 
 def smoothing(args):
     """Over-smoothing as it formed: a probe metric per layer at each evaluation, as one heatmap
     per run (layer against step, one colour scale for all) and the last layer against step."""
-    from matplotlib.ticker import MaxNLocator
-
     runs = {}
     for out_dir in args.out_dirs:
         logged = read_log(out_dir)[1]
@@ -285,17 +246,14 @@ def smoothing(args):
             raise ValueError(f"{out_dir}/log.jsonl has no evaluation yet (one comes every "
                              "--eval_interval steps, and at the end or a stop); look once it has")
         if not evals:
-            raise ValueError(f"{out_dir}/log.jsonl: its evaluations logged no per-layer metrics "
-                             "(trained with --probe_samples 0, or its hidden states were "
-                             "non-finite); train with --probe_samples N (64 by default)")
+            raise ValueError(f"{out_dir}: its evaluations logged no per-layer metrics (trained "
+                             "with --probe_samples 0, or non-finite states); train with N > 0")
         label = run_label(out_dir)
         runs[out_dir if label in runs else label] = (
             [r["step"] for r in evals],
             [[math.nan if v is None else v for v in r["layers"][args.metric]] for r in evals])
     values = [v for _, rows in runs.values() for row in rows for v in row if math.isfinite(v)]
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3.8),
-                             squeeze=False, layout="constrained")
+    fig, axes = subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3.8), layout="constrained")
     for ax, (label, (steps, rows)) in zip(axes[0], runs.items()):
         by_layer = list(zip(*rows))
         image = ax.imshow(by_layer, origin="lower", aspect="auto", vmin=min(values),
@@ -303,7 +261,7 @@ def smoothing(args):
         every = max(1, len(steps) // 8)  # at most about 8 labels: they never overlap
         ax.set_xticks([i + 0.5 for i in range(0, len(steps), every)],
                       [str(s) for s in steps[::every]], fontsize=7)
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.locator_params(axis="y", integer=True)
         ax.set(title=label, xlabel="step (each evaluation)", ylabel="layer (0 = embedding)")
     fig.colorbar(image, ax=axes[0][:len(runs)].tolist(), label=args.metric)
     last = axes[0][-1]
@@ -331,8 +289,7 @@ def build_parser():
     s.add_argument("--max_new_tokens", type=int, default=100, help="tokens each (default: 100)")
     s.add_argument("--temperature", type=float, default=0.8,
                    help="> 0; lower is more conservative (default: 0.8)")
-    s.add_argument("--top_k", type=int, default=200,
-                   help="sample from the k likeliest; 0: all (default: 200)")
+    s.add_argument("--top_k", type=int, default=200, help="the k likeliest; 0: all (default: 200)")
     s.add_argument("--tokenizer", default="", help="an encoding, or bytes (default: the run's)")
     s.add_argument("--seed", type=int, default=1337, help="(default: 1337)")
     for name, what in (("reconstruct", "MAE reconstructions of held-out images as one grid"),
@@ -384,11 +341,9 @@ def main(argv=None):
         if args.threads:
             torch.set_num_threads(args.threads)
         commands[args.command](args)
-    if outcome.code:
-        return outcome.code
-    if getattr(args, "out", ""):
-        print(f"wrote {args.out}")
-    return 0
+        if getattr(args, "out", ""):
+            print(f"wrote {args.out}")
+    return outcome.code
 
 
 if __name__ == "__main__":

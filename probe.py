@@ -452,7 +452,6 @@ AXES = {
 def probe_figure(report, relative):
     """The probe's figure: a panel per metric, every checkpoint a line, each y-axis labelled with
     the way that means "more smoothed"."""
-    plt = figures.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     def drawn(name):  # a panel with something to show: beta needs a checkpoint beside the first
@@ -462,7 +461,7 @@ def probe_figure(report, relative):
     names = [n for n in report["metrics"] if drawn(n)]
     cols = 3
     rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = figures.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows))
     for ax, name in zip(axes.flat, names):
         for label in report["labels"]:
             depth = report["depth"][label]

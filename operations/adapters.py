@@ -19,8 +19,6 @@ def is_image(config):
     return config is None or hasattr(config, "image_size")
 
 
-# ----------------------------------------------------------------------------- the block layouts
-
 def linear(module):
     """(W (out, in), b (out,)) of an nn.Linear, or of a GPT-2 Conv1D (which stores W transposed)."""
     weight = module.weight if isinstance(module, torch.nn.Linear) else module.weight.T
@@ -204,10 +202,7 @@ class Foreign:
 
 
 def heads_of(model, config):
-    if config is not None:
-        for key in ("num_attention_heads", "n_head", "heads"):
-            if hasattr(config, key):
-                return getattr(config, key)
-    return block_list(model)[0].attn.num_heads
+    keys = [k for k in ("num_attention_heads", "n_head", "heads") if hasattr(config, k)]
+    return getattr(config, keys[0]) if keys else block_list(model)[0].attn.num_heads
 
 

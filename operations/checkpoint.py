@@ -24,9 +24,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used or written; the message is one line and says why."""
 
 
-# ---------------------------------------------------------------- files written whole or not at all
-
-
 def atomic_write(path, write):
     """Call write(f) on a binary temp file unique to this process beside path, then rename it to
     path: a crash, a full disk or a second process writing the same path never leaves it
@@ -50,8 +47,6 @@ def atomic_write(path, write):
             raise OSError(e.errno, e.strerror or str(e), path) from None
         raise
 
-
-# ----------------------------------------------------------------------------- save
 
 def weights_hash(model, trunk_only=False):
     """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
@@ -105,8 +100,6 @@ def save(path, state):
         raise CheckpointError(f"could not write {path} ({why}); free space in {folder}, then "
                               f"continue with: {resume_command(folder)}") from None
 
-
-# ----------------------------------------------------------------------------- load and resume
 
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""

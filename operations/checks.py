@@ -6,7 +6,6 @@ Run: python train.py --help (every flag), or any run's first lines (its settings
 import math
 import os
 import textwrap
-from contextlib import suppress
 from dataclasses import fields
 
 import torch
@@ -42,9 +41,8 @@ def check_settings(cfg):
         ("batch_size", cfg.batch_size >= 1, "must be at least 1"),
         ("grad_accum", cfg.grad_accum >= 1, "must be at least 1"),
         ("max_iters", cfg.max_iters >= 1, "must be at least 1"),
-        ("base_lr", cfg.base_lr >= 0 and math.isfinite(cfg.base_lr),
-         "must be a finite number >= 0"),
-        ("lr", cfg.lr >= 0 and math.isfinite(cfg.lr),
+        ("base_lr", 0 <= cfg.base_lr < math.inf, "must be a finite number >= 0"),
+        ("lr", 0 <= cfg.lr < math.inf,
          "must be a finite number >= 0, or -1 (base_lr x batch / 256)"),
         ("min_lr", 0 <= cfg.min_lr <= max(cfg.lr, 0),
          f"must be in [0, --lr {cfg.lr}]; lower --min_lr"),
@@ -54,25 +52,21 @@ def check_settings(cfg):
         ("grad_clip", cfg.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
         ("layer_decay", 0 < cfg.layer_decay <= 1, "must be in (0, 1] (1 turns layer decay off)"),
         ("eval_interval", cfg.eval_interval >= 1, "must be at least 1"),
-        ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0 means the whole held-out split)"),
-        ("train_samples", cfg.train_samples >= 0,
-         "must be >= 0 (0 means the whole training split)"),
+        ("eval_samples", cfg.eval_samples >= 0, "must be >= 0 (0: the whole held-out split)"),
+        ("train_samples", cfg.train_samples >= 0, "must be >= 0 (0: the whole training split)"),
         ("log_interval", cfg.log_interval >= 1, "must be at least 1"),
         ("threads", cfg.threads >= 0, "must be >= 0 (0: torch's default)"),
-        ("probe_samples", cfg.probe_samples >= 0, "must be >= 0 (0 turns the per-layer metrics "
-         "off)"),
+        ("probe_samples", cfg.probe_samples >= 0, "must be >= 0 (0: no per-layer metrics)"),
         ("time_limit", 0 <= cfg.time_limit < math.inf, "must be a number of seconds >= 0 (0 "
          "means no limit)"),
         ("out_dir", cfg.out_dir.strip() != "", "must name a folder"),
         ("seed", -2 ** 63 <= cfg.seed < 2 ** 63 - 1024, "must fit in 64 bits (at most 18 digits)"),
         ("memory_gb", cfg.memory_gb >= 0, "must be >= 0 (0 streams every image folder)"),
-        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (the CPUs per rank but one, at most "
-         "8)"),
+        ("workers", cfg.workers >= -1, "must be >= 0, or -1 (CPUs per rank but one, at most 8)"),
         ("crop_scale", 0 < cfg.crop_scale <= 1 or cfg.crop_scale == -1, "must be in (0, 1], or -1 "
          "(MAE's for the objective)"),
         ("stream", cfg.stream != "on" or cfg.dataset in IMAGE_DATASETS or cfg.resume,
-         f"reads image files; --dataset {cfg.dataset} is text, tokenized once "
-         "(drop --stream)"),
+         f"reads image files; --dataset {cfg.dataset} is text, tokenized once (drop --stream)"),
     ]
     for name, ok, why in checks:
         if not ok:
@@ -223,9 +217,7 @@ def settings_lines(cfg, config, data, sources, device):
     that does nothing here, and for a CPU busy with other work."""
     lines, unused = [], {}
     cores = fast.cpus()
-    load = 0.0
-    with suppress(AttributeError, OSError):  # no load average: Windows
-        load = os.getloadavg()[0]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # none on Windows
     if device.type == "cpu" and not cfg.threads and load > cores:  # threads then wait on each other
         lines.append(f"note: this CPU is busy (load {load:.1f} on {cores} cores): --threads 1 is "
                      "often faster then (docs/guide.md)")

@@ -38,9 +38,7 @@ def parser_of(groups, choices, epilog=""):
             if isinstance(f.default, bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = type(f.default)
-                if choices.get(f.name):
-                    kwargs["choices"] = choices[f.name]
+                kwargs.update(type=type(f.default), choices=choices.get(f.name))
             group.add_argument(f"--{f.name}", **kwargs)
     return parser
 
@@ -85,8 +83,7 @@ def typed(key, text, kind=None):
     try:
         return BOOLEANS[text.lower()] if kind is bool else kind(text)
     except (KeyError, ValueError):
-        raise ValueError(f"bad value in {key + '=' + text!r}: {key} takes {KINDS[kind]}") \
-            from None
+        raise ValueError(f"bad value in {key + '=' + text!r}: {key} takes {KINDS[kind]}") from None
 
 
 def config_from_spec(spec, **defaults):

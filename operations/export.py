@@ -67,12 +67,10 @@ def to_timm(model):
            "patch_embed.proj.bias": ours["patch_embed.bias"]}
     names = {"ln1": "norm1", "attn.qkv": "attn.qkv", "attn.proj": "attn.proj", "ln2": "norm2",
              "mlp.fc": "mlp.fc1", "mlp.proj": "mlp.fc2"}
-    for i in range(c.depth):
-        for mine, theirs in names.items():
-            for kind in ("weight", "bias"):
-                out[f"blocks.{i}.{theirs}.{kind}"] = ours[f"blocks.{i}.{mine}.{kind}"]
+    pairs = [(f"blocks.{i}.{mine}", f"blocks.{i}.{theirs}") for i in range(c.depth)
+             for mine, theirs in names.items()]
     last = {"fc_norm": "fc_norm", "head": "head"} if c.objective == "cls" else {"ln_f": "norm"}
-    for mine, theirs in last.items():
+    for mine, theirs in [*pairs, *last.items()]:
         for kind in ("weight", "bias"):
             out[f"{theirs}.{kind}"] = ours[f"{mine}.{kind}"]
     return out
@@ -102,9 +100,8 @@ def to_gpt2(model):
              "mlp.fc": ("mlp.c_fc", True), "mlp.proj": ("mlp.c_proj", True)}
     for i in range(c.depth):
         for mine, (theirs, conv1d) in names.items():
-            weight = ours[f"blocks.{i}.{mine}.weight"]
-            out[f"transformer.h.{i}.{theirs}.weight"] = (weight.t().contiguous() if conv1d
-                                                          else weight)
+            w = ours[f"blocks.{i}.{mine}.weight"]
+            out[f"transformer.h.{i}.{theirs}.weight"] = w.t().contiguous() if conv1d else w
             out[f"transformer.h.{i}.{theirs}.bias"] = ours[f"blocks.{i}.{mine}.bias"]
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out

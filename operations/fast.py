@@ -25,8 +25,6 @@ ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
 CPU_COMPILE = {"cls": ("blocks", 400), "next": ("model", 200)}
 
 
-# ----------------------------------------------------------------------------- device and dtype
-
 def pick_device(name, local_rank=0):
     """auto: cuda (this rank's GPU), then mps, then cpu; or the device named, if it is here."""
     if name == "auto":
@@ -43,8 +41,7 @@ def pick_device(name, local_rank=0):
     if not available.get(device.type, False):
         raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: there are only {count} CUDA devices")
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices here")
     return device
 
 
@@ -79,10 +76,8 @@ def pick_dtype(name, device):
     """auto: bf16 on CUDA and on CPUs with native bf16, where it is faster than fp32 at the same
     loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
     if name == "auto":
-        if device.type == "cuda":
-            bf16 = torch.cuda.is_bf16_supported()
-        else:
-            bf16 = device.type == "cpu" and cpu_has_bf16()
+        bf16 = (torch.cuda.is_bf16_supported() if device.type == "cuda"
+                else device.type == "cpu" and cpu_has_bf16())
         name = "bfloat16" if bf16 else "float32"
     return getattr(torch, name)
 
@@ -108,8 +103,6 @@ def use_explicit_attention(asked, device, dtype, config):
     short = tokens <= EXPLICIT_ATTENTION_MAX_TOKENS
     return device.type == "cpu" and dtype != torch.float32 and short
 
-
-# ----------------------------------------------------------------------------- the module to train
 
 def for_training(model, device, dtype, compile="off", ddp=False, steps=0):
     """(module to train, compile mode, note): what train.py calls as module(x, y), and a line that

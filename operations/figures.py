@@ -6,13 +6,14 @@ Run: python look.py curves out --out curves.png
 from operations.checkpoint import atomic_write
 
 
-def pyplot():
+def subplots(rows, cols, **options):
+    """plt.subplots without a screen; axes always a (rows, cols) array."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    return plt.subplots(rows, cols, squeeze=False, **options)
 
 
 def save_figure(fig, path):

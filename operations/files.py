@@ -82,9 +82,9 @@ def check_split_classes(data_dir, train_classes, test_classes):
     if train_classes != test_classes:
         only_train = sorted(set(train_classes) - set(test_classes))
         only_test = sorted(set(test_classes) - set(train_classes))
-        raise DataError(f"{data_dir}: the splits have different classes (only in "
-                        f"training: {only_train[:5]}, "
-                        f"only in test: {only_test[:5]}); give both the same class folders")
+        raise DataError(f"{data_dir}: the splits have different classes (only in training: "
+                        f"{only_train[:5]}, only in test: {only_test[:5]}); give both the same "
+                        "class folders")
 
 
 def _image_files(root):
@@ -208,10 +208,6 @@ def cifar(name, data_dir, train):
     return images, torch.tensor(ds.targets), list(ds.classes)
 
 
-# the WikiText mirror answers 403 to urllib's default
-USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) bamboo"
-
-
 WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it)
     "wikitext2": ("https://wikitext.smerity.com/wikitext-2-raw-v1.zip", "wikitext-2-raw"),
     "wikitext103": ("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw"),
@@ -219,7 +215,8 @@ WIKITEXT = {  # name -> (zip on the author's mirror, folder inside it)
 
 
 def _fetch(url, timeout=30):
-    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    agent = "Mozilla/5.0 (X11; Linux x86_64) bamboo"  # the mirror answers 403 to urllib's own
+    request = urllib.request.Request(url, headers={"User-Agent": agent})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
 

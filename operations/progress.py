@@ -103,9 +103,8 @@ class Clock:
         name, _ = selection_metric(c.objective)
         unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
         step_s = self.step_s()
-        result = "not evaluated"
-        if metrics is not None:
-            result = f"{name} {metrics[name]:.4g} (best {best:.4g})"
+        result = (f"{name} {metrics[name]:.4g} (best {best:.4g})" if metrics is not None
+                  else "not evaluated")
         line = (f"{'stopped' if stopped else 'done'}: {result}, {step_s * 1000:.1f} ms/step, "
                 f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
         peak = fast.peak_tflops(device, dtype)
