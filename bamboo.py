@@ -67,23 +67,20 @@ class Config:
     def __post_init__(self):
         if self.heads == 0:
             self.heads = max(1, self.width // 64)
+        at_least_1 = ("depth", "width", "image_size", "channels", "decoder_depth")
         checks = [
             ("objective", self.objective in OBJECTIVES, f"must be one of {', '.join(OBJECTIVES)}"),
-            ("depth", self.depth >= 1, "must be at least 1"),
-            ("width", self.width >= 1, "must be at least 1"),
+            *((name, getattr(self, name) >= 1, "must be at least 1") for name in at_least_1),
+            *((name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
+              for name in ("dropout", "drop_path", "label_smoothing")),
             ("heads", self.heads >= 1 and self.width % self.heads == 0,
              f"must divide width={self.width}; pick heads so that width // heads is the head dim"),
             ("mlp_ratio", self.mlp_ratio > 0, "must be positive"),
-            ("dropout", 0 <= self.dropout < 1, "must be in [0, 1)"),
-            ("drop_path", 0 <= self.drop_path < 1, "must be in [0, 1)"),
             ("patch_size", self.patch_size >= 1 and self.image_size % self.patch_size == 0,
              f"must divide image_size={self.image_size}"),
-            ("image_size", self.image_size >= 1, "must be at least 1"),
-            ("channels", self.channels >= 1, "must be at least 1"),
             ("num_classes", self.num_classes >= (2 if self.objective == "cls" else 1),
              "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
-            ("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)"),
             ("label_smoothing", self.label_smoothing == 0 or self.objective == "cls",
              f"smooths a classifier's targets and does nothing for {self.objective}; drop it"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
@@ -91,7 +88,6 @@ class Config:
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
             ("mask_ratio", self.patch_size < 1 or 0 < self.num_visible() < self.num_patches(),
              "must hide some patches and leave others visible"),
-            ("decoder_depth", self.decoder_depth >= 1, "must be at least 1"),
             ("decoder_heads",
              self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,
              f"must divide decoder_width={self.decoder_width}"),
@@ -102,10 +98,9 @@ class Config:
             ("neutreno_detach", not self.neutreno_detach or self.neutreno > 0,
              "applies to NeuTRENO only; give --neutreno > 0 too"),
             ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
+            ("width", not self.is_image or self.width % 4 == 0,
+             "must be a multiple of 4 for 2-D sin-cos positions"),
         ]
-        if self.objective in IMAGE_OBJECTIVES:
-            checks.append(("width", self.width % 4 == 0,
-                           "must be a multiple of 4 for 2-D sin-cos positions"))
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r} {why}")
@@ -133,9 +128,8 @@ class Config:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(
-                f"unknown config fields {unknown}; the checkpoint comes from another version"
-            )
+            raise ValueError(f"unknown config fields {unknown}; the checkpoint comes from "
+                             "another version")
         return cls(**d)
 
     @classmethod
@@ -179,20 +173,17 @@ PRESETS = {
 
 
 def training_flops(c):
-    """Training FLOPs (forward + backward = 3x forward) for one sample, matmuls only.
-
-    A block costs 2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token
-    for Q K^T and A V (PaLM appendix B; the causal half is not discounted).
-    """
+    """Training FLOPs (forward + backward = 3x forward) for one sample, matmuls only: a block costs
+    2 * (4 D^2 + 2 D D_mlp) per token for its weights plus 4 T D per token for Q K^T and A V (PaLM
+    appendix B; the causal half is not discounted)."""
     def blocks(n, tokens, width, mlp):
         return n * tokens * (2 * (4 * width ** 2 + 2 * width * mlp) + 4 * tokens * width)
 
-    mlp = int(c.mlp_ratio * c.width)
+    mlp, T = int(c.mlp_ratio * c.width), c.seq_len  # T: text windows
     prefix = 1 if c.is_image and c.pool == "cls" else 0
     if c.objective == "cls":
-        T = c.num_patches() + prefix
         fwd = c.num_patches() * 2 * c.patch_size ** 2 * c.channels * c.width  # the patch embedding
-        fwd += blocks(c.depth, T, c.width, mlp)
+        fwd += blocks(c.depth, c.num_patches() + prefix, c.width, mlp)
         fwd += 2 * c.width * c.num_classes
     elif c.objective == "mae":
         L, dw = c.num_patches(), c.decoder_width
@@ -202,14 +193,11 @@ def training_flops(c):
         fwd += blocks(c.decoder_depth, L + prefix, dw, int(c.mlp_ratio * dw))
         fwd += 2 * L * dw * c.patch_size ** 2 * c.channels  # the pixel prediction
     elif c.objective == "mlm":  # the head (transform + vocabulary) runs at the chosen positions
-        T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp)
         fwd += c.num_chosen(T) * (2 * c.width ** 2 + 2 * c.width * c.vocab_size)
     else:
-        T = c.seq_len
         fwd = blocks(c.depth, T, c.width, mlp) + 2 * T * c.width * c.vocab_size
     return 3 * fwd
-
 
 
 class MLP(nn.Module):
@@ -289,15 +277,12 @@ def unpatchify(x, p, channels):
 
 
 def random_masking(batch_size, length, mask_ratio, noise=None, device=None):
-    """MAE's argsort-of-noise masking of `length` tokens per sample.
-
-    Returns ids_keep (B, round(L * (1 - mask_ratio))), the visible tokens in shuffled order;
-    the mask (B, L) with 1 = hidden, in the original order; and ids_restore (B, L), which
-    undoes the shuffle. take_tokens(x, ids_keep) then gives the visible tokens of x (B, L, D).
-    """
+    """MAE's argsort-of-noise masking of `length` tokens per sample. Returns ids_keep (B, round(L
+    * (1 - mask_ratio))), the visible tokens in shuffled order; the mask (B, L) with 1 = hidden, in
+    the original order; and ids_restore (B, L), which undoes the shuffle. take_tokens(x, ids_keep)
+    then gives the visible tokens of x (B, L, D)."""
     keep = round(length * (1 - mask_ratio))
-    if noise is None:
-        noise = torch.rand(batch_size, length, device=device)
+    noise = torch.rand(batch_size, length, device=device) if noise is None else noise
     ids_shuffle = noise.argsort(dim=1)  # ascending: the smallest noise is kept
     ids_restore = ids_shuffle.argsort(dim=1)
     mask = torch.ones(batch_size, length, device=noise.device)
@@ -312,13 +297,11 @@ def take_tokens(x, ids):
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
-
     Next-token logits over GPT-2's 50,257 ids are a step's largest tensors (batch 32 x 128 tokens:
     0.8 GB in fp32, and as much again for log-softmax and each gradient). Here each chunk of rows
     makes its logits, its loss and, when training, straight away its gradient (softmax minus
     one-hot); only dL/dh and dL/dW are kept for backward. h (N, D), weight (V, D), targets (N,),
-    -100 where ignored.
-    """
+    -100 where ignored."""
 
     @staticmethod
     def forward(ctx, h, weight, targets):
@@ -354,20 +337,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 def init_stack(*modules, residual_depth=0):
     """GPT-2's init: every Linear and Embedding N(0, 0.02), biases 0; with residual_depth, then
-    each residual projection N(0, 0.02 / sqrt(2 * depth)), because that many add up in the stream.
-    """
+    each residual projection N(0, 0.02 / sqrt(2 * depth)), as that many add up in the stream."""
     parts = [m for part in modules for m in part.modules()]
     for module in parts:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-    for module in parts if residual_depth else []:
-        if isinstance(module, Block):
-            # vo_param blocks have no W_O Linear
-            for proj in (getattr(module.attn, "proj", None), module.mlp.proj):
-                if proj is not None:
-                    nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * residual_depth))
+    for block in (m for m in parts if residual_depth and isinstance(m, Block)):
+        for proj in (getattr(block.attn, "proj", None), block.mlp.proj):  # vo_param: no W_O Linear
+            if proj is not None:
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * residual_depth))
 
 
 TRUNK = ("patch_embed.", "pos_embed", "tok_embed.", "blocks.")  # the stem and the blocks, by name
@@ -382,7 +362,6 @@ def layer_id(name, depth):
 
 
 class Bamboo(nn.Module):
-
     """The trunk with the stem and head of `config.objective`.
 
     out, loss = model(x, y=None)
@@ -426,26 +405,22 @@ class Bamboo(nn.Module):
 
     def build_blocks(self, c):
         rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # grows linearly
-        self.blocks = nn.ModuleList(
-            Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate, c.objective == "next", c.neutreno,
-                  c.vo_param, self.explicit_attention)
-            for rate in rates
-        )
+        self.blocks = nn.ModuleList(Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate,
+                                          c.objective == "next", c.neutreno, c.vo_param,
+                                          self.explicit_attention) for rate in rates)
         init_stack(self.blocks, residual_depth=c.depth)
 
     def build_head(self, c):
-        with_cls = c.is_image and c.pool == "cls"
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.width)) if with_cls else None
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=0.02)
+        self.cls_token = None
+        if c.is_image and c.pool == "cls":
+            self.cls_token = nn.Parameter(nn.init.normal_(torch.empty(1, 1, c.width), std=0.02))
         if c.objective == "cls":  # MAE's fine-tuning head: pool, a fresh LayerNorm, a classifier
             self.fc_norm = nn.LayerNorm(c.width)
             self.head = nn.Linear(c.width, c.num_classes)
             nn.init.normal_(self.head.weight, std=2e-5)  # MAE's init: near-zero logits at first
             nn.init.zeros_(self.head.bias)
             return
-        # the encoder's final norm; a fine-tuned classifier drops it
-        self.ln_f = nn.LayerNorm(c.width)
+        self.ln_f = nn.LayerNorm(c.width)  # the encoder's final norm; fine-tuning drops it
         if c.objective == "mae":
             self.decoder_embed = nn.Linear(c.width, c.decoder_width)
             self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_width))
@@ -454,9 +429,7 @@ class Bamboo(nn.Module):
                                  persistent=False)
             self.decoder_blocks = nn.ModuleList(
                 Block(c.decoder_width, c.decoder_heads, c.mlp_ratio,
-                      explicit_attention=self.explicit_attention)
-                for _ in range(c.decoder_depth)
-            )
+                      explicit_attention=self.explicit_attention) for _ in range(c.decoder_depth))
             self.decoder_norm = nn.LayerNorm(c.decoder_width)
             self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size ** 2 * c.channels)
             nn.init.normal_(self.mask_token, std=0.02)
@@ -472,22 +445,18 @@ class Bamboo(nn.Module):
 
     def embed(self, x, mask_ratio=0.0, noise=None):
         """Stem: images -> patch tokens + 2-D positions (+ CLS), tokens -> embeddings + positions.
-
-        With mask_ratio > 0 (images only) the patches are MAE-masked before they are embedded
-        and before the CLS token is prepended. Returns (h, mask, ids_restore); the last two
-        are None unmasked.
-        """
+        With mask_ratio > 0 (images only) the patches are MAE-masked before they are embedded and
+        before the CLS token is prepended. Returns (h, mask, ids_restore), mask and ids_restore
+        None unmasked."""
         c = self.config
         if c.is_image:
             if x.dim() != 4 or x.shape[1:] != (c.channels, c.image_size, c.image_size):
-                raise ValueError(f"expected images (B, {c.channels}, "
-                                 f"{c.image_size}, {c.image_size}), "
-                                 f"got {tuple(x.shape)}")
+                raise ValueError(f"expected images (B, {c.channels}, {c.image_size}, "
+                                 f"{c.image_size}), got {tuple(x.shape)}")
             patches = patchify(x, c.patch_size)  # (B, L, p*p*C)
             pos = self.pos_embed.expand(x.shape[0], -1, -1)  # (B, L, D)
             mask = ids_restore = None
-            # mask first: the stem, too, embeds only the patches the encoder sees
-            if mask_ratio > 0:
+            if mask_ratio > 0:  # mask first: the stem, too, embeds only the visible patches
                 ids_keep, mask, ids_restore = random_masking(x.shape[0], patches.shape[1],
                                                              mask_ratio, noise, x.device)
                 patches, pos = take_tokens(patches, ids_keep), take_tokens(pos, ids_keep)
@@ -502,11 +471,9 @@ class Bamboo(nn.Module):
         return self.embed_drop(h), mask, ids_restore
 
     def run_blocks(self, h, collect=False, need_weights=False):
-        """The trunk. Layer 0's values become V0 for NeuTRENO in every later layer.
-
-        Returns (h, hiddens, attns): hiddens holds the input and every block's output
-        when collect=True, attns every layer's (B, nh, T, T) probabilities when need_weights.
-        """
+        """The trunk, layer 0's values V0 for NeuTRENO in every later layer. Returns (h, hiddens,
+        attns): hiddens holds the input and every block's output when collect=True, attns every
+        layer's (B, nh, T, T) probabilities when need_weights."""
         hiddens, attns, v0 = [h] if collect else [], [], None
         recompute = self.config.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
@@ -523,12 +490,10 @@ class Bamboo(nn.Module):
         return h, hiddens, attns
 
     def hidden_states(self, x, need_weights=False, mask_ratio=0.0, noise=None):
-        """depth+1 tensors (B, T, width): the stem's output, then every block's output.
-
-        All tokens, no masking, no corruption, whatever the objective; mask_ratio > 0 (images)
-        keeps only the visible patches, as MAE training sees them. With need_weights=True
-        returns (hiddens, attns) where attns holds depth tensors (B, nh, T, T).
-        """
+        """depth+1 tensors (B, T, width): the stem's output, then every block's output. All tokens,
+        no masking, no corruption, whatever the objective; mask_ratio > 0 (images) keeps only the
+        visible patches, as MAE training sees them. With need_weights=True returns (hiddens, attns)
+        where attns holds depth tensors (B, nh, T, T)."""
         h, _, _ = self.embed(x, mask_ratio, noise)
         _, hiddens, attns = self.run_blocks(h, collect=True, need_weights=need_weights)
         return (hiddens, attns) if need_weights else hiddens
@@ -536,12 +501,11 @@ class Bamboo(nn.Module):
     # ---- the four objectives ----
 
     def forward(self, x, y=None):
-        objective = self.config.objective
-        if objective == "mae":
+        if self.config.objective == "mae":  # y, an image batch's labels, is not MAE's
             return self.forward_mae(x)
-        if objective == "cls":
+        if self.config.objective == "cls":
             return self.forward_cls(x, y)
-        if objective == "mlm":
+        if self.config.objective == "mlm":
             return self.forward_mlm(x, y)
         return self.forward_next(x, y)
 
@@ -588,16 +552,13 @@ class Bamboo(nn.Module):
     def choose_positions(self, tokens):
         """The positions (B, k) of tokens (B, T) that MLM predicts, ascending in each row: BERT's
         exact count k = round(mlm_prob * T) per window (at least 1), drawn by argsort of noise as
-        MAE draws its masks. A fixed count keeps every shape of the step static, so that it can run
-        as a CUDA graph."""
+        MAE draws its masks; a fixed count keeps the step's shapes static (a CUDA graph's need)."""
         noise = torch.rand(tokens.shape, device=tokens.device)
         return noise.argsort(dim=1)[:, : self.config.num_chosen(tokens.shape[1])].sort(dim=1).values
 
     def mask_tokens(self, tokens, positions=None):
         """BERT corruption of the chosen positions: 80% -> [MASK], 10% a random token, 10% kept.
-
-        Returns (inputs, targets) with targets = -100 (ignored) at the positions not chosen.
-        """
+        Returns (inputs, targets) with targets = -100 (ignored) at the positions not chosen."""
         positions = self.choose_positions(tokens) if positions is None else positions
         chosen = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, positions, True)
         roll = torch.rand(tokens.shape, device=tokens.device)
@@ -700,18 +661,11 @@ class Bamboo(nn.Module):
         params = self.blocks.parameters() if trunk_only else self.parameters()
         return sum(p.numel() for p in params)
 
-    def flops_per_sample(self):
-        """Training FLOPs for one sample (see training_flops)."""
-        return training_flops(self.config)
-
     def load_encoder(self, state_dict):
-        """Load a pretrained trunk (e.g. MAE) into this model for fine-tuning.
-
-        Copies the stem and every block: each tensor whose name and shape match, except the
-        pretraining heads (decoder_*, mask_token, mlm_*) and the classifier (fc_norm, head). A
-        classifier has no ln_f, so the encoder's final norm is skipped too, as MAE's fine-tuning
-        does. Returns (loaded names, skipped names).
-        """
+        """Load a pretrained trunk (e.g. MAE) for fine-tuning: the stem and every block, each tensor
+        whose name and shape match, except the pretraining heads (decoder_*, mask_token, mlm_*) and
+        the classifier (fc_norm, head). A classifier has no ln_f, so the encoder's final norm is
+        skipped too, as MAE's fine-tuning does. Returns (loaded names, skipped names)."""
         own = self.state_dict()
         heads = ("decoder_", "mask_token", "mlm_", "head.", "fc_norm.")
         loaded, skipped = [], []

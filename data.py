@@ -3,10 +3,9 @@ disk when they would not fit; text tokenized once.
 
 Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir) or `folder`
 (any ImageFolder tree with train/ and test/ or val/). Two ways to read them:
-  ImageData    the whole split on the training device as one uint8 tensor; whole batches are
-               augmented there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized
-               data, where loading is then never the bottleneck. A folder is listed, decoded
-               once and kept in --cache_dir by operations/files.py; later runs load it.
+  ImageData    the whole split on the training device as one uint8 tensor, whole batches augmented
+               there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized data. A
+               folder is listed, decoded once and kept in --cache_dir by operations/files.py.
   ImageStream  (operations/streaming.py) a folder too large for that (ImageNet at 224: 190 GB
                decoded) read as training goes by DataLoader workers, with MAE's augmentation;
                streaming.open_images chooses between the two.
@@ -16,7 +15,6 @@ on exactly; each rank then reads only its slice (`shard`).
 Text (mlm, next): `wikitext2`, `wikitext103` (operations/files.py fetches them from the author's
 mirror) or `text` (any train/val pair of text files). Tokenized once with tiktoken, cached as a
 uint16/uint32 .bin and memory-mapped; batches are random windows.
-`--tokenizer bytes` is a 256-id byte-level tiktoken Encoding built in memory (no download).
 
 Every failure a user can meet (no network, missing files) raises files.DataError with one line:
 what is missing, where to put it, and which flag points elsewhere.
@@ -37,7 +35,6 @@ TEXT_DATASETS = ("wikitext2", "wikitext103", "text")
 
 
 # ----------------------------------------------------------------------------- images
-
 
 def _load_split(name, data_dir, split, image_size, listed, limit=0, cache_dir=None):
     """A folder's split decoded (and cached), or CIFAR's downloaded."""
@@ -78,17 +75,13 @@ class ImageData:
         (the probe needs nothing else); train_samples > 0: a fixed random subset of the training
         split; listing: a folder's (list_folder's), made here unless given; cache_dir keeps the
         decoded splits; statistics: a trained model's (mean, std), from its checkpoint."""
-        listed = classes = None
-        if name == "folder":
-            listed, classes = listing or files.list_folder(data_dir, train, train_samples)
-        else:
-            os.makedirs(data_dir, exist_ok=True)
+        listed, classes = ((listing or files.list_folder(data_dir, train, train_samples))
+                           if name == "folder" else (None, None))
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
                                                              listed, cache_dir=cache_dir)
         self.train_x, self.train_y, _ = (
             _load_split(name, data_dir, "train", image_size, listed, train_samples, cache_dir)
-            if train
-            else (self.test_x[:0], self.test_y[:0], None))
+            if train else (self.test_x[:0], self.test_y[:0], None))
         self.fingerprint = None  # what a resume checks: a folder's files and labels, CIFAR's pixels
         if train and listed:
             self.fingerprint = files.listing_fingerprint(listed["train"] + listed["test"])
@@ -136,8 +129,7 @@ class ImageData:
 
 def shard(draws, rank, world, grad_accum, k):
     """Micro-batch k of rank's part of a global batch's draws: world x grad_accum equal parts."""
-    return {name: v.view(world, grad_accum, -1, *v.shape[1:])[rank][k]
-            for name, v in draws.items()}
+    return {name: v.view(world, grad_accum, -1, *v.shape[1:])[rank][k] for name, v in draws.items()}
 
 
 def normalisation(images):
@@ -249,8 +241,7 @@ class TextData:
         return {"start": torch.randint(0, self.num_train(), (n,), generator=generator)}
 
     def train_batch(self, draws):
-        """Windows of tokens (int64, on the device) for (a shard of) a sampled batch; text has no
-        labels."""
+        """Windows of tokens (int64, on the device) for (a shard of) a sampled batch; no labels."""
         windows = np.stack([self.train[s: s + self.window] for s in draws["start"].tolist()])
         x = torch.from_numpy(windows.astype(np.int64))
         return to_device(x, torch.device(self.device)), None

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 def attention_probabilities(q, k, causal=False):
     """softmax(q k^T / sqrt(d)) (B, nh, T, T) of q and k (B, nh, T, hs), causal if asked."""
-    # (B, nh, T, T); scaling q is T/hs times cheaper
-    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, T); scaling q: cheaper
     if causal:
         T = q.size(-2)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
@@ -37,18 +36,15 @@ def attention_probabilities(q, k, causal=False):
 
 
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
-    """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe.
-
-    Mathematically the same as F.scaled_dot_product_attention; it materialises the
-    (B, nh, T, T) matrix, which the probe needs and which pays off only for short sequences.
-    """
+    """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe: the math of
+    F.scaled_dot_product_attention, materialising the (B, nh, T, T) matrix, which the probe needs
+    and which pays off only for short sequences."""
     probs = attention_probabilities(q, k, causal)
     return F.dropout(probs, dropout_p) @ v, probs
 
 
 class EigenValueOutput(nn.Module):
-    """W_V W_O of every head built from its eigendecomposition (Dovonon, Bronstein & Kusner, TMLR
-    2025).
+    """W_V W_O of every head from its eigendecomposition (Dovonon, Bronstein & Kusner, TMLR 2025).
 
     Per head h, H_h = W_V,h W_O,h = Q_h diag(l_h) Q_h^T with Q_h (D, hs) orthonormal, so
     l_h are exactly H_h's non-zero eigenvalues:
@@ -59,8 +55,7 @@ class EigenValueOutput(nn.Module):
         so the eigenvalues sit in the output projection, next to where NeuTRENO adds its term;
       * Q_h is the Q of a QR decomposition of a learned (D, hs) matrix, as in the paper;
       * LayerNorm's gain multiplies H from the left, and a negative gain can flip an eigenvalue's
-        sign; the attention LayerNorm of these blocks therefore has no learned gain (Block does
-        that);
+        sign; the attention LayerNorm of these blocks therefore has no learned gain (Block);
       * clipping psi^2 into [1e-4, 1] keeps the sharpening eigenvalues in [-1, 0) (a gain beyond
         1 per layer would blow the residual stream up); the gradient of psi is zero once clipped.
     """
@@ -93,8 +88,7 @@ class Attention(nn.Module):
       y:     (B, T, C) the block's attention output, after W_O
       v:     (B, nh, T, hs) this layer's values if it is layer 0 (v0 None) of a NeuTRENO model:
              they become V0 for the rest; else None, as nothing reads them
-      probs: (B, nh, T, T) attention probabilities if need_weights, else None
-    """
+      probs: (B, nh, T, T) attention probabilities if need_weights, else None"""
 
     def __init__(self, width, heads, causal=False, neutreno=0.0, dropout=0.0, explicit=False):
         super().__init__()
@@ -142,11 +136,9 @@ class Attention(nn.Module):
 
 
 class EigenAttention(Attention):
-    """Attention whose per-head W_V W_O is smooth or sharpen by construction (EigenValueOutput).
-
+    """Attention whose per-head W_V W_O is smooth or sharpen by construction (EigenValueOutput):
     W_V,h = Q_h and W_O,h = diag(l_h) Q_h^T, laid out as the rows and columns of the W_qkv and
-    W_O that Attention.forward applies: the same forward, other weights.
-    """
+    W_O that Attention.forward applies: the same forward, other weights."""
 
     def __init__(self, width, heads, mode, **kwargs):
         self.mode = mode  # read by build_projections, which Attention.__init__ calls

@@ -23,18 +23,13 @@ Weight metrics, per block:
   vo_positive   the fraction of those eigenvalues (all heads) with a positive real part
   beta_qk/v     Bamboo Fig. 2: ||W_Q W_K^T||_2 and ||W_V||_2 of each checkpoint over the first's
 
-Collapsed tokens: a token whose vector (raw for cos, centred for abs_cos_centered) is shorter than
-COLLAPSED * the sample's RMS token norm has no direction left, only rounding noise. It coincides
-with the others (raw: with 0; centred: with the mean), so every pair it is in counts as cosine 1.
-Tokens that have become identical therefore read as fully smoothed, never as "diverse".
+Collapsed tokens: a token (raw for cos, centred for abs_cos_centered) shorter than COLLAPSED * the
+sample's RMS token norm is rounding noise; every pair it is in counts as cosine 1, so tokens that
+have become identical read as fully smoothed, never as "diverse".
 
-Read top to bottom: the metrics, then the command line (models side by side on the same samples,
-a table per model, JSON) and the figure (--plot).
-
-Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split,
-in order, normalised as its training saw them), so two runs give identical numbers, and the ones
-its run logged at each evaluation. A checkpoint can be a fresh model instead:
-init:PRESET[,key=value,...], e.g. init:bamboo-b,neutreno=0.6 (seed 0, so equal specs are equal).
+Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split, in
+order, normalised as its training saw them): two runs give identical numbers, and the ones its run
+logged at each evaluation. A checkpoint can be a fresh model: init:bamboo-b,neutreno=0.6 (seed 0).
 
 Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen \
        --dataset folder \
@@ -53,8 +48,7 @@ from data import IMAGE_DATASETS, TEXT_DATASETS, first_samples
 from operations import checkpoint, cli, fast, figures, hub, streaming
 
 TOKEN_METRICS = ("std", "cos", "abs_cos_centered", "hc_dc", "erank")
-# defined from block 1 (attn_sim: block 2) on
-LAYER_METRICS = ("update", "attn_entropy", "attn_sim")
+LAYER_METRICS = ("update", "attn_entropy", "attn_sim")  # from block 1 on (attn_sim: block 2)
 WEIGHT_METRICS = ("vo_dominant", "vo_positive", "beta_qk", "beta_v")
 COLLAPSED = 1e-5  # relative token norm below which a direction is float32 rounding noise
 
@@ -62,10 +56,8 @@ COLLAPSED = 1e-5  # relative token norm below which a direction is float32 round
 # ----------------------------------------------------------------------------- the metrics
 
 def mean_pairwise_cos(h, scale, absolute=False):
-    """Per sample, the mean (absolute) cosine over pairs i != j of (B, T, D) tokens.
-
-    A token shorter than COLLAPSED * scale (B,) has collapsed: its pairs count as 1.
-    """
+    """Per sample, the mean (absolute) cosine over pairs i != j of (B, T, D) tokens; a token
+    shorter than COLLAPSED * scale (B,) has collapsed: its pairs count as 1."""
     norms = h.norm(dim=-1)  # (B, T)
     collapsed = norms <= COLLAPSED * scale[:, None]
     n = h / norms.clamp_min(1e-300)[..., None]
@@ -77,11 +69,9 @@ def mean_pairwise_cos(h, scale, absolute=False):
 
 
 def singular_values(h):
-    """The singular values (B, min(T, D)) of each sample's tokens h (B, T, D), in float64, in
-    ascending order: square roots of the eigenvalues of the smaller Gram matrix, which is several
-    times faster than the batched SVD (the probe's slowest step). Squaring costs precision only in
-    the smallest values: a zero singular value comes out near 1e-8 of the largest (up to 2e-8 for 64
-    x 384 tokens of rank 2), which moves erank by far less than it reports."""
+    """The singular values (B, min(T, D)) of tokens h (B, T, D), ascending: square roots of the
+    eigenvalues of the smaller Gram matrix, several times faster than a batched SVD. Squaring costs
+    precision only in the smallest (a zero comes out near 1e-8 of the largest), not in erank."""
     gram = h @ h.transpose(1, 2) if h.shape[1] <= h.shape[2] else h.transpose(1, 2) @ h
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
 
@@ -117,25 +107,21 @@ def update_ratio(before, after):
 
 
 def attention_entropy(probs):
-    """Per sample, the entropy in nats of each query's attention row (B, nh, T, T), mean over heads
-    and queries."""
+    """Per sample, the entropy in nats of attention rows (B, nh, T, T), mean over heads, queries."""
     p = probs.double()
     return -(p * p.clamp_min(1e-300).log()).sum(-1).mean((1, 2))
 
 
 def attention_similarity(before, after):
-    """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, averaged over
-    heads."""
+    """Per sample, the cosine between two layers' (B, nh, T, T) attention maps, mean over heads."""
     return torch.nn.functional.cosine_similarity(before.flatten(2).double(),
                                                  after.flatten(2).double(), dim=-1).mean(1)
 
 
 def layer_metrics_per_sample(hiddens, attns):
-    """Every token and layer metric for depth + 1 hidden states and depth attention maps.
-
-    Returns one dict per layer (0 = the stem's output) of (B,) tensors; a layer metric is
-    missing where it is undefined (update and attn_entropy at layer 0, attn_sim before layer 2).
-    """
+    """Every token and layer metric for depth + 1 hidden states and depth attention maps: one dict
+    per layer (0 = the stem's output) of (B,) tensors; a layer metric is missing where it is
+    undefined (update and attn_entropy at layer 0, attn_sim before layer 2)."""
     layers = []
     for i, h in enumerate(hiddens):
         metrics = token_metrics_per_sample(h)
@@ -159,8 +145,7 @@ def head_value_output(block):
 
 
 def vo_spectrum(model):
-    """Per block: (mean over heads of the dominant eigenvalue's sign, fraction of positive real
-    parts)."""
+    """Per block: (mean over heads of the dominant eigenvalue's sign, share with real part > 0)."""
     dominant, positive = [], []
     for block in model.blocks:
         eigs = torch.linalg.eigvals(head_value_output(block))  # (nh, hs)
@@ -211,8 +196,7 @@ def probe_model(model, samples, batch_size, mask=False):
         if hiddens[0].shape[1] < 2:  # std and every cosine compare a sample's tokens
             raise ValueError("each sample reaches the blocks as one token, and the metrics compare "
                              "tokens: probe more patches (a larger image, or drop --mask)")
-        finite = torch.stack([h.isfinite().all() for h in hiddens])
-        # one host sync per batch (eigvalsh syncs anyway); NaN tokens have no metrics
+        finite = torch.stack([h.isfinite().all() for h in hiddens])  # one host sync per batch
         if not finite.all():
             bad = finite.logical_not().nonzero()[0].item()
             raise ValueError(f"layer {bad}'s hidden states are not finite on samples {i} to "
@@ -254,8 +238,9 @@ def logged_metrics(model, samples, batch_size):
     return {name: rounded(probed[name]) for name in (*TOKEN_METRICS, "attn_entropy")}
 
 
-def rounded(values):
-    """A metric's per-layer values as reported: 6 decimals, None where it is undefined."""
+def rounded(values, layers=0):
+    """A metric's per-layer values as reported: 6 decimals, None where undefined, up to `layers`."""
+    values = list(values) + [None] * (layers - len(values))
     return [None if v is None else round(v, 6) for v in values]
 
 
@@ -263,8 +248,7 @@ def rounded(values):
 
 def load_model(spec, dataset):
     """A checkpoint path, init:PRESET[,key=value,...] for a fresh model (seed 0, so equal specs
-    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (operations/hub.py).
-    """
+    are equal), or timm:NAME / hf:NAME[,key=value,...] for a foreign one (operations/hub.py)."""
     if spec.startswith(("timm:", "hf:")):  # a pretrained timm or Hugging Face transformer
         model = hub.load(spec)
         return model, {"tokenizer": model.tokenizer} if model.tokenizer else {}
@@ -305,19 +289,12 @@ def samples_key(model, train_cfg):
 
 # ----------------------------------------------------------------------------- report
 
-def pad(values, length):
-    return list(values) + [None] * (length - len(values))
-
-
-TABLE_BLOCKS = (TOKEN_METRICS, LAYER_METRICS + WEIGHT_METRICS)  # each block under 100 columns
-
-
 def print_table(report):
     """Per checkpoint, one table per block of metrics, layers as rows."""
     for label in report["labels"]:
         depth = report["depth"][label]
         print(f"\n{label}  ({report['source'][label]})")
-        for names in TABLE_BLOCKS:
+        for names in (TOKEN_METRICS, LAYER_METRICS + WEIGHT_METRICS):  # each under 100 columns
             widths = [max(12, len(n)) for n in names]
             print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
             for layer in range(depth + 1):
@@ -345,8 +322,8 @@ def run(args):
         torch.set_num_threads(args.threads)
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
-        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct "
-                         f"names, one per checkpoint")
+        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct names, one per "
+                         "checkpoint")
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
               "metrics": {}, "absent": {}, "attn_entropy_ceiling": {}}
     reference, raw, sample_sets = None, {}, {}
@@ -359,8 +336,7 @@ def run(args):
         if key not in sample_sets:
             sample_sets[key] = load_samples(args, model, train_cfg)
         raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
-        if reference is None:
-            reference = model
+        reference = model if reference is None else reference
         raw[label]["beta_qk"], raw[label]["beta_v"] = (
             [None] + values if values is not None else [] for values in beta(model, reference))
         report["absent"][label] = absent_metrics(model, raw[label], labels[0])
@@ -374,7 +350,7 @@ def run(args):
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
     order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
-    report["metrics"] = {name: {label: rounded(pad(raw[label][name], layers)) for label in labels}
+    report["metrics"] = {name: {label: rounded(raw[label][name], layers) for label in labels}
                          for name in order}
     print_table(report)
     if args.json:
@@ -459,8 +435,7 @@ def probe_figure(report, relative):
         return lines > (1 if name.startswith("beta") else 0)  # the first is 1 against itself
 
     names = [n for n in report["metrics"] if drawn(n)]
-    cols = 3
-    rows = math.ceil(len(names) / cols)
+    cols, rows = 3, math.ceil(len(names) / 3)
     fig, axes = figures.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows))
     for ax, name in zip(axes.flat, names):
         for label in report["labels"]:

@@ -2,9 +2,8 @@
 
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
-it top to bottom: the settings (their defaults, the presets' recipes, the formulas of the peak
-rate and the warmup, and which setting wins), the learning rate, then train(), which holds a run's
-whole state as its local variables: set-up, then the loop with the whole step. The step's path:
+it top to bottom: the settings (defaults, recipes, peak rate and warmup, which setting wins), the
+learning rate, then train(): a run's state as its locals, set-up then the loop. The step's path:
 
   main -> train -> load_data (-> streaming.open_images: data.ImageData, or a stream)
        -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
@@ -31,13 +30,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from operations import checkpoint, checks, cli, fast, out_dir, progress, runlog, streaming
-from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config
+from bamboo import IMAGE_OBJECTIVES, OBJECTIVES, PRESETS, Bamboo, Config, training_flops
 from data import IMAGE_DATASETS, TEXT_DATASETS, TextData, first_samples, shard
 from probe import logged_metrics
 
 
 # ----------------------------------------------------------------------------- settings
-
 
 @dataclass
 class TrainConfig:
@@ -126,11 +124,9 @@ def resolve_settings(args):
     --eval_only, its whole model and its data) < flags."""
     checks.check_invocation(args)
     resumed = pretrained = None
-    given = {**cli.flags_given(args, TrainConfig),
-             **cli.flags_given(args, Config)}
+    given = {**cli.flags_given(args, TrainConfig), **cli.flags_given(args, Config)}
     if getattr(args, "resume", False):  # the saved run, flags allowed only where RESUMABLE
-        cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE,
-                                               PER_INVOCATION)
+        cfg, resumed = checks.resumed_settings(args, TrainConfig, Config, RESUMABLE, PER_INVOCATION)
         settings = dict(resumed["config"])
         saved = [k for k in vars(cfg) if k in resumed["train"] and k not in PER_INVOCATION]
         sources = dict.fromkeys([*settings, *saved], "the resumed run")
@@ -240,10 +236,9 @@ def train(args, started=None):
         if ddp:
             module = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda"
                                              else None)
-        autocast = nullcontext()
-        if dtype != torch.float32:  # no autocast cache under CUDA graphs: it outlives a replay
-            autocast = torch.autocast(device.type, dtype=dtype,
-                                      cache_enabled=compile_mode != "graphs")
+        # no autocast cache under CUDA graphs: it outlives a replay
+        autocast = (torch.autocast(device.type, dtype=dtype, cache_enabled=compile_mode != "graphs")
+                    if dtype != torch.float32 else nullcontext())
         micro_batch = cfg.batch_size // (world * cfg.grad_accum)  # samples per forward, this rank
         eval_batch = cfg.batch_size  # however the batch is split: the same evaluation masks
         # the held-out samples probed at every evaluation (probe.py's)
@@ -251,7 +246,7 @@ def train(args, started=None):
         if master and cfg.overwrite:  # only now that every check has passed
             out_dir.remove_old_run(cfg.out_dir)
         say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
-            f"{model.num_params() / 1e6:.2f}M params, {model.flops_per_sample() / 1e9:.3f} "
+            f"{model.num_params() / 1e6:.2f}M params, {training_flops(config) / 1e9:.3f} "
             f"GFLOPs/sample, {device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} "
             f"= {world} x {cfg.grad_accum} x {micro_batch}"
             + ("" if cfg.eval_only else f", peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps"))
@@ -377,9 +372,8 @@ def train(args, started=None):
 # ---------------------------------------------------------- what set-up and the loop call, in order
 
 CHOICES = {"dataset": IMAGE_DATASETS + TEXT_DATASETS, "stream": ("auto", "on", "off"),
-           "objective": OBJECTIVES,
-           "pool": ("mean", "cls"), "dtype": fast.DTYPES, "compile": fast.COMPILE_MODES,
-           "preset": ("",) + tuple(PRESETS)}
+           "objective": OBJECTIVES, "pool": ("mean", "cls"), "dtype": fast.DTYPES,
+           "compile": fast.COMPILE_MODES, "preset": ("",) + tuple(PRESETS)}
 
 
 def build_parser():
@@ -397,7 +391,7 @@ def start_processes(cfg):
     if cfg.threads:  # on a CPU shared with other work, fewer threads than cores can be faster
         torch.set_num_threads(cfg.threads)
     rank, world, local_rank = 0, 1, 0
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun sets these three
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
     device = fast.pick_device(cfg.device, local_rank)
@@ -423,14 +417,12 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
             cache_dir=cfg.cache_dir, statistics=saved and saved.get("statistics"),
             crop_scale=cfg.crop_scale, workers=cfg.workers, rank=rank, world=world,
             grad_accum=cfg.grad_accum)
-        # what the checkpoint keeps
-        cfg.stream = "on" if isinstance(data, streaming.ImageStream) else "off"
+        cfg.stream = "on" if isinstance(data, streaming.ImageStream) else "off"  # kept in ckpt.pt
         return data, Config.from_dict({**settings, "image_size": data.image_size,
                                        "channels": data.channels, "num_classes": data.num_classes})
-    next_token = settings.get("objective", Config.objective) == "next"
     data = TextData(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.train_file, cfg.val_file,
                     cfg.cache_dir, settings.get("seq_len", Config.seq_len), device=device,
-                    next_token=next_token)
+                    next_token=settings.get("objective", Config.objective) == "next")
     checks.check_vocab_size(settings.get("vocab_size"), data.vocab_size)
     return data, Config.from_dict({**settings, "vocab_size": data.vocab_size})
 

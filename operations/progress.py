@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from bamboo import training_flops
 from operations import fast
 from operations.cli import TrainingError, resume_command
 from operations.runlog import selection_metric
@@ -109,7 +110,7 @@ class Clock:
                 f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
         peak = fast.peak_tflops(device, dtype)
         if peak:
-            flops = model.flops_per_sample() * cfg.batch_size / step_s
+            flops = training_flops(model.config) * cfg.batch_size / step_s
             line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
         line += f"; first step {self.step_times[0]:.1f} s (compilation, capture)"
         if self.eval_s is not None:
