@@ -7,9 +7,11 @@ Run: python -m operations.export out/ckpt.pt --out vit/    (cls, mae: timm)
      python -m operations.export out/ckpt.pt --out gpt2/   (next: save_pretrained)
 """
 import argparse
+import base64
 import json
 import os
 import sys
+import tempfile
 from functools import partial
 
 import torch.nn as nn
@@ -107,37 +109,24 @@ def to_gpt2(model):
     return out
 
 
-def exported_tokenizer(encoding, vocab_size):
-    """The tokenizer a model trained with, for Hugging Face: an hf: one as it is; a tiktoken BPE
-    as GPT2TokenizerFast (its ranks as ids, its merges recovered from the ranks) where GPT-2's
-    pre-tokenizer splits text as the encoding does; else None."""
-    from tiktoken_ext.openai_public import r50k_pat_str
-    from transformers import GPT2TokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+def exported_tokenizer(encoding):
+    """The tokenizer a model trained with, for Hugging Face: an hf: one as it is; a tiktoken
+    encoding through transformers' own converter (the same ids, its pattern and special tokens)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
 
     if hasattr(encoding, "tokenizer"):  # hf:NAME
         return encoding.tokenizer
-    ranks = encoding._mergeable_ranks
-    if encoding.n_vocab != vocab_size or (len(ranks) > 256 and encoding._pat_str != r50k_pat_str):
-        return None
-    char = bytes_to_unicode()
-    merges = [tuple("".join(char[b] for b in part) for part in bpe_pair(ranks, token, rank))
-              for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]) if len(token) > 1]
-    vocab = {"".join(char[b] for b in token): rank for token, rank in ranks.items()}
+    with tempfile.TemporaryDirectory() as folder:  # the converter reads tiktoken's file format
+        ranks = os.path.join(folder, "ranks.tiktoken")
+        with open(ranks, "w") as f:
+            f.writelines(f"{base64.b64encode(token).decode()} {rank}\n"
+                         for token, rank in encoding._mergeable_ranks.items())
+        converted = TikTokenConverter(ranks, encoding._pat_str,
+                                      extra_special_tokens=encoding._special_tokens).converted()
     special = next(iter(encoding._special_tokens), None)  # GPT-2's <|endoftext|>
-    return GPT2TokenizerFast(vocab={**vocab, **encoding._special_tokens}, merges=merges,
-                             unk_token=special, bos_token=special, eos_token=special)
-
-
-def bpe_pair(ranks, token, rank):
-    """The two tokens whose merge made `token`: tiktoken's BPE on its bytes, stopped at `rank`."""
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 2:
-        best, i = min((ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
-        if best >= rank:
-            break
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return parts
+    return PreTrainedTokenizerFast(tokenizer_object=converted, unk_token=special,
+                                   bos_token=special, eos_token=special)
 
 
 def export(path, out):
@@ -189,13 +178,10 @@ def export_gpt2(model, ckpt, out):
     hf.save_pretrained(out)
     name = ckpt.get("train", {}).get("tokenizer", "gpt2")
     try:
-        tokenizer = exported_tokenizer(get_tokenizer(name), model.config.vocab_size)
-        why = "no GPT-2 form"
+        tokenizer = exported_tokenizer(get_tokenizer(name))
     except ValueError as e:  # offline, without the encoding's file
-        tokenizer, why = None, str(e)
-    if tokenizer is None:
         return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}); "
-                f"no tokenizer ({name}: {why}), so pass it token ids")
+                f"no tokenizer ({name}: {e}), so pass it token ids")
     tokenizer.save_pretrained(out)
     return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}), "
             f"transformers.AutoTokenizer.from_pretrained({out!r})")
