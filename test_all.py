@@ -3933,19 +3933,20 @@ def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step
 
 
 def test_bench_against_puts_each_librarys_model_of_the_same_shape_beside_ours(capsys, monkeypatch):
-    """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our model's shape, each timed beside
-    it; a library model compiles whole, and its row says so (here torch.compile is a stand-in)."""
+    """--against: timm's ViT, Hugging Face's GPT-2 and BERT of our shape beside ours, a library
+    compiled whole and, on a CPU under auto, eager too: each at its fastest (a stand-in compile)."""
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)
     rows = bench.run(bench.build_parser().parse_args([
         "cls:cifar-tiny,image_size=16", "next:cifar-tiny,seq_len=16,vocab_size=64,mlp_ratio=2",
         "mlm:cifar-tiny,seq_len=16,vocab_size=64", "--against", *QUICK_BENCH, "--compile",
-        "blocks"]))
-    assert [(r["impl"], r["compiled"]) for r in rows] == [
-        ("bamboo", "blocks"), ("timm VisionTransformer", "model"), ("bamboo", "blocks"),
-        ("HF GPT2LMHeadModel", "model"), ("bamboo", "blocks"), ("HF BertForMaskedLM", "model")]
-    for ours, library in zip(rows[::2], rows[1::2]):
+        "blocks,auto"]))
+    assert [(r["impl"], r["compiled"]) for r in rows] == [pair for library in (
+        "timm VisionTransformer", "HF GPT2LMHeadModel", "HF BertForMaskedLM") for pair in (
+        ("bamboo", "blocks"), ("bamboo", "off"), (library, "model"), (library, "off"))]
+    for ours, library in zip(rows[::4], rows[2::4]):
         assert library["attention"] == "library" and library["step_ms"] > 0
         assert library["params_m"] == pytest.approx(ours["params_m"], rel=0.1)  # the same shape
+    assert "as fast as HF BertForMaskedLM at its fastest (" in capsys.readouterr().out
 
 
 def test_bench_times_steps_the_device_has_run_and_only_after_seconds_of_untimed_ones(monkeypatch):
@@ -4006,8 +4007,7 @@ def test_no_speedup_assigns_anything_on_a_live_model(compile_mode, objective):
 
 
 def test_measurement_tools_do_not_import_the_trainer():
-    """probe.py and bench.py load checkpoints, pick devices and build optimizers without
-    train.py."""
+    """probe.py and bench.py load checkpoints, pick devices, build optimizers without train.py."""
     code = "import sys, probe, bench; print('train' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
