@@ -370,8 +370,9 @@ class Bamboo(nn.Module):
       mlm:  x tokens (B, T) -> out = logits (N, vocab) at the N chosen positions, in row-major
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
-      next: x tokens (B, T) -> out = the last position's logits (B, 1, vocab), loss predicting
-            x[:, 1:]; or pass y (B, T) as targets, nanoGPT-style, and out is what follows x.
+      next: x tokens (B, T) -> out = the logits of what follows x (B, 1, vocab), as nanoGPT's,
+            loss predicting x[:, 1:] (a window of seq_len + 1 ends in a token that is only a
+            target: out then predicts it); or pass y (B, T) as targets, nanoGPT-style.
             Every position's logits: model.token_logits(h) of next_token_features
     """
 
@@ -592,19 +593,23 @@ class Bamboo(nn.Module):
         return logits, loss / max(1, len(targets))
 
     def next_token_features(self, tokens, y=None):
-        """The final-norm features (B, T, D) and their targets: x[:, 1:], or y (nanoGPT-style)."""
+        """The final-norm features (B, T', D) of the tokens read, and their targets: y (nanoGPT's
+        way), or x[:, 1:]; then x is read whole where it fits seq_len (T' = T: the last position has
+        no target), else all but its last token (T' = T - 1)."""
         if y is None and (tokens.dim() != 2 or tokens.dtype != torch.long or
                           not 2 <= tokens.shape[1] <= self.config.seq_len + 1):
             raise ValueError(f"expected token windows (B, T) of dtype long with 2 <= T <= seq_len "
                              f"+ 1 = {self.config.seq_len + 1} (the last token is only a target, "
                              f"or pass targets y), got {tuple(tokens.shape)} {tokens.dtype}")
-        inputs, targets = (tokens[:, :-1], tokens[:, 1:]) if y is None else (tokens, y)
+        inputs, targets = tokens, y
+        if y is None:
+            inputs, targets = tokens[:, :self.config.seq_len], tokens[:, 1:]
         h, _, _ = self.run_blocks(self.embed(inputs)[0])
         return self.ln_f(h), targets
 
     def forward_next(self, tokens, y=None):
         h, targets = self.next_token_features(tokens, y)
-        return self.token_logits(h[:, -1:]), self.next_token_loss(h, targets)
+        return self.token_logits(h[:, -1:]), self.next_token_loss(h[:, :targets.shape[1]], targets)
 
     def next_token_loss(self, h, targets):
         """Mean cross-entropy of the logits of the features h (B, T, D) over targets (B, T). No

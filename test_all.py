@@ -3129,8 +3129,9 @@ def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_grad
     x, _ = batch(model.config)
     out, loss = model(x)
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    h, targets = model.next_token_features(x)
-    assert torch.equal(out, model.token_logits(h)[:, -1:])  # what follows x[:, :-1]
+    h, targets = model.next_token_features(x)  # x fits seq_len: read whole, h one position longer
+    assert torch.equal(out, model.token_logits(h[:, -1:])) and h.shape[1] == x.shape[1]
+    h = h[:, :-1]  # the positions with a target
     reference = F.cross_entropy(model.token_logits(h).flatten(0, 1), targets.flatten())
     reference_grads = torch.autograd.grad(reference, list(model.parameters()))
     assert torch.allclose(loss, reference, atol=1e-6)
@@ -3410,7 +3411,7 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
     x, _ = batch(model.config)
     with torch.no_grad():
         if objective == "next":  # as a user loads it: the model and its tokenizer
-            theirs = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=x[:, :-1]).logits
+            theirs = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=x).logits
             ours = model.token_logits(model.next_token_features(x)[0])
             assert AutoTokenizer.from_pretrained(out)("héllo")["input_ids"] == list(b"h\xc3\xa9llo")
             bpe = tiktoken.Encoding("m", pat_str=r"\S+|\s+", special_tokens={}, mergeable_ranks={
@@ -3735,9 +3736,8 @@ def test_generate_and_look_sample_continue_with_the_likeliest_token_under_top_k_
     prompt = torch.randint(0, 64, (2, 5))
     out = model.generate(prompt, 20, temperature=0.7, top_k=1)  # longer than seq_len 16: cropped
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
-    for t in range(5, 25):  # a context of at most seq_len tokens
-        h, _ = model.next_token_features(out[:, max(0, t - 16):t + 1])
-        assert torch.equal(out[:, t], model.token_logits(h)[:, -1].argmax(-1))
+    for t in range(5, 25):  # a context of at most seq_len tokens; out: what follows it
+        assert torch.equal(out[:, t], model(out[:, max(0, t - 16):t])[0][:, -1].argmax(-1))
     draws = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(seed))
              for seed in (1, 1, 2)]
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])

@@ -203,7 +203,7 @@ class CompiledNextToken(nn.Module):
 
     def forward(self, tokens, y=None):
         h, targets = self.model.next_token_features(tokens, y)
-        return self.model.token_logits(h[:, -1:]), self.loss(h, targets)
+        return self.model.token_logits(h[:, -1:]), self.loss(h[:, :targets.shape[1]], targets)
 
 
 class CUDAGraphed(nn.Module):

@@ -80,8 +80,9 @@ def token_predictions(model, windows, batch_size=8):
             logits, _ = model(inputs, targets)  # (N chosen, vocab)
             targets = targets[targets != -100]
         else:
-            h, targets = model.next_token_features(x)  # h (B, T-1, D)
-            logits, targets = model.token_logits(h).flatten(0, 1), targets.flatten()
+            h, targets = model.next_token_features(x)
+            logits = model.token_logits(h[:, :targets.shape[1]]).flatten(0, 1)
+            targets = targets.flatten()
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none"))
         guesses.append(logits.argmax(-1))
         all_targets.append(targets)
