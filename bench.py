@@ -141,8 +141,11 @@ class Runner:
 def fastest_ms(calls, rounds, reps, sync=lambda: None):
     """Round-robin over named callables, so drift in machine speed hits each alike; per name, the
     fastest round's ms per call (as timeit: on a shared machine, noise only ever adds time)."""
-    best = {name: float("inf") for name in calls}
-    for _ in range(rounds):
+    best, start = {name: float("inf") for name in calls}, time.perf_counter()
+    for done in range(rounds):
+        if done:  # never silent for long
+            print(f"round {done} of {rounds} timed, {time.perf_counter() - start:.0f} s",
+                  flush=True)
         for name, call in calls.items():
             sync()
             t0 = time.perf_counter()
@@ -174,12 +177,13 @@ def build_runners(args, device):
     runners = [Runner(parse_spec(entry[0]), args, device, *entry[1:]) for entry in entries]
     sync = device_sync(device)
     for (spec, dtype, *_), runner in zip(entries, runners):  # warm-up: allocator, compile, ...
+        print(f"first step of {spec} ({runner.name}, {str(dtype).replace('torch.', '')}, "
+              f"{runner.compiled}): ", end="", flush=True)  # said before a long compilation
         t0 = time.perf_counter()
         runner.step()
         sync()  # the first step's kernels too, not only their compilation and launch
         runner.first_step_s = time.perf_counter() - t0  # compilation shows up here
-        print(f"first step of {spec} ({runner.name}, {str(dtype).replace('torch.', '')}, "
-              f"{runner.compiled}): {runner.first_step_s:.1f} s", flush=True)  # never silent
+        print(f"{runner.first_step_s:.1f} s", flush=True)
         for _ in range(args.warmup - 1):
             runner.step()
     warm_until = time.perf_counter() + WARM_S  # a machine settles in its first seconds of work
@@ -286,18 +290,18 @@ def build_parser():
     add("--rounds", type=int, default=5, help="round-robin rounds; the fastest counts (default: 5)")
     add("--warmup", type=int, default=2, help="untimed steps first, the first timed apart "
         "(default: 2)")
-    add("--device", default="auto", help="auto picks cuda, then mps, then cpu")
+    add("--device", default="auto", help="auto picks cuda, then mps, then cpu (default: auto)")
     add("--dtype", default="auto", help="autocast dtype, or a comma list to compare: auto, "
         "float32, bfloat16, float16 (default: auto)")
     add("--compile", default="auto", help="auto, off, model, blocks or graphs (see "
-        "operations/fast.py), or a comma list to compare")
+        "operations/fast.py), or a comma list to compare (default: auto)")
     add("--attention", default="auto", help="auto (operations/fast.py's choice), sdpa or explicit "
-        "(matmul-softmax-matmul), or a comma list to compare")
+        "(matmul-softmax-matmul), or a comma list to compare (default: auto)")
     add("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     add("--against", action="store_true",
         help="also time timm / Hugging Face / vit-pytorch equivalents, each at its best")
     add("--profile", type=int, default=0, metavar="N",
-        help="print the N slowest operators of one step")
+        help="print the N slowest operators of one step (default: 0, none)")
     add("--json", default="", help="also write the table's rows here, with the device's name")
     return p
 

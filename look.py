@@ -222,7 +222,7 @@ def curves_figure(logs):
                 ax.plot(*zip(*points), label=run_label(out_dir), lw=1, ms=3,
                         marker="" if dense else "o", color=f"C{colour}")
         title = CURVES[key] + (f" ({kind})" if kind else "")
-        ax.set(title=title, xlabel="step", ylabel=title)
+        ax.set(title=title, xlabel="step", ylabel=title, xlim=(0, None))  # one point: no sliver
         least_visible_range(ax)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a panel whose runs all diverged has none
@@ -287,8 +287,7 @@ def build_parser():
     s.add_argument("--prompt_file", default="", help="read the prompt from this UTF-8 file")
     s.add_argument("--num_samples", type=int, default=3, help="continuations (default: 3)")
     s.add_argument("--max_new_tokens", type=int, default=100, help="tokens each (default: 100)")
-    s.add_argument("--temperature", type=float, default=0.8,
-                   help="> 0; lower is more conservative (default: 0.8)")
+    s.add_argument("--temperature", type=float, default=0.8, help=">0; lower: surer (default: 0.8)")
     s.add_argument("--top_k", type=int, default=200, help="the k likeliest; 0: all (default: 200)")
     s.add_argument("--tokenizer", default="", help="an encoding, or bytes (default: the run's)")
     s.add_argument("--seed", type=int, default=1337, help="(default: 1337)")
@@ -312,11 +311,12 @@ def build_parser():
     c.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     m = commands.add_parser("smoothing", help="per-layer probe metrics against step, of out_dirs")
     m.add_argument("out_dirs", nargs="+", help="train.py --out_dir folders, or their logs (.jsonl)")
-    m.add_argument("--metric", default="abs_cos_centered", choices=(*TOKEN_METRICS, "attn_entropy"))
+    m.add_argument("--metric", default="abs_cos_centered", choices=(*TOKEN_METRICS, "attn_entropy"),
+                   help="(default: abs_cos_centered)")
     m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")
     for command in commands.choices.values():
         command.add_argument("--threads", type=int, default=0,
-                             help="CPU threads; 0: torch's, one per core (busy CPU: try 1)")
+                             help="CPU threads; busy CPU: try 1 (default: 0, one per core)")
     return p
 
 

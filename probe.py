@@ -380,7 +380,7 @@ def build_parser():
     add("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
     add("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
     add("--threads", type=int, default=0,
-        help="CPU threads; 0: torch's default, one per core (on a busy CPU, try 1)")
+        help="CPU threads; busy CPU: try 1 (default: 0, one per core)")
     add("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
     add("--relative", action="store_true", help="plot against relative depth (layer / depth)")
     add("--json", default="", help="write the numbers here")

@@ -550,8 +550,7 @@ def test_objective_shapes_loss_and_gradients(objective):
                 "cls": (4, c.num_classes),
                 "mlm": (4 * c.num_chosen(c.seq_len), c.vocab_size),  # the chosen positions
                 "next": (4, 1, c.vocab_size)}[objective]
-    assert out.shape == expected
-    assert torch.isfinite(loss)
+    assert out.shape == expected and torch.isfinite(loss)
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None
                or not p.grad.abs().sum() > 0]
@@ -567,8 +566,7 @@ def test_hidden_states_cover_every_layer_and_token_match_the_forward_pass_and_we
         x, _ = batch(c)
         hs = Bamboo(c).hidden_states(x)
         T = c.num_patches() if c.is_image else c.seq_len
-        assert len(hs) == c.depth + 1
-        assert all(h.shape == (4, T, c.width) for h in hs)
+        assert len(hs) == c.depth + 1 and all(h.shape == (4, T, c.width) for h in hs)
     torch.manual_seed(0)
     model = Bamboo(tiny("cls")).eval()
     x, y = batch(model.config)
@@ -660,8 +658,7 @@ def test_mae_masking_keeps_the_right_number_restores_order_and_patchify_round_tr
         ids_keep, mask, ids_restore = random_masking(3, 64, ratio)
         visible = take_tokens(x, ids_keep)
         keep = round(64 * (1 - ratio))
-        assert visible.shape == (3, keep, 8)
-        assert (mask.sum(1) == 64 - keep).all()
+        assert visible.shape == (3, keep, 8) and (mask.sum(1) == 64 - keep).all()
         # gathering the shuffled sequence with ids_restore gives back the original order
         ids_shuffle = ids_restore.argsort(1)
         shuffled = x.gather(1, ids_shuffle[..., None].expand(-1, -1, 8))
@@ -1506,8 +1503,7 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
     assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
 
 
-def test_get_lr_warms_up_then_decays_and_a_preset_carries_its_recipe_that_flags_override(
-        tmp_path):
+def test_get_lr_warms_up_then_decays_and_a_preset_carries_its_recipe_that_flags_override(tmp_path):
     cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup=10, max_iters=110)
     lrs = [train.get_lr(i, cfg) for i in range(111)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -1703,7 +1699,7 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tra
               if r.get("eval")][-1]
     code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
     assert code == 0 and f"evaluated at step 2: val_loss {logged['val_loss']:.4g}" in printed
-    assert "peak lr" not in printed  # nothing here trains
+    assert not any(word in printed for word in ("peak lr", "warmup", "compile:"))  # no training
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     out.chmod(0o555)  # a read-only folder: no lock taken, nothing written
     try:
@@ -1853,6 +1849,11 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     assert code == 0 and "from the resumed run: " in out, out
     assert "from flags: max_iters=2" in out and "every other setting: its default" in out
     assert "cifar-small: batch_size=128, max_iters=3600" in train.build_parser().format_help()
+    looks = look.build_parser()._subparsers._group_actions[0].choices.values()
+    for parser in (probe.build_parser(), bench.build_parser(), *looks):  # every default said
+        for a in parser._actions:
+            if a.option_strings and a.nargs != 0 and a.default not in ("", None, argparse.SUPPRESS):
+                assert "(default: " in a.help, (parser.prog, a.option_strings)
 
 
 def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_data, tmp_path):
@@ -2761,8 +2762,7 @@ def test_gaussian_tokens_abs_centred_cosine_is_that_of_random_directions():
     phi = 0.5 * (1 + math.erf(-rho / s / math.sqrt(2)))
     expected = s * math.sqrt(2 / math.pi) * math.exp(-rho ** 2 / (2 * s ** 2)) + rho * (1 - 2 * phi)
     m = token_metrics(torch.randn(16, T, d) + 5.0)  # an offset: raw cos high, centred not
-    assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02)
-    assert m["cos"] > 0.9
+    assert m["abs_cos_centered"] == pytest.approx(expected, rel=0.02) and m["cos"] > 0.9
 
 
 def test_residual_attention_stack_contracts_tokens_and_every_metric_says_so():
@@ -3427,8 +3427,9 @@ def test_an_exported_model_gives_our_outputs_in_timm_and_hugging_face(objective,
             vit.load_state_dict(load_file(out / "model.safetensors"))  # strict: named, shaped alike
             with safe_open(out / "model.safetensors", "pt") as f:  # the weights' own header
                 meta = {k: json.loads(v) for k, v in f.metadata().items()}
-            assert meta == {"input_size": [3, 16, 16], "classes": ["a", "b"],
-                            "mean": pytest.approx([0.5, 0.4, 0.3]), "std": pytest.approx([0.2] * 3)}
+            assert meta == {"input_size": [3, 16, 16], "classes": ["a", "b"], "patch_size": 4,
+                            "mean": pytest.approx([0.5, 0.4, 0.3]), "std": pytest.approx([0.2] * 3),
+                            "num_classes": 10 * (objective == "cls")}
             theirs, close = (getattr(m, "forward" if objective == "cls" else "forward_features")(x)
                              for m in (vit, users))
             ours = model(x)[0] if objective == "cls" else model.forward_encoder(x, 0.0)[0]
@@ -3708,12 +3709,15 @@ def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_a
     assert look.main(["smoothing", str(tmp_path / "kept.jsonl"), "--out",
                       str(tmp_path / "k.png")]) == 0
     assert "kept: abs_cos_centered of the last layer at steps [1, 2]: " in capsys.readouterr().out
-    assert look.main(["curves", str(tmp_path / "kept.jsonl"), "--out",
-                      str(tmp_path / "c.png")]) == 0
+    assert not look.main(["curves", str(tmp_path / "kept.jsonl"), "--out", str(tmp_path / "c.png")])
     assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
+    drawn, save_figure = [], look.save_figure
+    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
+                        save_figure(fig, path))
     (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    (tmp_path / "e" / "log.jsonl").write_text('{"step": 500, "loss": 2.0}\n{"step": 501, "lo')
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
+    assert drawn[-1].axes[0].get_xlim()[0] == 0  # one point: steps from 0, not a sliver around it
     (tmp_path / "e" / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval": true, '
                                               '"val_loss": Infinity}\n\n')  # a blank line too
     assert look.main(["curves", str(tmp_path / "e"), "--out", str(tmp_path / "v.png")]) == 0
@@ -3721,11 +3725,8 @@ def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_a
     records = [{"eval": True, "step": 250 * i, "layers": {"abs_cos_centered": [0.5, 0.6, 0.7]}}
                for i in range(1, 17)]  # 16 evaluations: about eight labelled, never overlapping
     (tmp_path / "e" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    drawn, save_figure = [], look.save_figure
-    monkeypatch.setattr(look, "save_figure", lambda fig, path: drawn.append(fig) or
-                        save_figure(fig, path))
     assert look.main(["smoothing", str(tmp_path / "e"), "--out", str(tmp_path / "s.png")]) == 0
-    labels = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
+    labels = [t.get_text() for t in drawn[-1].axes[0].get_xticklabels()]
     assert labels == ["250", "750", "1250", "1750", "2250", "2750", "3250", "3750"]
 
 
@@ -3857,8 +3858,7 @@ def test_look_reconstructs_held_out_images_as_the_mae_paper_shows_them(capsys, t
     assert torch.equal(masked[hidden], torch.zeros_like(masked[hidden]))
     assert torch.equal(masked[~hidden], images[~hidden])
     assert torch.equal(pasted[~hidden], images[~hidden])
-    assert torch.equal(pasted[hidden], recon[hidden])
-    assert not torch.allclose(recon, images)
+    assert torch.equal(pasted[hidden], recon[hidden]) and not torch.allclose(recon, images)
 
 
 def test_look_draws_attention_maps_and_training_curves(capsys, trained, tmp_path):
@@ -3917,7 +3917,7 @@ def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step
         assert r["mfu"] is None and r["peak_mib"] is None  # no peak on a CPU, no memory counter
         assert r["first_step_s"] > 0  # the first warm-up step, where compilation would show
     assert r["tokens_s"] == pytest.approx(16 * r["samples_s"])
-    assert "MFU %" in out and "peak: cpu (peak unknown: no MFU)" in out
+    assert "MFU %" in out and "peak: cpu (peak unknown: no MFU)" in out and "round 1 of 2 " in out
     assert "first step of cls:cifar-tiny,image_size=16 (bamboo, float32, off): " in out  # at once
     rows = bench.run(bench.build_parser().parse_args([
         "cls:cifar-tiny,image_size=16", *QUICK_BENCH, "--attention", "sdpa,explicit", "--json",

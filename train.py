@@ -232,7 +232,8 @@ def train(args, started=None):
         # auto: CUDA graphs on one GPU, compiled blocks under DDP and on a CPU where they pay)
         module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp,
                                                        cfg.max_iters)
-        say(note)
+        if not cfg.eval_only:  # evaluation runs eagerly
+            say(note)
         if ddp:
             module = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda"
                                              else None)

@@ -184,7 +184,7 @@ def check_trunk_loaded(model, path, loaded, skipped):
 # What only training reads: given with --eval_only, it does nothing
 TRAINING_ONLY = ("max_iters", "lr", "min_lr", "warmup", "weight_decay", "beta2", "grad_clip",
                  "layer_decay", "grad_accum", "eval_interval", "log_interval", "probe_samples",
-                 "time_limit", "wandb_project")
+                 "time_limit", "wandb_project", "compile")
 
 
 def where_flags_apply(cfg, config, streamed, given):
@@ -207,8 +207,8 @@ def where_flags_apply(cfg, config, streamed, given):
         **dict.fromkeys(TRAINING_ONLY, (training, "training, not --eval_only")),
         "base_lr": (training and "lr" not in given, "--lr -1 (peak rate base_lr x batch / 256)"),
         **dict.fromkeys(("preset", "dataset", "data_dir", "cache_dir", "batch_size", "eval_samples",
-                         "out_dir", "overwrite", "seed", "device", "dtype", "threads", "compile",
-                         "resume", "init_from", "eval_only"), (True, "every run")),
+                         "out_dir", "overwrite", "seed", "device", "dtype", "threads", "resume",
+                         "init_from", "eval_only"), (True, "every run")),
     }
 
 
@@ -225,6 +225,8 @@ def settings_lines(cfg, config, data, sources, device):
     for name, (applies, where) in where_flags_apply(cfg, config, streamed, given).items():
         if name in given and not applies:
             unused.setdefault(where, []).append(f"--{name}")
+        elif not applies:  # a setting this run does not read is not listed
+            sources.pop(name, None)
     lines += [f"note: this run ignores {' '.join(names)} (read only for {where})"
               for where, names in unused.items()]
     if cfg.eval_only and not cfg.resume and not cfg.init_from:
@@ -238,8 +240,6 @@ def settings_lines(cfg, config, data, sources, device):
         lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
                      f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
                      f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
-    elif sources.get("crop_scale") != "flags":  # the stream's crops: not listed where unused
-        sources.pop("crop_scale", None)
     if cfg.probe_samples > data.num_held_out():
         lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "
                      f"{data.num_held_out()} held-out samples; the probe takes those")

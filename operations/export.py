@@ -158,7 +158,7 @@ def export(path, out):
     atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(tensors))
     config = {"architecture": "vit_base_patch16_224", "num_classes": timm_kwargs(c)["num_classes"],
               "model_args": timm_kwargs(c),
-              "pretrained_cfg": {**{k: v for k, v in meta.items() if k != "classes"},
+              "pretrained_cfg": {**{k: meta[k] for k in ("input_size", "mean", "std") if k in meta},
                                  "label_names": meta["classes"],
                                  "crop_pct": eval_crop(c.image_size), "interpolation": "bicubic",
                                  "fixed_input_size": True}}
@@ -189,10 +189,11 @@ def export_gpt2(model, ckpt, out):
 
 def about(ckpt):
     """What a user of the weights needs beside them, in the safetensors header and timm's config:
-    the input size, the pixel mean and std training normalised with, and the class names."""
+    the input and patch size, the pixel mean and std training normalised with, the classes."""
     c, statistics = ckpt["config"], ckpt.get("statistics")
     meta = {"input_size": [c["channels"], c["image_size"], c["image_size"]],
-            "classes": ckpt.get("classes")}
+            "patch_size": c["patch_size"], "classes": ckpt.get("classes"),
+            "num_classes": c["num_classes"] if c["objective"] == "cls" else 0}
     if statistics is not None:
         meta.update(mean=statistics[0].flatten().tolist(), std=statistics[1].flatten().tolist())
     return meta
