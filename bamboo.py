@@ -609,12 +609,13 @@ class Bamboo(nn.Module):
 
     def forward_next(self, tokens, y=None):
         h, targets = self.next_token_features(tokens, y)
-        return self.token_logits(h[:, -1:]), self.next_token_loss(h[:, :targets.shape[1]], targets)
+        return self.token_logits(h[:, -1:]), self.next_token_loss(h, targets)
 
     def next_token_loss(self, h, targets):
-        """Mean cross-entropy of the logits of the features h (B, T, D) over targets (B, T). No
-        logits come back: ChunkedCrossEntropy never holds them all (token_logits(h) makes them)."""
-        weight = self.output_embedding()
+        """Mean cross-entropy of the logits of the features h (B, T' >= T, D) over targets (B, T),
+        positions past the targets left out. No logits come back: ChunkedCrossEntropy never holds
+        them all (token_logits(h) makes them)."""
+        h, weight = h[:, :targets.shape[1]], self.output_embedding()
         if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradients made
             h, weight = h.detach(), weight.detach()
         if torch.is_autocast_enabled(h.device.type):  # autocast does not reach into a Function

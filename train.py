@@ -228,11 +228,11 @@ def train(args, started=None):
                 runlog.forget_unsaved_steps(log_path, step)
             say(f"resumed from {ckpt_path} at step {step}")
 
-        # what the step calls: the model itself, or the same forward and loss compiled (--compile
-        # auto: CUDA graphs on one GPU, compiled blocks under DDP and on a CPU where they pay)
-        module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp,
-                                                       cfg.max_iters)
-        if not cfg.eval_only:  # evaluation runs eagerly
+        # what the step calls: the model, or the same forward and loss compiled (fast.for_training)
+        module, compile_mode = model, "off"  # --eval_only: evaluation runs eagerly
+        if not cfg.eval_only:
+            module, compile_mode, note = fast.for_training(model, device, dtype, cfg.compile, ddp,
+                                                           cfg.max_iters)
             say(note)
         if ddp:
             module = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda"

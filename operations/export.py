@@ -124,6 +124,8 @@ def exported_tokenizer(encoding):
                          for token, rank in encoding._mergeable_ranks.items())
         converted = TikTokenConverter(ranks, encoding._pat_str,
                                       extra_special_tokens=encoding._special_tokens).converted()
+    if any(converted.token_to_id(t) != i for t, i in encoding._special_tokens.items()):
+        raise ValueError("its special tokens' ids do not follow its ranks, as the converter needs")
     special = next(iter(encoding._special_tokens), None)  # GPT-2's <|endoftext|>
     return PreTrainedTokenizerFast(tokenizer_object=converted, unk_token=special,
                                    bos_token=special, eos_token=special)
@@ -153,6 +155,7 @@ def export(path, out):
 
     os.makedirs(out, exist_ok=True)
     meta = about(ckpt)
+    streamed = ckpt.get("train", {}).get("stream") == "on"  # else squashed whole to the input size
     tensors = save({k: v.contiguous() for k, v in to_timm(model).items()},
                    metadata={k: json.dumps(v) for k, v in meta.items()})
     atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(tensors))
@@ -160,8 +163,9 @@ def export(path, out):
               "model_args": timm_kwargs(c),
               "pretrained_cfg": {**{k: meta[k] for k in ("input_size", "mean", "std") if k in meta},
                                  "label_names": meta["classes"],
-                                 "crop_pct": eval_crop(c.image_size), "interpolation": "bicubic",
-                                 "fixed_input_size": True}}
+                                 "interpolation": "bicubic", "fixed_input_size": True,
+                                 **({"crop_pct": eval_crop(c.image_size), "crop_mode": "center"}
+                                    if streamed else {"crop_pct": 1.0, "crop_mode": "squash"})}}
     atomic_write(os.path.join(out, "config.json"),
                  lambda f: f.write(json.dumps(config, indent=2).encode()))
     return (f"wrote {out}: timm.create_model('local-dir:{out}', pretrained=True) (timm's "

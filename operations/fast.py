@@ -203,7 +203,7 @@ class CompiledNextToken(nn.Module):
 
     def forward(self, tokens, y=None):
         h, targets = self.model.next_token_features(tokens, y)
-        return self.model.token_logits(h[:, -1:]), self.loss(h[:, :targets.shape[1]], targets)
+        return self.model.token_logits(h[:, -1:]), self.loss(h, targets)
 
 
 class CUDAGraphed(nn.Module):
@@ -247,5 +247,5 @@ class LossOnly(nn.Module):
     def forward(self, *tensors):
         it = iter(tensors)
         out, loss = self.module(*(next(it) if present else None for present in self.present))
-        self.out = None if out is None else out.detach()
+        self.out = out.detach()
         return loss

@@ -81,7 +81,7 @@ def token_predictions(model, windows, batch_size=8):
             targets = targets[targets != -100]
         else:
             h, targets = model.next_token_features(x)
-            logits = model.token_logits(h[:, :targets.shape[1]]).flatten(0, 1)
+            logits = model.token_logits(h[:, :targets.shape[1]]).flatten(0, 1)  # positions with targets
             targets = targets.flatten()
         losses.append(F.cross_entropy(logits.float(), targets, reduction="none"))
         guesses.append(logits.argmax(-1))

@@ -82,6 +82,10 @@ cpu_compile() {
   done
 }
 cpu_compile
+# Each at its fastest on a CPU: ours eager, compiled whole and in blocks; each library eager and compiled whole
+# (--compile auto times both). timm and transformers are requirements; vit-pytorch's MAE is not (below).
+run against-best cls:cifar-small next:wikitext-small mlm:wikitext-small --against --compile auto,model,blocks \
+  --batch_size 16 --rounds 5
 # Activation checkpointing: memory saved and time paid on a deep model.
 run checkpointing cls:base-96x256 cls:base-96x256,checkpointing=true --batch_size 32
 # The allocator: glibc's defaults against glibc told by environment to keep freed memory (no code needed).
