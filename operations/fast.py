@@ -19,10 +19,11 @@ PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
-# --compile auto on a CPU: per objective, the compilation that paid most over its quick recipe,
-# and the fewest steps from which its saving wins back the first step's compilation (measured on
-# a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); mae and mlm stay eager
-CPU_COMPILE = {"cls": ("blocks", 400), "next": ("model", 200)}
+# --compile auto on a CPU, per dtype and objective: the compilation that paid most over its quick
+# recipe, and the fewest steps from which its saving wins back the first step's compilation
+# (measured on a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); the rest eager
+CPU_COMPILE = {torch.bfloat16: {"cls": ("blocks", 400), "next": ("model", 200)},
+               torch.float32: {"cls": ("blocks", 400)}}
 
 
 def pick_device(name, local_rank=0):
@@ -122,7 +123,7 @@ def for_training(model, device, dtype, compile="off", ddp=False, steps=0):
     Under graphs, run the module under autocast with cache_enabled=False (the autocast cache would
     hold tensors from outside the graph) and feed it batches of one shape."""
     module = model
-    mode, why = compile_plan(compile, device, model.config, ddp, steps)
+    mode, why = compile_plan(compile, device, model.config, ddp, steps, dtype)
     if mode == "model":
         module = torch.compile(module)
     elif mode in ("blocks", "graphs"):
@@ -136,11 +137,11 @@ def for_training(model, device, dtype, compile="off", ddp=False, steps=0):
     return module, mode, f"compile: {mode}{f' ({why})' if why else ''}"
 
 
-def compile_plan(asked, device, config, ddp, steps=0):
+def compile_plan(asked, device, config, ddp, steps=0, dtype=torch.bfloat16):
     """(mode, reason): the compilation to use for --compile `asked` in a run of `steps` steps, and
     why where it differs."""
     if asked == "auto" and device.type == "cpu":
-        mode, least = CPU_COMPILE.get(config.objective, ("off", 0))
+        mode, least = CPU_COMPILE.get(dtype, {}).get(config.objective, ("off", 0))
         if mode != "off" and steps >= least and not ddp:
             return mode, f"auto: on a CPU, compiling {config.objective} pays from {least} steps"
         why = f"from {least} steps, without DDP" if least else "not measured to pay for it"

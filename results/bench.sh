@@ -82,6 +82,12 @@ cpu_compile() {
   done
 }
 cpu_compile
+# ... and in float32 (CPUs without native bf16): the three modes in one process, an empty inductor cache.
+for spec in "cls:cifar-small 128" "mae:cifar-deep 128" "next:wikitext-small 16"; do
+  set -- $spec
+  TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) run "cpu-compile-fp32-${1%%:*}" "$1" --batch_size "$2" --dtype float32 \
+    --compile off,model,blocks --rounds 3 --steps 2 --warmup 1
+done
 # Each at its fastest on a CPU: ours eager, compiled whole and in blocks; each library eager and compiled whole
 # (--compile auto times both). timm and transformers are requirements; vit-pytorch's MAE is not (below).
 run against-best cls:cifar-small next:wikitext-small mlm:wikitext-small --against --compile auto,model,blocks \
