@@ -154,13 +154,14 @@ def export(path, out):
     from safetensors.torch import save
 
     os.makedirs(out, exist_ok=True)
-    meta = about(ckpt)
+    kwargs = timm_kwargs(c)
+    meta = {**about(ckpt), "num_classes": kwargs["num_classes"]}
     streamed = ckpt.get("train", {}).get("stream") == "on"  # else squashed whole to the input size
     tensors = save({k: v.contiguous() for k, v in to_timm(model).items()},
                    metadata={k: json.dumps(v) for k, v in meta.items()})
     atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(tensors))
-    config = {"architecture": "vit_base_patch16_224", "num_classes": timm_kwargs(c)["num_classes"],
-              "model_args": timm_kwargs(c),
+    config = {"architecture": "vit_base_patch16_224", "num_classes": kwargs["num_classes"],
+              "model_args": kwargs,
               "pretrained_cfg": {**{k: meta[k] for k in ("input_size", "mean", "std") if k in meta},
                                  "label_names": meta["classes"],
                                  "interpolation": "bicubic", "fixed_input_size": True,
@@ -193,11 +194,10 @@ def export_gpt2(model, ckpt, out):
 
 def about(ckpt):
     """What a user of the weights needs beside them, in the safetensors header and timm's config:
-    the input and patch size, the pixel mean and std training normalised with, the classes."""
+    the input and patch size, the pixel mean and std training normalised with, the class names."""
     c, statistics = ckpt["config"], ckpt.get("statistics")
     meta = {"input_size": [c["channels"], c["image_size"], c["image_size"]],
-            "patch_size": c["patch_size"], "classes": ckpt.get("classes"),
-            "num_classes": c["num_classes"] if c["objective"] == "cls" else 0}
+            "patch_size": c["patch_size"], "classes": ckpt.get("classes")}
     if statistics is not None:
         meta.update(mean=statistics[0].flatten().tolist(), std=statistics[1].flatten().tolist())
     return meta
