@@ -187,7 +187,7 @@ def train(args, started=None):
     master, ddp = rank == 0, world > 1
 
     def say(*lines):  # rank 0 speaks for the run
-        if master:
+        if master and lines:
             print(*lines, flush=True)
 
     ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
@@ -254,9 +254,9 @@ def train(args, started=None):
         say("\n".join(checks.settings_lines(cfg, config, data, sources, device)))
 
         if cfg.eval_only:  # nanoGPT's eval_only: the weights as set up, judged once, nothing saved
-            metrics = evaluate(model, data, cfg, eval_batch, device)
-            scored = f"{cfg.init_from} as trained" if cfg.init_from and step == 0 else None
-            say(f"evaluated {scored or f'at step {step}'}: "
+            metrics = evaluate(model, data, cfg.eval_samples, eval_batch, device, cfg.seed)
+            what = f"{cfg.init_from} as trained" if cfg.init_from and step == 0 else None
+            say(f"evaluated {what or f'at step {step}'}: "
                 + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             return 0
         if step >= cfg.max_iters:
@@ -267,6 +267,10 @@ def train(args, started=None):
         # ------------------------------------------------------------------------- the loop
         clock = progress.Clock(t_begin, cfg, progress.held_out_batches(
             data, cfg.eval_samples, eval_batch))
+        if cfg.time_limit:  # what an evaluation takes, timed now: the limit keeps it back
+            clock.overhead_s, clock.batch_s, clock.probe_s = time_evaluation(
+                model, data, eval_batch, device, probe_x)
+            say(*clock.limit_note())
         made_by = runlog.code_and_machine(device, dtype)  # commit, command, torch, machine
         metrics, t_start = None, time.time()
         with progress.stop_signals(ddp, master) as stop, \
@@ -321,7 +325,11 @@ def train(args, started=None):
                 correct = []
                 if master:
                     t_eval = time.time()
-                    metrics = evaluate(model, data, cfg, eval_batch, device, correct)
+                    scored = clock.samples_that_fit(eval_batch) if stopping else None  # None: all
+                    metrics = evaluate(model, data, scored or cfg.eval_samples, eval_batch, device,
+                                       cfg.seed, correct)
+                    if scored:  # a stop with too little time left scores what fits, and says so
+                        metrics["eval_samples"] = scored
                     if probe_x is not None and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
                         metrics["layers"] = logged_metrics(model, probe_x, eval_batch)
@@ -429,10 +437,11 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg, batch_size, device, per_sample=None):
-    """The metric each objective is judged by, on fixed held-out data with fixed masks. A classifier
-    appends each held-out image's correctness (bool, in order) to per_sample if a list is given, so
-    that paired tests between runs can be recomputed from files. Sums stay on the device."""
+def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None):
+    """The metric each objective is judged by, on the first `samples` held-out samples (0: all),
+    with masks fixed by the seed. A classifier appends each held-out image's correctness (bool, in
+    order) to per_sample if a list is given, so that paired tests between runs can be recomputed
+    from files. Sums stay on the device."""
     objective = model.config.objective
     was_training = model.training
     model.eval()
@@ -442,9 +451,9 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
     with torch.random.fork_rng([] if device.type == "cpu" else [device], device_type=device.type), \
             torch.compiler.set_stance("force_eager"):
-        torch.manual_seed(cfg.seed)  # the same masks every evaluation (training RNG untouched)
-        batches = data.eval_batches(batch_size, cfg.eval_samples or None)
-        total = progress.held_out_batches(data, cfg.eval_samples, batch_size)
+        torch.manual_seed(seed)  # the same masks every evaluation (training RNG untouched)
+        batches = data.eval_batches(batch_size, samples or None)
+        total = progress.held_out_batches(data, samples, batch_size)
         for x, y in progress.evaluation_progress(batches, total):
             x = x.to(device)
             if objective == "cls":
@@ -474,6 +483,21 @@ def evaluate(model, data, cfg, batch_size, device, per_sample=None):
     elif objective == "next":
         metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
     return metrics
+
+
+def time_evaluation(model, data, batch_size, device, probe_x):
+    """(seconds an evaluation takes besides its batches, seconds per held-out batch, seconds of the
+    probe): from warm evaluations of one batch and of two, for --time_limit to keep back."""
+    times = []
+    for n in (1, 1, 2):  # the first warms up
+        t = time.time()
+        evaluate(model, data, n * batch_size, batch_size, device)
+        times.append(time.time() - t)
+    t = time.time()
+    if probe_x is not None:
+        logged_metrics(model, probe_x, batch_size)
+    batch_s = max(0.0, times[2] - times[1])
+    return times[1] - batch_s, batch_s, time.time() - t
 
 
 def main(argv=None, started=None):

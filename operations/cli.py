@@ -4,6 +4,7 @@ one line a user's mistake becomes (one_line_errors), for every tool of the proje
 Run: python -c "from operations import cli; print(cli.config_from_spec('cifar-tiny,depth=3'))"
 """
 import argparse
+import gc
 import inspect
 import os
 import re
@@ -182,4 +183,5 @@ def exit_process(code):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    gc.freeze()  # the interpreter's exit then skips collecting torch's objects (0.5 s on a CPU)
     sys.exit(code)

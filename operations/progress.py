@@ -22,6 +22,7 @@ from operations.runlog import selection_metric
 
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
+EXIT_S = 1.0  # --time_limit keeps this back for the process's exit after its last line
 
 
 class Clock:
@@ -32,8 +33,10 @@ class Clock:
         self.t_begin, self.cfg, self.held_out_batches = t_begin, cfg, held_out_batches
         self.step_times = []  # seconds per step, evaluations left out
         self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
+        # an evaluation's parts as timed at the start (train.time_evaluation): its fixed cost
+        # besides the batches, a held-out batch, the probe
+        self.overhead_s = self.batch_s = self.probe_s = 0.0
         self.said = 0.0  # wall clock of the last progress line in a log file
-        self.said_too_short = False  # whether the run said its limit cannot hold an evaluation
 
     def step_s(self, last=None):
         """The mean time of the steps so far (of the last ones, if given), the first step left out
@@ -41,28 +44,52 @@ class Clock:
         timed = (self.step_times[1:] or self.step_times)[-last if last else 0:]
         return sum(timed) / len(timed) if timed else None
 
-    def timed_step_s(self):
-        """Seconds per step once a step after the first (compilation, capture) is timed; or 0."""
-        return self.step_s() if len(self.step_times) > 1 else 0.0
+    def slowest_step_s(self):
+        """The slowest of the last 50 steps after the first (compilation, capture); 0 before any."""
+        return max(self.step_times[1:][-50:], default=0.0)
+
+    def time_left(self):
+        """Seconds until --time_limit, from the invocation's start, less the process's exit."""
+        return self.cfg.time_limit - (time.time() - self.t_begin) - EXIT_S
 
     def limit_left(self):
-        """Seconds of --time_limit left for steps, from the invocation's start, keeping back the
-        final evaluation and checkpoint (evaluation_s), so that a stop ends with both."""
-        return (self.cfg.time_limit - (time.time() - self.t_begin) - self.evaluation_s()
-                - (self.save_s or 0.0))
+        """Seconds of --time_limit left for steps, keeping back the final evaluation and
+        checkpoint, so that a stop ends with both."""
+        return self.time_left() - self.evaluation_s() - (self.save_s or 0.0)
 
     def evaluation_s(self):
-        """What an evaluation takes: as last measured, or before the first, a step per held-out
-        batch and one for the per-layer probe."""
+        """What an evaluation takes: as last measured, or before the first, from its parts."""
         if self.eval_s is not None:
             return self.eval_s
-        return (self.held_out_batches + (1 if self.cfg.probe_samples else 0)) * self.timed_step_s()
+        return self.overhead_s + self.held_out_batches * self.batch_s + self.probe_s
+
+    def limit_note(self):
+        """Said at the start when --time_limit cannot hold even the final evaluation: why, and what
+        to change."""
+        cfg = self.cfg
+        if not cfg.time_limit or self.limit_left() >= 0:
+            return []
+        left = max(0.0, self.time_left())
+        return [f"note: --time_limit {cfg.time_limit:g} s leaves {left:.0f} s, too little for an "
+                f"evaluation (about {self.evaluation_s():.0f} s: {self.held_out_batches} held-out "
+                f"batches of {self.batch_s:.2f} s, the probe {self.probe_s:.1f} s); the run will "
+                "take one step and score the held-out samples that fit; to score them all, lower "
+                "--eval_samples or --probe_samples, or raise --time_limit"]
+
+    def samples_that_fit(self, batch_size):
+        """How many held-out samples the final evaluation has time for under --time_limit, at least
+        a batch; None when all fit."""
+        if not self.cfg.time_limit or self.limit_left() >= 0:
+            return None
+        left = self.time_left() - (self.save_s or 0.0) - self.overhead_s - self.probe_s
+        batches = max(1, int(left / max(self.batch_s, 1e-9)))
+        return batches * batch_size if batches < self.held_out_batches else None
 
     def out_of_time(self, step):
         """Whether --time_limit leaves no room for another step before the final evaluation."""
         cfg = self.cfg
         return bool(cfg.time_limit) and step < cfg.max_iters and (
-            self.limit_left() < self.timed_step_s())
+            self.limit_left() < self.slowest_step_s())
 
     def show_progress(self, bar, step, train_loss, lr, master=True):
         """The loss on the progress bar, whose end is where --time_limit will stop the run if it
@@ -75,21 +102,15 @@ class Clock:
         cfg = self.cfg
         steps = cfg.max_iters - step
         evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
-        whole = steps * step_s + evals * (self.eval_s or 0.0)
+        whole = steps * step_s + evals * self.evaluation_s()
         left, where = whole, ""
         if cfg.time_limit:
             fit = max(0.0, self.limit_left()) / step_s  # may be huge: --time_limit 1e308
             steps = max(0, int(min(steps, fit)))
             bar.total = step + steps
             bar.refresh()
-            if self.limit_left() < 0 and not self.said_too_short and master:  # once
-                self.said_too_short = True
-                bar.write(f"note: --time_limit {cfg.time_limit:g} s cannot hold the final "
-                          f"evaluation (about {self.evaluation_s():.0f} s, "
-                          f"{self.held_out_batches} held-out batches): the run will end late; "
-                          "raise --time_limit or lower --eval_samples")
             if step + steps < cfg.max_iters:
-                left = max(0.0, cfg.time_limit - (time.time() - self.t_begin))
+                left = max(0.0, self.time_left())
                 where = (f": --time_limit stops the run at about step {step + steps} "
                          f"(all {cfg.max_iters} steps would take about {whole / 60:.1f} min)")
         if bar.disable and master and time.time() - self.said >= PROGRESS_EVERY_S:
