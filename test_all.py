@@ -103,9 +103,8 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 # decoded image folders are cached outside the clone: the suite writes only temporary files
 IMAGE_CACHE = os.path.join(tempfile.gettempdir(), "bamboo-tests-cache")
 TINY_IMAGE_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--image_size", "16",
-                    "--patch_size", "4",
-                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2",
-                    "--cache_dir", IMAGE_CACHE]
+                    "--patch_size", "4", "--cache_dir", IMAGE_CACHE,
+                    "--decoder_depth", "1", "--decoder_width", "32", "--decoder_heads", "2"]
 TINY_TEXT_FLAGS = ["--depth", "2", "--width", "32", "--heads", "2", "--seq_len", "32",
                    "--tokenizer", "bytes", "--cache_dir", IMAGE_CACHE]
 # what may change in the clone while the suite runs: Python's and the tools' own caches
@@ -138,9 +137,13 @@ def run_train(*flags, out_dir):
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
         code = train.main([*map(str, flags), "--out_dir", str(out_dir), "--log_interval", "1"])
-    log = out_dir / "log.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return code, printed.getvalue(), records
+    return code, printed.getvalue(), log_records(out_dir)
+
+
+def log_records(folder):
+    """The records of folder/log.jsonl ([] where there is none)."""
+    log = Path(folder) / "log.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
 def train_losses(records):
@@ -221,23 +224,19 @@ def tree(folder):
 
 def run_torchrun(*flags, out_dir):
     """train.py under a 2-process gloo DDP group; returns (exit code, output, log records)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2",
-                           "train.py", "--log_interval", "1", *flags, "--out_dir", str(out_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
-    log = out_dir / "log.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, records
+                           "--nproc_per_node", "2", "train.py", "--log_interval", "1", *flags,
+                           "--out_dir", str(out_dir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr, log_records(out_dir)
 
 
 def stopped_run(flags, out_dir, stop):
     """train.py run as a process of its own session, stop(process) once it logged a loss; returns
     (the process, everything it printed)."""
     proc = subprocess.Popen([sys.executable, "train.py", *map(str, flags), "--out_dir",
-                             str(out_dir), "--log_interval", "1"], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             str(out_dir), "--log_interval", "1"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log, deadline = out_dir / "log.jsonl", time.time() + 60
     while time.time() < deadline and '"loss"' not in (log.read_text() if log.exists() else ""):
         time.sleep(0.2)
@@ -647,8 +646,7 @@ def test_causal_outputs_ignore_the_future():
         a, b = model.hidden_states(x), model.hidden_states(changed)
         for ha, hb in zip(a, b):
             assert torch.equal(ha[:, : t + 1], hb[:, : t + 1])
-        # the change did reach later tokens
-        assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])
+        assert not torch.equal(a[-1][:, t + 1:], b[-1][:, t + 1:])  # later tokens did change
 
 
 def test_mae_masking_keeps_the_right_number_restores_order_and_patchify_round_trips():
@@ -803,8 +801,7 @@ def test_tiny_model_overfits_one_batch(objective, steps, lr):
     model = Bamboo(c)
     x, y = batch(c, B=8)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # settles, rather than hovers
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1 - it / steps)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1 - it / steps)  # settles, not hovers
     first = None
     for _ in range(steps):
         _, loss = model(x, y)
@@ -1189,9 +1186,7 @@ def test_a_folder_with_a_constant_channel_trains_and_probes_and_mae_takes_one_cl
     assert probe.main(["init:cifar-tiny,image_size=16", "--dataset", "folder", "--data_dir",
                        str(images), "--samples", "8"]) == 0, capsys.readouterr().err
     single = write_folder(tmp_path / "single", {"train": ["all"], "test": ["all"]})
-    code, out, _ = run_train(*image_flags(tiny_data, "mae", "--max_iters", "1"), "--data_dir",
-                             single, out_dir=tmp_path / "c")
-    assert code == 0, out
+    train_run(tiny_data, "mae", tmp_path / "c", 1, "--data_dir", single)
 
 
 def test_wikitext_download_checks_the_archive_and_never_deletes_files_it_did_not_write(
@@ -1369,9 +1364,8 @@ def test_a_streamed_run_resumes_bit_exactly_and_keeps_how_it_read(mixed_jpegs, t
 
 
 def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_path):
-    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs,
-             *STREAM_FLAGS, "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2",
-             "--workers", "1"]
+    flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
+             "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2", "--workers", "1"]
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
     assert code == 0 and "2 x 2 x 2" in out, out
     code, out, single = run_train(*flags, out_dir=tmp_path / "one")
@@ -1485,9 +1479,8 @@ def test_ms_per_step_counts_the_wait_for_the_device_at_each_loss_read(tiny_data,
     assert code == 0 and float(re.search(r"([\d.]+) ms/step", out).group(1)) >= 50, out
 
 
-@pytest.mark.parametrize("preset",
-                         ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768", "bamboo-b",
-                                    "base-96x256", "wikitext-deep"])
+@pytest.mark.parametrize("preset", ["cifar-tiny", "cifar-small", "cifar-deep", "base-12x768",
+                                    "bamboo-b", "base-96x256", "wikitext-deep"])
 def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_depth(preset):
     depth = PRESETS[preset]["depth"]
     for batch_size in (64, 256, 1024):
@@ -1495,8 +1488,7 @@ def test_default_schedule_scales_the_rate_with_the_batch_and_the_warmup_with_dep
         assert cfg.lr == pytest.approx(3e-4 * batch_size / 256)
         assert cfg.warmup == max(100, 10 * depth)
     given = train.schedule_defaults(train.TrainConfig(lr=0.0, min_lr=0.0, warmup=0), depth)
-    # given values are kept, 0 included
-    assert (given.lr, given.min_lr, given.warmup) == (0.0, 0.0, 0)
+    assert (given.lr, given.min_lr, given.warmup) == (0.0, 0.0, 0)  # given values kept, 0 included
     tiny_batch = train.schedule_defaults(train.TrainConfig(batch_size=2), depth)
     assert tiny_batch.min_lr == tiny_batch.lr < train.TrainConfig.min_lr  # the cosine never rises
 
@@ -1554,9 +1546,7 @@ def test_gradient_clipping_bounds_the_whole_models_gradient(tiny_data, tmp_path,
 
     monkeypatch.setattr(train, "Bamboo", Kept)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_measure)
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "3", "--grad_clip",
-                                          "0.01", "--dtype", "float32"), out_dir=tmp_path)
-    assert code == 0, out
+    train_run(tiny_data, "cls", tmp_path, 3, "--grad_clip", "0.01", "--dtype", "float32")
     assert len(norms) == 3 and all(before > 0.01 and after < 0.01 * 1.001
                                    for before, after in norms), norms
 
@@ -1571,8 +1561,7 @@ def test_the_optimizer_scales_each_layer_decays_only_weights_and_is_the_referenc
     assert scale[id(model.blocks[0].mlp.fc.weight)] == 0.125
     assert scale[id(model.patch_embed.weight)] == 0.0625
     decays = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-    assert decays[id(model.blocks[0].ln1.weight)] == 0
-    assert decays[id(model.blocks[0].mlp.fc.bias)] == 0
+    assert decays[id(model.blocks[0].ln1.weight)] == decays[id(model.blocks[0].mlp.fc.bias)] == 0
     assert decays[id(model.blocks[0].mlp.fc.weight)] == cfg.weight_decay
     smooth = Bamboo(tiny("cls", vo_param="smooth"))
     groups = smooth.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2,
@@ -1589,9 +1578,8 @@ def test_the_optimizer_scales_each_layer_decays_only_weights_and_is_the_referenc
     assert fused.defaults["fused"] and len(fused.param_groups) == 2  # decay / no decay, no more
     twin = dict(zip(map(id, model.parameters()), reference.parameters()))
     plain = torch.optim.AdamW([{"params": [twin[id(p)] for p in g["params"]],
-                                "weight_decay": g["weight_decay"]}
-                               for g in fused.param_groups], lr=cfg.lr, betas=(0.9, cfg.beta2),
-                              foreach=False)
+                                "weight_decay": g["weight_decay"]} for g in fused.param_groups],
+                              lr=cfg.lr, betas=(0.9, cfg.beta2), foreach=False)
     x, y = batch(model.config)
     for _ in range(5):
         for m, opt in ((model, fused), (reference, plain)):
@@ -1653,8 +1641,7 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
     flags = image_flags(tiny_data, "cls", "--max_iters", "4", "--eval_interval", "4",
                         "--batch_size", "8", "--dtype", "float32", "--grad_accum", "2")
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
-    assert code == 0, out
-    assert "2 x 2 x 2" in out
+    assert code == 0 and "2 x 2 x 2" in out, out
     code, out, single = run_train(*flags, out_dir=tmp_path / "one")
     assert code == 0, out
     a, b = train_losses(ddp), train_losses(single)
@@ -1667,8 +1654,7 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     loadable wherever a checkpoint is; --overwrite replaces it with the rest of the old run."""
     out = tmp_path / "run"
     train_run(tiny_data, "next", out, 4, "--eval_interval", "2", "--lr", "1e-1")
-    evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-             if r.get("eval")]
+    evals = [r for r in log_records(out) if r.get("eval")]
     best = torch.load(out / "best.pt", weights_only=True)
     assert best["step"] == min(evals, key=lambda r: r["val_loss"])["step"]
     assert best["best"] == pytest.approx(min(r["ppl"] for r in evals))
@@ -1678,9 +1664,8 @@ def test_the_best_evaluation_is_kept_as_weights_only_beside_the_last_checkpoint(
     model, _ = model_from_checkpoint(out / "best.pt")
     last = torch.load(out / "ckpt.pt", weights_only=True)["model"]
     assert not all(torch.equal(v, last[k]) for k, v in model.state_dict().items())
-    code, _, _ = run_train(*text_flags(tiny_data, "next", "--max_iters", "1", "--eval_interval",
-                                       "5", "--overwrite"), out_dir=out)
-    assert code == 0 and torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
+    train_run(tiny_data, "next", out, 1, "--eval_interval", "5", "--overwrite")
+    assert torch.load(out / "best.pt", weights_only=True)["step"] == 1  # the new
     (tmp_path / "copy").mkdir()  # best.pt copied to ckpt.pt is no run to resume: said so
     shutil.copy(out / "best.pt", tmp_path / "copy" / "ckpt.pt")
     code, printed, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path / "copy")
@@ -1693,8 +1678,7 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tra
     out = tmp_path / "run"
     trained("cls", out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    logged = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-              if r.get("eval")][-1]
+    logged = [r for r in log_records(out) if r.get("eval")][-1]
     code, printed, _ = run_train("--resume", "--eval_only", out_dir=out)
     assert code == 0 and f"evaluated at step 2: val_loss {logged['val_loss']:.4g}" in printed
     assert not any(word in printed for word in ("peak lr", "warmup", "compile:"))  # no training
@@ -1711,16 +1695,14 @@ def test_eval_only_judges_the_weights_as_set_up_and_saves_nothing(tiny_data, tra
     # any checkpoint, best.pt too, scored as it was trained: its head, its data, its metric
     code, printed, _ = run_train("--eval_only", "--init_from", out / "best.pt",
                                  out_dir=tmp_path / "score")
-    best = max(r["top1"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-               if r.get("eval"))
+    best = max(r["top1"] for r in log_records(out) if r.get("eval"))
     assert code == 0 and f"evaluated {out / 'best.pt'} as trained: " in printed, printed
     assert f"top1 {best:.4g}" in printed and not (tmp_path / "score").exists()
     subset = tmp_path / "subset"  # trained on a subset and a seed of its own: scored on them too
     train_run(tiny_data, "cls", subset, 2, "--train_samples", "10", "--seed", "7")
     code, printed, _ = run_train("--eval_only", "--init_from", subset / "best.pt",
                                  out_dir=tmp_path / "score")
-    logged = [r for r in map(json.loads, (subset / "log.jsonl").read_text().splitlines())
-              if r.get("eval")][-1]
+    logged = [r for r in log_records(subset) if r.get("eval")][-1]
     assert code == 0 and f"val_loss {logged['val_loss']:.4g}" in printed, printed
 
 
@@ -1739,8 +1721,7 @@ def test_eval_only_scores_a_text_runs_best_pt_on_its_own_windows_files_and_masks
         assert torch.load(ckpt, weights_only=True)["window"] == (33 if objective == "next" else 32)
         code, printed, _ = run_train("--eval_only", "--init_from", tmp_path / objective / "best.pt",
                                      out_dir=tmp_path / "score")
-        logged = [r for r in map(json.loads, (tmp_path / objective / "log.jsonl").read_text()
-                                 .splitlines()) if r.get("eval")][-1]
+        logged = [r for r in log_records(tmp_path / objective) if r.get("eval")][-1]
         assert code == 0 and f"{metric} {logged[metric]:.4g}" in printed, (printed, logged)
 
 
@@ -1750,8 +1731,7 @@ def test_runs_record_their_initial_trunk_and_each_images_correctness(tiny_data, 
     hashes = {}
     for name, objective, seed in (("cls", "cls", "1"), ("mae", "mae", "1"), ("other", "cls", "2")):
         ckpt = train_run(tiny_data, objective, tmp_path / name, 2, "--seed", seed)
-        log = (tmp_path / name / "log.jsonl").read_text()
-        logged = [json.loads(line) for line in log.splitlines()]
+        logged = log_records(tmp_path / name)
         hashes[name] = torch.load(ckpt, weights_only=True)["init_hash"]
         assert [r["init_trunk_sha256"] for r in logged if r.get("eval")] == [hashes[name]["trunk"]]
     assert hashes["cls"]["trunk"] == hashes["mae"]["trunk"] != hashes["other"]["trunk"]
@@ -1877,9 +1857,8 @@ def test_every_flag_given_where_it_does_nothing_is_named_from_one_table(tiny_dat
                                           "3"), out_dir=tmp_path / "image")
     assert code == 0 and "crop_scale" not in out, out  # the stream's own, not listed here
     for line in ("--memory_gb (read only for an image folder under --stream auto)",
-                 "--vocab_size (read only for text)",
-                 "--max_iters --lr --warmup --log_interval --probe_samples (read only for "
-                 "training, not --eval_only)"):
+                 "--vocab_size (read only for text)", "--max_iters --lr --warmup --log_interval "
+                 "--probe_samples (read only for training, not --eval_only)"):
         assert "note: this run ignores " + line in out, [n for n in out.splitlines() if "ig" in n]
 
 
@@ -1974,11 +1953,8 @@ def test_a_resume_must_find_the_data_it_was_trained_on(capsys, tiny_data, tmp_pa
     kind = "text" if change == "text edited" else "images"
     data = tmp_path / kind
     shutil.copytree(tiny_data / kind, data)
-    flags = [str(f) for f in (text_flags(tiny_data, "next") if kind == "text" else
-                              image_flags(tiny_data, "cls"))]
-    flags[flags.index("--data_dir") + 1] = str(data)
-    assert run_train(*flags, "--max_iters", "1", "--eval_interval", "1",
-                     out_dir=tmp_path / "run")[0] == 0
+    objective = "next" if kind == "text" else "cls"
+    train_run(tiny_data, objective, tmp_path / "run", 1, "--data_dir", data)
     if change == "moved":
         data = data.rename(tmp_path / "moved")
     for split in ("train", "test") if change == "class renamed" else ():  # the labels would swap
@@ -2031,7 +2007,6 @@ def test_the_resume_hint_names_the_launcher(monkeypatch):
 
 
 # --- 4c. The out_dir: one run at a time, written whole, nothing of another run lost
-
 
 def test_overwrite_replaces_all_of_a_run_and_nothing_else(tiny_data, trained, tmp_path):
     """A replacement removes every file the old run wrote (its per-image correctness too), and
@@ -2156,8 +2131,7 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     """Ctrl-C here; SIGTERM, the same handler, in the streamed run's test."""
     flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
     proc, out = stopped_run(flags, tmp_path, lambda proc: proc.send_signal(signal.SIGINT))
-    assert proc.returncode == 130, out
-    assert "interrupted at step" in out and "Traceback" not in out
+    assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
     assert "stop requested: finishing this step, then saving a checkpoint" in out
     assert any(line.startswith("interrupted at step") for line in out.splitlines())
     assert "stopped: top1" in out  # the summary line, on a stop too
@@ -2248,8 +2222,7 @@ def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
     assert train.STARTED < time.time() and "main(started=STARTED)" in open(train.__file__).read()
 
 
-def test_a_time_limit_holds_in_a_process_whose_evaluation_costs_many_steps(
-        tiny_data, tmp_path):
+def test_a_time_limit_holds_in_a_process_whose_evaluation_costs_many_steps(tiny_data, tmp_path):
     """python train.py --time_limit 10 ends within 10 s, start-up and exit counted, evaluated whole
     and saved, though its evaluation (10 held-out batches and a large probe) costs many steps a
     batch, not the third of a step once assumed."""
@@ -2263,8 +2236,7 @@ def test_a_time_limit_holds_in_a_process_whose_evaluation_costs_many_steps(
     done = subprocess.run([sys.executable, "train.py", *map(str, flags), "--out_dir",
                            str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True)
     wall, out = time.time() - began, done.stdout + done.stderr
-    log = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
-    evals = [json.loads(line) for line in log if '"eval"' in line]
+    evals = [r for r in log_records(tmp_path / "run") if r.get("eval")]
     step_ms, eval_s = map(float, re.search(r"([\d.]+) ms/step.*ion ([\d.]+) s", out).groups())
     assert done.returncode == 0 and "time limit reached" in out and wall <= 10, (wall, out)
     assert len(evals) == 1 and "eval_samples" not in evals[0] and evals[0]["step"] > 10, out
@@ -2314,16 +2286,13 @@ def test_a_long_evaluation_says_how_far_it_is_and_the_time_left(capsys, monkeypa
 ])
 def test_going_non_finite_keeps_the_last_good_checkpoint_and_says_which(capsys, tiny_data, tmp_path,
                                                                         resume_flags, message):
-    code, out, _ = run_train(*image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval",
-                                          "1"), out_dir=tmp_path)
-    assert code == 0, out
+    train_run(tiny_data, "cls", tmp_path, 2, "--eval_interval", "1")
     good = (tmp_path / "ckpt.pt").read_bytes()
     err = cli_error(capsys, "--resume", "--out_dir", str(tmp_path), *resume_flags, "--grad_clip",
                     "0")
     assert message in err and "still holds step 2" in err
     assert f"continue from it with: python train.py --resume --out_dir {tmp_path}" in err
-    # clipping was off here, so it is advised
-    assert "lengthen --warmup" in err and "--grad_clip 1.0" in err
+    assert "lengthen --warmup" in err and "--grad_clip 1.0" in err  # clipping was off, so advised
     assert (tmp_path / "ckpt.pt").read_bytes() == good
 
 
@@ -2473,9 +2442,8 @@ TRAIN_REFUSALS = [
      TEXT_IN_TMP, "train.txt is not UTF-8 text (byte 3 is 0xe9); convert it, e.g. iconv"),
     (None, ["@next", "--val_file", "nosuch.txt"],
      "nosuch.txt is missing; put the text there, or point --data_dir and --val_file"),
-    (copied("text", lambda f: (f / "folder.txt").mkdir()), [*TEXT_IN_TMP, "--val_file",
-                                                           "folder.txt"],
-     "folder.txt is not a file (a folder, a pipe)"),
+    (copied("text", lambda f: (f / "folder.txt").mkdir()),
+     [*TEXT_IN_TMP, "--val_file", "folder.txt"], "folder.txt is not a file (a folder, a pipe)"),
     (None, ["@cls", "--objective", "next"],
      "a text model (next) cannot be run on --dataset folder; use wikitext2 or wikitext103 or text"),
     (None, ["@cls", "--heads", "3"], "Config.heads=3"),
@@ -2592,9 +2560,8 @@ def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(cap
         return dumps(*args, **kwargs)
 
     monkeypatch.setattr(train.json, "dumps", disk_fills_at_step_2)
-    err = cli_error(capsys,
-                    *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval", "1"),
-                    "--log_interval", "1", "--out_dir", str(tmp_path))
+    err = cli_error(capsys, *image_flags(tiny_data, "cls", "--max_iters", "3", "--eval_interval",
+                                         "1"), "--log_interval", "1", "--out_dir", str(tmp_path))
     monkeypatch.undo()
     assert "(No space left on device); the last checkpoint is as it was" in err
     assert "--resume" in err and torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
@@ -3139,9 +3106,8 @@ def test_chunked_cross_entropy_matches_the_full_logits_loss(dtype, monkeypatch):
     assert torch.allclose(chunked.float(), full, rtol=tolerance)
     for a, b in zip(grads, full_grads):
         assert a.dtype == b.dtype and ((a - b).norm() / b.norm()) < tolerance
-    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))
-    # nothing to predict: no NaN
-    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0
+    none = ChunkedCrossEntropy.apply(h, weight, torch.full((23,), -100))  # nothing to predict
+    assert none.item() == 0 and torch.autograd.grad(none, h)[0].abs().max() == 0  # no NaN
 
 
 def test_next_token_loss_is_the_cross_entropy_of_the_logits_with_or_without_gradients(monkeypatch):
@@ -3301,8 +3267,7 @@ def test_regional_compilation_compiles_one_block_whatever_the_depth(objective):
         assert torch.allclose(out, eager_out, atol=1e-6)
         graphs[depth] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
-    # the decoder's blocks, or next's loss: one more
-    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")
+    assert graphs[3] == graphs[8] <= 2 + (objective != "cls")  # decoder or next's loss: one more
 
 
 def test_compiled_next_token_loss_is_the_models_loss_in_value_and_gradients():
@@ -3333,8 +3298,7 @@ def test_evaluation_runs_compiled_blocks_eagerly_whatever_its_batch_shapes(tiny_
     torch._dynamo.reset()
     counters.clear()
     fast.compile_blocks(model, backend="eager")
-    # 32 = 12 + 12 + 8
-    metrics = train.evaluate(model, data, 0, 12, torch.device("cpu"))
+    metrics = train.evaluate(model, data, 0, 12, torch.device("cpu"))  # 32 = 12 + 12 + 8
     assert counters["stats"]["unique_graphs"] == 0 and 0 <= metrics["top1"] <= 100
     torch._dynamo.reset()
 
@@ -3732,13 +3696,11 @@ def test_look_draws_a_log_kept_as_a_file_or_cut_short_says_when_a_run_diverged_a
         capsys, tiny_data, tmp_path, monkeypatch):
     """results/ keeps runs' logs as NAME.jsonl: look.py's smoothing and curves draw them as they
     draw an out_dir, named NAME."""
-    flags = image_flags(tiny_data, "cls", "--max_iters", "2", "--eval_interval", "1")
-    assert run_train(*flags, "--probe_samples", "4", out_dir=tmp_path / "run")[0] == 0
+    train_run(tiny_data, "cls", tmp_path / "run", 2, "--eval_interval", "1", "--probe_samples", "4")
     shutil.copy(tmp_path / "run" / "log.jsonl", tmp_path / "kept.jsonl")
     capsys.readouterr()
-    assert look.main(["smoothing", str(tmp_path / "kept.jsonl"), "--out",
-                      str(tmp_path / "k.png")]) == 0
-    assert "kept: abs_cos_centered of the last layer at steps [1, 2]: " in capsys.readouterr().out
+    code, out = look_cli(capsys, "smoothing", tmp_path / "kept.jsonl", "--out", tmp_path / "k.png")
+    assert code == 0 and "kept: abs_cos_centered of the last layer at steps [1, 2]: " in out.out
     assert not look.main(["curves", str(tmp_path / "kept.jsonl"), "--out", str(tmp_path / "c.png")])
     assert (tmp_path / "k.png").stat().st_size > 10_000 and (tmp_path / "c.png").exists()
     drawn, save_figure = [], look.save_figure
@@ -3932,8 +3894,7 @@ QUICK_BENCH = ["--batch_size", "2", "--steps", "1", "--rounds", "1", "--warmup",
                "float32"]  # bench.py's flags for a quick run (flags after them override)
 
 
-def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step(capsys,
-                                                                                 tmp_path):
+def test_bench_compares_configs_dtypes_and_attention_kernels_and_profiles_a_step(capsys, tmp_path):
     """One run compares configs and dtypes, or attention kernels (its rows written as JSON too);
     --profile shows one step's profile."""
     rows = bench.run(bench.build_parser().parse_args([
@@ -4133,8 +4094,7 @@ def cuda_batch(config):
 
 
 @CUDA_ONLY
-@pytest.mark.parametrize("mode,objective",
-                         [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"),
+@pytest.mark.parametrize("mode,objective", [("model", "cls"), ("blocks", "cls"), ("graphs", "cls"),
                                             ("blocks", "next"), ("graphs", "next")])
 def test_every_compile_mode_on_cuda_gives_the_eager_loss_and_gradients(mode, objective):
     torch.manual_seed(0)
@@ -4165,10 +4125,9 @@ def test_explicit_attention_under_cuda_graphs_gives_the_fused_kernels_loss():
     fused = model(x, y)[1].item()
     explicit = Bamboo(model.config, explicit_attention=True).to(CUDA)
     explicit.load_state_dict(model.state_dict())
-    model = explicit
-    module, chosen, _ = fast.for_training(model, CUDA, torch.float32, "graphs")
+    module, chosen, _ = fast.for_training(explicit, CUDA, torch.float32, "graphs")
     losses = [module(x, y)[1].item() for _ in range(3)]  # warm-up and capture, then replays
-    assert chosen == "graphs" and all(m.explicit for m in model.modules()
+    assert chosen == "graphs" and all(m.explicit for m in explicit.modules()
                                       if isinstance(m, Attention))
     assert losses == pytest.approx([fused] * 3, rel=1e-4)
 
@@ -4183,8 +4142,7 @@ def test_masks_differ_per_step_under_cuda_graphs_and_other_shapes_are_refused(ob
     assert chosen == "graphs"
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         losses = [module(x, y)[1].item() for _ in range(5)]
-        # a new mask (MAE) or corruption (MLM) every replay, not the captured one
-        assert len(set(losses)) == 5
+        assert len(set(losses)) == 5  # a new mask or corruption every replay, not the captured one
         with pytest.raises(ValueError, match="replays the shapes it captured"):
             # MLM corrupts inside the model: no targets passed
             module(x[:1], None if y is None else y[:1])
