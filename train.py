@@ -186,8 +186,8 @@ def train(args, started=None):
     device, rank, world = start_processes(cfg)
     master, ddp = rank == 0, world > 1
 
-    def say(*lines):  # rank 0 speaks for the run
-        if master and lines:
+    def say(*lines):  # rank 0 speaks for the run; an empty note says nothing
+        if master and any(lines):
             print(*lines, flush=True)
 
     ckpt_path, best_path, log_path = (os.path.join(cfg.out_dir, name)
@@ -266,11 +266,11 @@ def train(args, started=None):
 
         # ------------------------------------------------------------------------- the loop
         clock = progress.Clock(t_begin, cfg, progress.held_out_batches(
-            data, cfg.eval_samples, eval_batch))
-        if cfg.time_limit:  # what an evaluation takes, timed now: the limit keeps it back
+            data, cfg.eval_samples, eval_batch), cfg.log_interval if ddp else 1)
+        if cfg.time_limit and master:  # what an evaluation takes, timed now: the limit keeps back
             clock.overhead_s, clock.batch_s, clock.probe_s = time_evaluation(
                 model, data, eval_batch, device, probe_x)
-            say(*clock.limit_note())
+            say(clock.limit_note())
         made_by = runlog.code_and_machine(device, dtype)  # commit, command, torch, machine
         metrics, t_start = None, time.time()
         with progress.stop_signals(ddp, master) as stop, \
@@ -325,12 +325,12 @@ def train(args, started=None):
                 correct = []
                 if master:
                     t_eval = time.time()
-                    scored = clock.samples_that_fit(eval_batch) if stopping else None  # None: all
+                    scored = clock.samples_that_fit(eval_batch)  # short of time: a part, said
                     metrics = evaluate(model, data, scored or cfg.eval_samples, eval_batch, device,
                                        cfg.seed, correct)
-                    if scored:  # a stop with too little time left scores what fits, and says so
+                    if scored:
                         metrics["eval_samples"] = scored
-                    if probe_x is not None and math.isfinite(metrics["val_loss"]):
+                    elif probe_x is not None and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
                         metrics["layers"] = logged_metrics(model, probe_x, eval_batch)
                     clock.eval_s = time.time() - t_eval
@@ -344,8 +344,8 @@ def train(args, started=None):
                     raise progress.diverged(what, cfg, saved_step)
                 if master:
                     name, larger_is_better = runlog.selection_metric(config.objective)
-                    improved = best is None or (metrics[name] > best if larger_is_better
-                                                else metrics[name] < best)
+                    improved = not scored and (best is None or (
+                        metrics[name] > best if larger_is_better else metrics[name] < best))
                     best = metrics[name] if improved else best
                     record = {"step": step, "train_loss": train_loss, **metrics,
                               "elapsed_s": time.time() - t_start}
@@ -497,7 +497,7 @@ def time_evaluation(model, data, batch_size, device, probe_x):
     if probe_x is not None:
         logged_metrics(model, probe_x, batch_size)
     batch_s = max(0.0, times[2] - times[1])
-    return times[1] - batch_s, batch_s, time.time() - t
+    return max(0.0, times[1] - batch_s), batch_s, time.time() - t
 
 
 def main(argv=None, started=None):

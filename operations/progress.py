@@ -29,8 +29,9 @@ class Clock:
     """The run's timing: the steps so far, the last evaluation and save; from them, where
     --time_limit stops the run, the progress lines and the summary's speed."""
 
-    def __init__(self, t_begin, cfg, held_out_batches):
+    def __init__(self, t_begin, cfg, held_out_batches, steps_per_check=1):
         self.t_begin, self.cfg, self.held_out_batches = t_begin, cfg, held_out_batches
+        self.steps_per_check = steps_per_check  # DDP ranks agree to stop every log_interval steps
         self.step_times = []  # seconds per step, evaluations left out
         self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
         # an evaluation's parts as timed at the start (train.time_evaluation): its fixed cost
@@ -45,8 +46,9 @@ class Clock:
         return sum(timed) / len(timed) if timed else None
 
     def slowest_step_s(self):
-        """The slowest of the last 50 steps after the first (compilation, capture); 0 before any."""
-        return max(self.step_times[1:][-50:], default=0.0)
+        """The slowest of the last 50 steps after the first (compilation, capture), or the first
+        while it is the only one; 0 before any."""
+        return max(self.step_times[1:][-50:] or self.step_times, default=0.0)
 
     def time_left(self):
         """Seconds until --time_limit, from the invocation's start, less the process's exit."""
@@ -65,23 +67,25 @@ class Clock:
 
     def limit_note(self):
         """Said at the start when --time_limit cannot hold even the final evaluation: why, and what
-        to change."""
+        to change; or ''."""
         cfg = self.cfg
         if not cfg.time_limit or self.limit_left() >= 0:
-            return []
+            return ""
         left = max(0.0, self.time_left())
-        return [f"note: --time_limit {cfg.time_limit:g} s leaves {left:.0f} s, too little for an "
-                f"evaluation (about {self.evaluation_s():.0f} s: {self.held_out_batches} held-out "
-                f"batches of {self.batch_s:.2f} s, the probe {self.probe_s:.1f} s); the run will "
-                "take one step and score the held-out samples that fit; to score them all, lower "
-                "--eval_samples or --probe_samples, or raise --time_limit"]
+        return (f"note: --time_limit {cfg.time_limit:g} s leaves {left:.0f} s, too little for an "
+                f"evaluation (about {self.evaluation_s():.0f} s: "
+                f"{self.held_out_batches} held-out batches of {self.batch_s:.2f} s, "
+                f"{self.overhead_s:.1f} s besides, the probe {self.probe_s:.1f} s): the run will "
+                "stop at its first chance and score the held-out samples that fit, without the "
+                "probe; to score them all, lower --eval_samples or --probe_samples, or raise "
+                "--time_limit")
 
     def samples_that_fit(self, batch_size):
-        """How many held-out samples the final evaluation has time for under --time_limit, at least
-        a batch; None when all fit."""
+        """How many held-out samples an evaluation has time for under --time_limit, without the
+        probe, at least a batch; None when all do."""
         if not self.cfg.time_limit or self.limit_left() >= 0:
             return None
-        left = self.time_left() - (self.save_s or 0.0) - self.overhead_s - self.probe_s
+        left = self.time_left() - (self.save_s or 0.0) - self.overhead_s
         batches = max(1, int(left / max(self.batch_s, 1e-9)))
         return batches * batch_size if batches < self.held_out_batches else None
 
@@ -89,12 +93,12 @@ class Clock:
         """Whether --time_limit leaves no room for another step before the final evaluation."""
         cfg = self.cfg
         return bool(cfg.time_limit) and step < cfg.max_iters and (
-            self.limit_left() < self.slowest_step_s())
+            self.limit_left() < self.slowest_step_s() * self.steps_per_check)
 
     def show_progress(self, bar, step, train_loss, lr, master=True):
         """The loss on the progress bar, whose end is where --time_limit will stop the run if it
         comes first; in a log file (no bar), a progress line at most every 30 s with the time left,
-        which counts the evaluations once one is timed, and says where a time limit will stop."""
+        evaluations counted once timed, and where a time limit will stop."""
         bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
         step_s = self.step_s(last=50)
         if step_s is None:
@@ -125,8 +129,8 @@ class Clock:
         name, _ = selection_metric(c.objective)
         unit, per_sample = ("img", 1) if c.is_image else ("tok", c.seq_len)
         step_s = self.step_s()
-        result = (f"{name} {metrics[name]:.4g} (best {best:.4g})" if metrics is not None
-                  else "not evaluated")
+        best = f"best {best:.4g}" if best is not None else "no best: no whole evaluation"
+        result = f"{name} {metrics[name]:.4g} ({best})" if metrics is not None else "not evaluated"
         line = (f"{'stopped' if stopped else 'done'}: {result}, {step_s * 1000:.1f} ms/step, "
                 f"{cfg.batch_size * per_sample / step_s:.0f} {unit}/s")
         peak = fast.peak_tflops(device, dtype)
