@@ -125,8 +125,7 @@ class Config:
     @classmethod
     def from_dict(cls, d):
         """Rebuild from a checkpoint's plain dict, refusing keys this version does not know."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown config fields {unknown}; the checkpoint comes from "
                              "another version")
@@ -589,8 +588,7 @@ class Bamboo(nn.Module):
         # The vocabulary projection only where the loss looks: 15% of the positions, the same loss.
         logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias  # (N, vocab)
         # A sum over chosen positions / their count: no NaN when given targets choose none.
-        loss = F.cross_entropy(logits, targets, reduction="sum")
-        return logits, loss / max(1, len(targets))
+        return logits, F.cross_entropy(logits, targets, reduction="sum") / max(1, len(targets))
 
     def next_token_features(self, tokens, y=None):
         """The final-norm features (B, T', D) of the tokens read, and their targets: y (nanoGPT's
@@ -631,8 +629,7 @@ class Bamboo(nn.Module):
         if self.config.objective != "next":
             raise ValueError(f"generate needs a next-token model, not {self.config.objective}")
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.seq_len:]
-            h, _, _ = self.run_blocks(self.embed(context)[0])
+            h, _, _ = self.run_blocks(self.embed(tokens[:, -self.config.seq_len:])[0])
             logits = self.token_logits(self.ln_f(h[:, -1])).float() / temperature  # (B, vocab)
             if top_k is not None:
                 kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
@@ -664,8 +661,7 @@ class Bamboo(nn.Module):
 
     def num_params(self, trunk_only=False):
         """All parameters, or only the Blocks' (the 'comparable compute' of Bamboo Table 1)."""
-        params = self.blocks.parameters() if trunk_only else self.parameters()
-        return sum(p.numel() for p in params)
+        return sum(p.numel() for p in (self.blocks if trunk_only else self).parameters())
 
     def load_encoder(self, state_dict):
         """Load a pretrained trunk (e.g. MAE) for fine-tuning: the stem and every block, each tensor
@@ -674,11 +670,8 @@ class Bamboo(nn.Module):
         skipped too, as MAE's fine-tuning does. Returns (loaded names, skipped names)."""
         own = self.state_dict()
         heads = ("decoder_", "mask_token", "mlm_", "head.", "fc_norm.")
-        loaded, skipped = [], []
-        for name, tensor in state_dict.items():
-            if name in own and own[name].shape == tensor.shape and not name.startswith(heads):
-                loaded.append(name)
-            else:
-                skipped.append(name)
+        loaded = [name for name, tensor in state_dict.items()
+                  if name in own and own[name].shape == tensor.shape and not name.startswith(heads)]
+        skipped = [name for name in state_dict if name not in loaded]
         self.load_state_dict({k: state_dict[k] for k in loaded}, strict=False)
         return loaded, skipped

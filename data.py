@@ -41,7 +41,6 @@ def _load_split(name, data_dir, split, image_size, listed, limit=0, cache_dir=No
     if name == "folder":
         labels = torch.tensor([label for _, label in listed[split]])
         return files.decode_folder(listed[split], image_size, cache_dir), labels, None
-
     images, labels, classes = files.cifar(name, data_dir, split == "train")
     if limit:  # the same fixed random subset as for folders
         keep = files.fixed_subset(len(images), limit)
@@ -121,10 +120,9 @@ class ImageData:
 
     def eval_batches(self, batch_size, limit=None):
         """The first `limit` test images, in order, un-augmented."""
-        n = len(self.test_x) if limit is None else min(limit, len(self.test_x))
-        for i in range(0, n, batch_size):
-            j = min(i + batch_size, n)
-            yield self.normalize(self.test_x[i:j]), self.test_y[i:j]
+        x, y = self.test_x[:limit], self.test_y[:limit]
+        for i in range(0, len(x), batch_size):
+            yield self.normalize(x[i:i + batch_size]), y[i:i + batch_size]
 
 
 def shard(draws, rank, world, grad_accum, k):

@@ -72,9 +72,6 @@ class EigenValueOutput(nn.Module):
         square = self.psi ** 2  # (nh, hs)
         return square if self.mode == "smooth" else -square.clamp(1e-4, 1.0)
 
-    def orthonormal(self):
-        return torch.linalg.qr(self.basis.float()).Q  # (nh, D, hs), columns orthonormal
-
 
 class Attention(nn.Module):
     """Multi-head self-attention; NeuTRENO when `neutreno` > 0 and `v0` is given.
@@ -149,7 +146,7 @@ class EigenAttention(Attention):
         self.vo = EigenValueOutput(width, heads, self.mode)
 
     def projections(self):
-        basis = self.vo.orthonormal()  # (nh, D, hs): Q_h
+        basis = torch.linalg.qr(self.vo.basis.float()).Q  # (nh, D, hs): Q_h, orthonormal columns
         nh, D, hs = basis.shape
         w_v = basis.transpose(1, 2).reshape(nh * hs, D)  # head h's rows: Q_h^T, so x @ Q_h
         w_qkv = torch.cat([self.qk.weight, w_v.to(self.qk.weight.dtype)])

@@ -292,12 +292,11 @@ def samples_key(model, train_cfg):
 def print_table(report):
     """Per checkpoint, one table per block of metrics, layers as rows."""
     for label in report["labels"]:
-        depth = report["depth"][label]
         print(f"\n{label}  ({report['source'][label]})")
         for names in (TOKEN_METRICS, LAYER_METRICS + WEIGHT_METRICS):  # each under 100 columns
             widths = [max(12, len(n)) for n in names]
             print("layer " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
-            for layer in range(depth + 1):
+            for layer in range(report["depth"][label] + 1):
                 cells = [report["metrics"][n][label][layer] for n in names]
                 print(f"{layer:>5} " + " ".join(f"{'-':>{w}}" if c is None else f"{c:>{w}.4f}"
                                                 for c, w in zip(cells, widths)))
@@ -349,9 +348,8 @@ def run(args):
     report["samples"] = probed  # what was run, not what was asked
     layers = max(report["depth"].values()) + 1
     report["layers"] = list(range(layers))
-    order = TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS
     report["metrics"] = {name: {label: rounded(raw[label][name], layers) for label in labels}
-                         for name in order}
+                         for name in TOKEN_METRICS + LAYER_METRICS + WEIGHT_METRICS}
     print_table(report)
     if args.json:
         checkpoint.atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))

@@ -110,12 +110,13 @@ class ForeignBlock:
                 "o": wo.detach().T.reshape(nh, D // nh, D)}
 
 
-class Foreign:
+class Foreign(nn.Module):
     """A timm or Hugging Face transformer with the interface probe.py reads of a Bamboo model."""
 
     def __init__(self, model, spec, statistics=None, tokenizer=None):
         """statistics: the (mean, std) an image model expects (default 0.5, 0.5); tokenizer: the
         --tokenizer a text model reads by default (None: the user must choose)."""
+        super().__init__()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         self.statistics = statistics or ((0.5,) * 3, (0.5,) * 3)
         config = getattr(model, "config", None)
@@ -123,10 +124,10 @@ class Foreign:
         self.is_mae = getattr(config, "model_type", "") == "vit_mae"  # masks unless told not to
         self.causal = (type(model).__name__.startswith(("GPT2", "OPT"))
                        or getattr(config, "objective", None) == "next")
-        blocks = block_list(model)
-        self.heads = heads_of(model, config)
+        self.block_modules = blocks = block_list(model)  # the library's own, hooked
+        keys = [k for k in ("num_attention_heads", "n_head", "heads") if hasattr(config, k)]
+        self.heads = getattr(config, keys[0]) if keys else blocks[0].attn.num_heads
         self.blocks = [ForeignBlock(block_layout(model, b), self.heads) for b in blocks]
-        self.block_modules = blocks
         timm_size = getattr(getattr(model, "patch_embed", None), "img_size", None)
         size = timm_size[0] if timm_size else getattr(config, "image_size", 224)
         seq_len = (getattr(config, "n_positions", None) or getattr(config, "seq_len", None)
@@ -140,16 +141,6 @@ class Foreign:
         why = ("post-norm blocks: the LayerNorm after the residual sum, not the eigenvalues of "
                "W_V W_O, decides the sign of the update")
         self.absent = {"vo_dominant": why, "vo_positive": why} if post_norm else {}
-
-    def eval(self):
-        return self
-
-    def to(self, device):
-        self.model.to(device)
-        return self
-
-    def parameters(self):
-        return self.model.parameters()
 
     def normalize(self, pixels):
         """Images in [0, 1] normalised as the model expects (timm's data configuration, the Hugging
@@ -199,10 +190,3 @@ class Foreign:
         B, T, D = a.shape
         q, k = (F.linear(a, *layout[n]).view(B, T, self.heads, -1).transpose(1, 2) for n in "qk")
         return attention_probabilities(q, k, self.causal)
-
-
-def heads_of(model, config):
-    keys = [k for k in ("num_attention_heads", "n_head", "heads") if hasattr(config, k)]
-    return getattr(config, keys[0]) if keys else block_list(model)[0].attn.num_heads
-
-

@@ -236,9 +236,8 @@ def settings_lines(cfg, config, data, sources, device):
         lines.append(f"note: --train_samples {cfg.train_samples} is more than the "
                      f"{data.num_train()} training images; the run takes those")
     if streamed:
-        workers = data.workers
-        lines.append(f"streaming {data.num_train():,} training images from disk, {workers} "
-                     f"decoding process{'es' * (workers != 1)} per rank: MAE's crops (area "
+        lines.append(f"streaming {data.num_train():,} training images from disk, {data.workers} "
+                     f"decoding process{'es' * (data.workers != 1)} per rank: MAE's crops (area "
                      f"{cfg.crop_scale:g} to 1) and flips, ImageNet's mean and std")
     if cfg.probe_samples > data.num_held_out():
         lines.append(f"note: --probe_samples {cfg.probe_samples} is more than the "

@@ -154,8 +154,12 @@ def export(path, out):
     from safetensors.torch import save
 
     os.makedirs(out, exist_ok=True)
-    kwargs = timm_kwargs(c)
-    meta = {**about(ckpt), "num_classes": kwargs["num_classes"]}
+    kwargs, statistics = timm_kwargs(c), ckpt.get("statistics")
+    # beside the weights: the input and patch size, the pixel mean and std, the class names
+    meta = {"input_size": [c.channels, c.image_size, c.image_size], "patch_size": c.patch_size,
+            "classes": ckpt.get("classes"), "num_classes": kwargs["num_classes"]}
+    if statistics is not None:
+        meta.update(mean=statistics[0].flatten().tolist(), std=statistics[1].flatten().tolist())
     streamed = ckpt.get("train", {}).get("stream") == "on"  # else squashed whole to the input size
     tensors = save({k: v.contiguous() for k, v in to_timm(model).items()},
                    metadata={k: json.dumps(v) for k, v in meta.items()})
@@ -190,17 +194,6 @@ def export_gpt2(model, ckpt, out):
     tokenizer.save_pretrained(out)
     return (f"wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}), "
             f"transformers.AutoTokenizer.from_pretrained({out!r})")
-
-
-def about(ckpt):
-    """What a user of the weights needs beside them, in the safetensors header and timm's config:
-    the input and patch size, the pixel mean and std training normalised with, the class names."""
-    c, statistics = ckpt["config"], ckpt.get("statistics")
-    meta = {"input_size": [c["channels"], c["image_size"], c["image_size"]],
-            "patch_size": c["patch_size"], "classes": ckpt.get("classes")}
-    if statistics is not None:
-        meta.update(mean=statistics[0].flatten().tolist(), std=statistics[1].flatten().tolist())
-    return meta
 
 
 def main(argv=None):

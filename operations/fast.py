@@ -60,12 +60,6 @@ def cpu_info():
         return ""
 
 
-def cpu_has_bf16():
-    """Native bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 autocast is emulated and slow."""
-    flags = cpu_info()
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def cpu_model():
     """The CPU's model name as Linux reports it, or the platform's processor string."""
     names = [line.split(":", 1)[1].strip() for line in cpu_info().splitlines()
@@ -74,11 +68,11 @@ def cpu_model():
 
 
 def pick_dtype(name, device):
-    """auto: bf16 on CUDA and on CPUs with native bf16, where it is faster than fp32 at the same
-    loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
+    """auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), where it is faster than
+    fp32 at the same loss (results/bench/README.md); fp32 elsewhere, where bf16 is emulated."""
     if name == "auto":
-        bf16 = (torch.cuda.is_bf16_supported() if device.type == "cuda"
-                else device.type == "cpu" and cpu_has_bf16())
+        bf16 = (torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu"
+                and bool({"avx512_bf16", "amx_bf16"} & set(cpu_info().split())))
         name = "bfloat16" if bf16 else "float32"
     return getattr(torch, name)
 

@@ -68,23 +68,17 @@ def list_folder(data_dir, train=True, train_samples=0):
                             f"image folder dataset needs {data_dir}/train/<class>/*.jpg and "
                             f"{data_dir}/test/<class>/*.jpg (point --data_dir at such a tree)")
         files[split], classes[split] = _image_files(roots[0])
-    if train:
-        check_split_classes(data_dir, classes["train"], classes["test"])
-        if train_samples:
-            files["train"] = [files["train"][i] for i in
-                              fixed_subset(len(files["train"]), train_samples).tolist()]
-    files["test"] = [files["test"][i] for i in fixed_order(len(files["test"])).tolist()]
-    return files, classes["test"]
-
-
-def check_split_classes(data_dir, train_classes, test_classes):
-    """Labels are class indices: splits with different class folders would mislabel the test."""
-    if train_classes != test_classes:
-        only_train = sorted(set(train_classes) - set(test_classes))
-        only_test = sorted(set(test_classes) - set(train_classes))
+    if train and classes["train"] != classes["test"]:  # labels are class indices: one set for both
+        only_train = sorted(set(classes["train"]) - set(classes["test"]))
+        only_test = sorted(set(classes["test"]) - set(classes["train"]))
         raise DataError(f"{data_dir}: the splits have different classes (only in training: "
                         f"{only_train[:5]}, only in test: {only_test[:5]}); give both the same "
                         "class folders")
+    if train and train_samples:
+        files["train"] = [files["train"][i] for i in
+                          fixed_subset(len(files["train"]), train_samples).tolist()]
+    files["test"] = [files["test"][i] for i in fixed_order(len(files["test"])).tolist()]
+    return files, classes["test"]
 
 
 def _image_files(root):
@@ -103,8 +97,7 @@ def _image_files(root):
 def _decode(path, size):
     from PIL import Image
 
-    im = read_rgb(path)
-    return np.asarray(im if im.size == (size, size) else im.resize((size, size), Image.BICUBIC))
+    return np.asarray(read_rgb(path).resize((size, size), Image.BICUBIC))
 
 
 def listing_fingerprint(samples):

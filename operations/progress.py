@@ -179,22 +179,18 @@ def evaluation_progress(batches, total):
             print(f"evaluating: {done}/{total} batches, about {left:.0f} s left", flush=True)
 
 
-def divergence_advice(cfg):
-    """What to change after a non-finite loss: the rate and the warmup first, then clipping."""
-    clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
-    return f"lower the rate (--lr, now {cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}"
-
-
 def diverged(what, cfg, saved_step):
     """The error for a run gone non-finite: what, that nothing was saved, where the last good
-    state is, and what to change."""
+    state is, and what to change (the rate and the warmup first, then clipping)."""
     if saved_step is None:
         where = (f"no checkpoint was written yet (the first comes at step {cfg.eval_interval}), "
                  "so this run is lost")
     else:
         where = (f"{os.path.join(cfg.out_dir, 'ckpt.pt')} still holds step {saved_step}, the last "
                  f"good state; continue from it with: {resume_command(cfg.out_dir)}")
-    return TrainingError(f"{what}; nothing was saved; {where}; {divergence_advice(cfg)}")
+    clip = ", or clip with --grad_clip 1.0" if cfg.grad_clip == 0 else ""
+    return TrainingError(f"{what}; nothing was saved; {where}; lower the rate (--lr, now "
+                         f"{cfg.lr:.3g}) or lengthen --warmup (now {cfg.warmup}){clip}")
 
 
 def read_loss(total, step, cfg, saved_step):

@@ -164,4 +164,3 @@ def code_and_machine(device, dtype):
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "torch": str(torch.__version__), "device": name, "cpu": fast.cpu_model(),
             "dtype": str(dtype).removeprefix("torch.")}
-
