@@ -2186,6 +2186,9 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
             "--time_limit stops the run at about step 12 (all 1000 steps would take about "
             "16.8 min)")  # 5.5 s left, 3 s kept for the final evaluation; 990 s + 5 x 3 s
     assert bar.total == 12 and line in capsys.readouterr().out
+    cfg.eval_interval = 3  # an evaluation every third step: each step also holds a third of one
+    clock.show_progress(bar, 10, 2.5, 1e-3)
+    assert bar.total == 11  # 2.5 s for steps of 1 s + 1 s
     cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert bar.total == 1000

@@ -109,7 +109,8 @@ class Clock:
         whole = steps * step_s + evals * self.evaluation_s()
         left, where = whole, ""
         if cfg.time_limit:
-            fit = max(0.0, self.limit_left()) / step_s  # may be huge: --time_limit 1e308
+            # the steps that fit, each with its share of the evaluations between (may be huge)
+            fit = max(0.0, self.limit_left()) / (step_s + self.evaluation_s() / cfg.eval_interval)
             steps = max(0, int(min(steps, fit)))
             bar.total = step + steps
             bar.refresh()
