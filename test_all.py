@@ -2170,10 +2170,12 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
         "and score the held-out samples that fit, without the probe; to score them all, lower "
         "--eval_samples or --probe_samples, or raise --time_limit")
     assert clock.samples_that_fit(16) == 8 * 16  # 8.5 - 0.4 s: 8 batches of 1 s, no probe
+    clock.held_out_batches, clock.probe_s = 4, 5.0  # all 4 batches fit, not the 5 s probe
+    assert clock.short_of_time() and clock.samples_that_fit(16) is None
     clock.t_begin -= 100
     assert clock.samples_that_fit(16) == 16  # out of time: a batch all the same
     clock.cfg = train.TrainConfig(batch_size=16)
-    assert clock.samples_that_fit(16) is None and clock.limit_note() == ""  # no limit: all
+    assert not clock.short_of_time() and clock.limit_note() == ""  # no limit
     # an evaluation: 2 batches and the probe, 1 s each; 5.5 s left
     clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
     clock.step_times, clock.batch_s, clock.probe_s = [1.0] * 11, 1.0, 1.0
@@ -2191,8 +2193,8 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
     assert bar.total == 1000
     clock.cfg, clock.said = train.TrainConfig(max_iters=1000), 0.0
     clock.batch_s = clock.probe_s = 0.0  # no time limit: nothing timed at the start
-    clock.show_progress(bar, 10, 2.5, 1e-3)  # and the bar ends at max_iters
-    assert bar.total == 1000 and capsys.readouterr().out.endswith("about 16.5 min left\n")
+    clock.show_progress(bar, 10, 2.5, 1e-3)
+    assert capsys.readouterr().out.endswith("about 16.5 min left\n")
     clock.said, clock.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
@@ -2216,8 +2218,7 @@ def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
     printed = io.StringIO()
     with redirect_stdout(printed), redirect_stderr(printed):
         code = train.main(flags + ["--out_dir", str(tmp_path)], started=time.time() - 1000)
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    out = printed.getvalue()
+    log, out = log_records(tmp_path), printed.getvalue()
     note = out.index("note: --time_limit 900 s leaves 0 s, too little for an evaluation (about ")
     assert code == 0 and "time limit reached" in out and note < out.index("step 1 train_"), out
     assert [(r["step"], r["eval_samples"]) for r in log if r.get("eval")] == [(1, 16)]  # of 32
@@ -2240,7 +2241,8 @@ def test_a_time_limit_holds_in_a_process_whose_evaluation_costs_many_steps(tiny_
                        "2048", "--time_limit", "15")
     began = time.time()
     done = subprocess.run([sys.executable, "train.py", *map(str, flags), "--out_dir",
-                           str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True)
+                           str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     wall, out = time.time() - began, done.stdout + done.stderr
     evals = [r for r in log_records(tmp_path / "run") if r.get("eval")]
     step_ms, eval_s = map(float, re.search(r"([\d.]+) ms/step.*ion ([\d.]+) s", out).groups())
@@ -2417,7 +2419,8 @@ TRAIN_REFUSALS = [
     (None, [*NO_DATA, "--patch_size", "0"], "Config.patch_size=0 must divide image_size=32"),
     (None, [*NO_DATA, "--weight_decay", "-0.1"], "--weight_decay -0.1 must be >= 0"),
     (None, [*NO_DATA, "--threads", "-1"], "--threads -1 must be >= 0"),
-    (None, [*NO_DATA, "--time_limit", "inf"], "--time_limit inf must be a number of seconds >= 0"),
+    (None, [*NO_DATA, "--time_limit", "inf"],
+     "--time_limit inf must be a number of seconds >= 0 (0 means no limit)"),
     (None, [*NO_DATA, "--mask_ratio", "0.005"],
      "Config.mask_ratio=0.005 must hide some patches and leave others"),
     (None, [*NO_DATA, "--mask_ratio", "0.995"],
@@ -4055,6 +4058,7 @@ def test_the_readme_links_each_name_to_its_lines(tmp_path):
     docstring and parts of train() too): a reader on GitHub lands on what is meant, and no more."""
     readme = open(os.path.join(REPO, "README.md")).read()
     assert re.findall(POINTER, re.sub(README_LINK, "", readme)) == []  # each one a link
+    assert re.findall(r"\]\(\w+\.py#L\d+\)", readme) == []  # a range, which relinking follows
     links = list(readme_links(readme))
     wrong = [f"{link[1]}: L{link[3]}-L{link[4]}, {now} now" for link, now in links
              if now != (int(link[3]), int(link[4]))]

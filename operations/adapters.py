@@ -124,7 +124,7 @@ class Foreign(nn.Module):
         self.is_mae = getattr(config, "model_type", "") == "vit_mae"  # masks unless told not to
         self.causal = (type(model).__name__.startswith(("GPT2", "OPT"))
                        or getattr(config, "objective", None) == "next")
-        self.block_modules = blocks = block_list(model)  # the library's own, hooked
+        self.block_modules = blocks = list(block_list(model))  # the library's own, hooked
         keys = [k for k in ("num_attention_heads", "n_head", "heads") if hasattr(config, k)]
         self.heads = getattr(config, keys[0]) if keys else blocks[0].attn.num_heads
         self.blocks = [ForeignBlock(block_layout(model, b), self.heads) for b in blocks]
@@ -141,6 +141,7 @@ class Foreign(nn.Module):
         why = ("post-norm blocks: the LayerNorm after the residual sum, not the eigenvalues of "
                "W_V W_O, decides the sign of the update")
         self.absent = {"vo_dominant": why, "vo_positive": why} if post_norm else {}
+        self.train(model.training)  # as the library's model is
 
     def normalize(self, pixels):
         """Images in [0, 1] normalised as the model expects (timm's data configuration, the Hugging

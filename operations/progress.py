@@ -65,11 +65,15 @@ class Clock:
             return self.eval_s
         return self.overhead_s + self.held_out_batches * self.batch_s + self.probe_s
 
+    def short_of_time(self):
+        """Whether --time_limit leaves no room for a whole evaluation with the probe."""
+        return bool(self.cfg.time_limit) and self.limit_left() < 0
+
     def limit_note(self):
         """Said at the start when --time_limit cannot hold even the final evaluation: why, and what
         to change; or ''."""
         cfg = self.cfg
-        if not cfg.time_limit or self.limit_left() >= 0:
+        if not self.short_of_time():
             return ""
         left = max(0.0, self.time_left())
         return (f"note: --time_limit {cfg.time_limit:g} s leaves {left:.0f} s, too little for an "
@@ -81,16 +85,15 @@ class Clock:
                 "--time_limit")
 
     def samples_that_fit(self, batch_size):
-        """How many held-out samples an evaluation has time for under --time_limit, without the
-        probe, at least a batch; None when all do."""
-        if not self.cfg.time_limit or self.limit_left() >= 0:
-            return None
+        """How many held-out samples an evaluation short of time can score without the probe, at
+        least a batch; None when all."""
         left = self.time_left() - (self.save_s or 0.0) - self.overhead_s
         batches = max(1, int(left / max(self.batch_s, 1e-9)))
         return batches * batch_size if batches < self.held_out_batches else None
 
     def out_of_time(self, step):
-        """Whether --time_limit leaves no room for another step before the final evaluation."""
+        """Whether --time_limit leaves no room for the steps before the ranks next agree (one
+        without DDP) and then the final evaluation."""
         cfg = self.cfg
         return bool(cfg.time_limit) and step < cfg.max_iters and (
             self.limit_left() < self.slowest_step_s() * self.steps_per_check)
@@ -98,7 +101,7 @@ class Clock:
     def show_progress(self, bar, step, train_loss, lr, master=True):
         """The loss on the progress bar, whose end is where --time_limit will stop the run if it
         comes first; in a log file (no bar), a progress line at most every 30 s with the time left,
-        evaluations counted once timed, and where a time limit will stop."""
+        evaluations counted, and where a time limit will stop."""
         bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
         step_s = self.step_s(last=50)
         if step_s is None:

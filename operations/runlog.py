@@ -86,7 +86,8 @@ def record_evaluation(log, bar, record, model, init_hash):
 
 
 def save_correct(correct, out_dir):
-    """A classifier's per-image correctness at the evaluation ckpt.pt holds: eval_correct.npy."""
+    """A classifier's per-image correctness at the evaluation ckpt.pt holds: eval_correct.npy (the
+    images it scored: fewer after an evaluation short of time)."""
     if correct:
         flags = torch.cat(correct).cpu().numpy().astype("uint8")  # 1: right, per held-out image
         path = os.path.join(out_dir, "eval_correct.npy")
