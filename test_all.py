@@ -2169,25 +2169,25 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
         "batches of 1.00 s, 0.4 s besides, the probe 1.5 s): the run will stop at its first chance "
         "and score the held-out samples that fit, without the probe; to score them all, lower "
         "--eval_samples or --probe_samples, or raise --time_limit")
-    assert clock.samples_that_fit(16) == 8 * 16  # 8.5 - 0.4 s: 8 batches of 1 s, no probe
-    clock.held_out_batches, clock.probe_s = 4, 5.0  # all 4 batches fit, not the 5 s probe
-    assert clock.short_of_time() and clock.samples_that_fit(16) is None
-    clock.t_begin -= 100
-    assert clock.samples_that_fit(16) == 16  # out of time: a batch all the same
+    # batches start until the limit less one batch, the save (0.5 s) and, with time, the probe
+    clock.save_s, end = 0.5, clock.t_begin + 10
+    assert clock.evaluation_deadline(True) == pytest.approx(end - 1.5, abs=0.01)
+    assert clock.evaluation_deadline(False) == pytest.approx(end - 3.0, abs=0.01)
     clock.cfg = train.TrainConfig(batch_size=16)
-    assert not clock.short_of_time() and clock.limit_note() == ""  # no limit
-    # an evaluation: 2 batches and the probe, 1 s each; 5.5 s left
-    clock = progress.Clock(time.time() - 4.5, cfg, held_out_batches=2)
+    assert not clock.short_of_time() and clock.limit_note() == ""  # no limit: no deadline
+    assert clock.evaluation_deadline(False) is None
+    # an evaluation: 2 batches and the probe, 1 s each; 6 s left
+    clock = progress.Clock(time.time() - 4, cfg, held_out_batches=2)
     clock.step_times, clock.batch_s, clock.probe_s = [1.0] * 11, 1.0, 1.0
     bar = tqdm(total=1000, disable=True)
     clock.show_progress(bar, 10, 2.5, 1e-3)
     line = ("step 10/1000: loss 2.5000, lr 1.00e-03, 1000 ms/step, about 0.1 min left: "
             "--time_limit stops the run at about step 12 (all 1000 steps would take about "
-            "16.8 min)")  # 5.5 s left, 3 s kept for the final evaluation; 990 s + 5 x 3 s
+            "16.8 min)")  # 6 s left, 3.75 s kept for the final evaluation; 990 s + 5 x 3 s
     assert bar.total == 12 and line in capsys.readouterr().out
     cfg.eval_interval = 3  # an evaluation every third step: each step also holds a third of one
     clock.show_progress(bar, 10, 2.5, 1e-3)
-    assert bar.total == 11  # 2.5 s for steps of 1 s + 1 s
+    assert bar.total == 11  # 2.25 s for steps of 1 s + 1 s
     cfg.time_limit = 1e308  # a limit too large to count in steps is no limit, not an error
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert bar.total == 1000
@@ -2231,14 +2231,14 @@ def test_a_time_limit_counts_from_the_start_of_the_process(tiny_data, tmp_path):
 
 def test_a_time_limit_holds_in_a_process_whose_evaluation_costs_many_steps(tiny_data, tmp_path):
     """python train.py --time_limit 15 ends within 15 s, start-up and exit counted, evaluated whole
-    and saved, though its evaluation (10 held-out batches and a large probe) costs many steps a
-    batch, not the third of a step once assumed."""
+    and saved, though its evaluation (10 held-out batches, a 1,024-window probe) costs many steps
+    a batch, not the third of a step once assumed."""
     (tmp_path / "text").mkdir()
     for name, copies in (("train.txt", 1), ("val.txt", 100)):  # 8,000 held-out windows
         (tmp_path / "text" / name).write_text((tiny_data / "text" / name).read_text() * copies)
     flags = text_flags(tiny_data, "mlm", "--data_dir", tmp_path / "text", "--max_iters", "100000",
                        "--eval_interval", "100000", "--eval_samples", "160", "--probe_samples",
-                       "2048", "--time_limit", "15")
+                       "1024", "--time_limit", "15")
     began = time.time()
     done = subprocess.run([sys.executable, "train.py", *map(str, flags), "--out_dir",
                            str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,

@@ -325,12 +325,9 @@ def train(args, started=None):
                 correct = []
                 if master:
                     t_eval = time.time()
-                    short = clock.short_of_time()  # then: no probe, and what fits of the rest
-                    scored = clock.samples_that_fit(eval_batch) if short else None
-                    metrics = evaluate(model, data, scored or cfg.eval_samples, eval_batch, device,
-                                       cfg.seed, correct)
-                    if scored:
-                        metrics["eval_samples"] = scored
+                    short = clock.short_of_time()  # then no probe, and the batches that fit
+                    metrics = evaluate(model, data, cfg.eval_samples, eval_batch, device, cfg.seed,
+                                       correct, until=clock.evaluation_deadline(short))
                     if probe_x is not None and not short and math.isfinite(metrics["val_loss"]):
                         # over-smoothing as it forms, layer by layer
                         metrics["layers"] = logged_metrics(model, probe_x, eval_batch)
@@ -345,7 +342,7 @@ def train(args, started=None):
                     raise progress.diverged(what, cfg, saved_step)
                 if master:
                     name, larger_is_better = runlog.selection_metric(config.objective)
-                    improved = not scored and (best is None or (
+                    improved = "eval_samples" not in metrics and (best is None or (
                         metrics[name] > best if larger_is_better else metrics[name] < best))
                     best = metrics[name] if improved else best
                     record = {"step": step, "train_loss": train_loss, **metrics,
@@ -438,11 +435,12 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
 
 
 @torch.no_grad()
-def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None):
+def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None, until=None):
     """The metric each objective is judged by, on the first `samples` held-out samples (0: all),
     with masks fixed by the seed. A classifier appends each held-out image's correctness (bool, in
     order) to per_sample if a list is given, so that paired tests between runs can be recomputed
-    from files. Sums stay on the device."""
+    from files. Sums stay on the device. Past the wall clock `until` (--time_limit), no more
+    batches: the metrics are then of the first eval_samples, which they name."""
     objective = model.config.objective
     was_training = model.training
     model.eval()
@@ -455,7 +453,12 @@ def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None):
         torch.manual_seed(seed)  # the same masks every evaluation (training RNG untouched)
         batches = data.eval_batches(batch_size, samples or None)
         total = progress.held_out_batches(data, samples, batch_size)
+        scored, cut = 0, False
         for x, y in progress.evaluation_progress(batches, total):
+            if until is not None and scored and time.time() > until:
+                cut = True
+                break
+            scored += len(x)
             x = x.to(device)
             if objective == "cls":
                 y = y.to(device)
@@ -483,6 +486,8 @@ def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None):
         metrics["top1" if objective == "cls" else "mlm_acc"] = 100 * correct / count
     elif objective == "next":
         metrics["ppl"] = math.exp(min(metrics["val_loss"], 50))
+    if cut:
+        metrics["eval_samples"] = scored
     return metrics
 
 

@@ -23,6 +23,7 @@ from operations.runlog import selection_metric
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 EXIT_S = 1.0  # --time_limit keeps this back for the process's exit after its last line
+EVAL_MARGIN = 1.25  # and an evaluation's time this many times over: past it, batches are dropped
 
 
 class Clock:
@@ -55,9 +56,9 @@ class Clock:
         return self.cfg.time_limit - (time.time() - self.t_begin) - EXIT_S
 
     def limit_left(self):
-        """Seconds of --time_limit left for steps, keeping back the final evaluation and
-        checkpoint, so that a stop ends with both."""
-        return self.time_left() - self.evaluation_s() - (self.save_s or 0.0)
+        """Seconds of --time_limit left for steps, keeping back the final evaluation (with a
+        margin) and checkpoint, so that a stop ends with both."""
+        return self.time_left() - EVAL_MARGIN * self.evaluation_s() - (self.save_s or 0.0)
 
     def evaluation_s(self):
         """What an evaluation takes: as last measured, or before the first, from its parts."""
@@ -84,12 +85,14 @@ class Clock:
                 "probe; to score them all, lower --eval_samples or --probe_samples, or raise "
                 "--time_limit")
 
-    def samples_that_fit(self, batch_size):
-        """How many held-out samples an evaluation short of time can score without the probe, at
-        least a batch; None when all."""
-        left = self.time_left() - (self.save_s or 0.0) - self.overhead_s
-        batches = max(1, int(left / max(self.batch_s, 1e-9)))
-        return batches * batch_size if batches < self.held_out_batches else None
+    def evaluation_deadline(self, short):
+        """The wall clock after which an evaluation starts no batch under --time_limit (None: no
+        limit): room kept for the batch in flight, the checkpoint, the exit and, unless short of
+        time, the probe."""
+        if not self.cfg.time_limit:
+            return None
+        return (time.time() + self.time_left() - self.batch_s - (self.save_s or 0.0)
+                - (0.0 if short else self.probe_s))
 
     def out_of_time(self, step):
         """Whether --time_limit leaves no room for the steps before the ranks next agree (one
