@@ -2152,8 +2152,8 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
     assert not clock.out_of_time(10) and clock.limit_note() == ""  # 1 s step + 1 s batch fit
     clock.steps_per_check = 2  # under DDP, the ranks agree to stop every log_interval steps
     assert clock.out_of_time(10)
-    clock.steps_per_check, clock.probe_s = 1, 1.0  # and the probe's 1 s does not fit
-    assert clock.out_of_time(10)
+    clock.steps_per_check, clock.probe_s = 1, 1.0  # with the probe: 2 s, 2.5 s with the margin
+    assert clock.out_of_time(10) and not clock.short_of_time()  # a step does not fit; 2 s do
     clock.eval_s = 0.5  # once an evaluation is timed, its time counts
     assert not clock.out_of_time(10)
     clock.eval_s, clock.save_s = 1.0, 0.6  # the step, the evaluation and the save: 2.6 s

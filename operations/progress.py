@@ -23,7 +23,7 @@ from operations.runlog import selection_metric
 
 PROGRESS_EVERY_S = 30  # in a log file, a progress line at most this often
 EXIT_S = 1.0  # --time_limit keeps this back for the process's exit after its last line
-EVAL_MARGIN = 1.25  # and an evaluation's time this many times over: past it, batches are dropped
+EVAL_MARGIN = 1.25  # and, for timings that drift, the final evaluation's time this many times
 
 
 class Clock:
@@ -55,10 +55,10 @@ class Clock:
         """Seconds until --time_limit, from the invocation's start, less the process's exit."""
         return self.cfg.time_limit - (time.time() - self.t_begin) - EXIT_S
 
-    def limit_left(self):
-        """Seconds of --time_limit left for steps, keeping back the final evaluation (with a
+    def limit_left(self, margin=EVAL_MARGIN):
+        """Seconds of --time_limit left for steps, keeping back the final evaluation (times the
         margin) and checkpoint, so that a stop ends with both."""
-        return self.time_left() - EVAL_MARGIN * self.evaluation_s() - (self.save_s or 0.0)
+        return self.time_left() - margin * self.evaluation_s() - (self.save_s or 0.0)
 
     def evaluation_s(self):
         """What an evaluation takes: as last measured, or before the first, from its parts."""
@@ -68,7 +68,7 @@ class Clock:
 
     def short_of_time(self):
         """Whether --time_limit leaves no room for a whole evaluation with the probe."""
-        return bool(self.cfg.time_limit) and self.limit_left() < 0
+        return bool(self.cfg.time_limit) and self.limit_left(margin=1.0) < 0
 
     def limit_note(self):
         """Said at the start when --time_limit cannot hold even the final evaluation: why, and what
