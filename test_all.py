@@ -55,7 +55,7 @@ from data import (ImageData, TextData, channel_statistics, first_samples, get_to
                   normalisation, shard, to_device)
 from neutreno import Attention, explicit_attention
 from operations import (adapters, checkpoint, checks, cli, export, fast, figures, files, hub,
-                        progress)
+                        progress, runlog)
 from operations.checkpoint import model_from_checkpoint
 from operations.cli import RUN_FILES, TrainingError, one_line_errors
 from operations.files import _decode, list_folder
@@ -141,9 +141,9 @@ def run_train(*flags, out_dir):
 
 
 def log_records(folder):
-    """The records of folder/log.jsonl ([] where there is none)."""
+    """The records of folder/log.jsonl, read as look.py and a resume read them ([]: none)."""
     log = Path(folder) / "log.jsonl"
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return runlog.read_log(log) if log.exists() else []
 
 
 def train_losses(records):

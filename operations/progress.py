@@ -49,7 +49,8 @@ class Clock:
     def slowest_step_s(self):
         """The slowest of the last 50 steps after the first (compilation, capture), or the first
         while it is the only one; 0 before any."""
-        return max(self.step_times[1:][-50:] or self.step_times, default=0.0)
+        recent = self.step_times[max(1, len(self.step_times) - 50):]  # not a copy of them all
+        return max(recent or self.step_times, default=0.0)
 
     def time_left(self):
         """Seconds until --time_limit, from the invocation's start, less the process's exit."""
@@ -91,7 +92,7 @@ class Clock:
         time, the probe."""
         if not self.cfg.time_limit:
             return None
-        return (time.time() + self.time_left() - self.batch_s - (self.save_s or 0.0)
+        return (self.t_begin + self.cfg.time_limit - EXIT_S - self.batch_s - (self.save_s or 0.0)
                 - (0.0 if short else self.probe_s))
 
     def out_of_time(self, step):
