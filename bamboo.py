@@ -8,12 +8,9 @@ FLOPs: Bamboo-B is 48x384 instead of 12x768. This file holds, in data-flow order
   Config   a validated dataclass, with named PRESETS (Bamboo Tables 1 and 2) and
            training_flops, the matmul FLOPs of one training sample (Table 1's "comparable compute")
   MLP, Block, DropPath   the pre-norm transformer block (attention lives in neutreno.py)
-  Bamboo   the model: image or text stem -> Blocks -> one of four heads
-             mae  masked autoencoder (He et al. 2021): the encoder sees visible patches only
-             cls  ViT classifier with mean or CLS pooling
-             mlm  BERT masked tokens, 80/10/10 corruption done inside the model
-             next GPT next-token prediction, causal, tied embeddings
-           and configure_optimizer, AdamW with decay groups and layer-wise lr decay
+  Bamboo   the model: image or text stem -> Blocks -> one of four heads: mae (He et al. 2021's
+           masked autoencoder), cls (ViT), mlm (BERT, 80/10/10 corruption inside the model) and
+           next (GPT, causal, tied embeddings); and configure_optimizer, AdamW with layer decay
 
 Each objective owns its corruption, so data.py hands over clean images and clean token
 windows and any batch can be run (or probed) under any objective.
@@ -81,8 +78,6 @@ class Config:
             ("num_classes", self.num_classes >= (2 if self.objective == "cls" else 1),
              "must be at least 2 for cls (an image folder holds one sub-folder per class)"),
             ("pool", self.pool in ("mean", "cls"), "must be mean or cls"),
-            ("label_smoothing", self.label_smoothing == 0 or self.objective == "cls",
-             f"smooths a classifier's targets and does nothing for {self.objective}; drop it"),
             ("vocab_size", self.vocab_size >= 2, "must be at least 2"),
             ("seq_len", self.seq_len >= 2, "must be at least 2"),
             ("mask_ratio", 0 < self.mask_ratio < 1, "must be in (0, 1)"),
@@ -91,15 +86,13 @@ class Config:
             ("decoder_heads",
              self.decoder_heads >= 1 and self.decoder_width % self.decoder_heads == 0,
              f"must divide decoder_width={self.decoder_width}"),
-            ("decoder_width", self.decoder_width % 4 == 0,
-             "must be a multiple of 4 (2-D sin-cos positions)"),
             ("mlm_prob", 0 < self.mlm_prob < 1, "must be in (0, 1)"),
             ("neutreno", self.neutreno >= 0, "must be >= 0 (0 turns NeuTRENO off)"),
             ("neutreno_detach", not self.neutreno_detach or self.neutreno > 0,
              "applies to NeuTRENO only; give --neutreno > 0 too"),
             ("vo_param", self.vo_param in VO_PARAMS, f"must be one of {', '.join(VO_PARAMS)}"),
-            ("width", not self.is_image or self.width % 4 == 0,
-             "must be a multiple of 4 for 2-D sin-cos positions"),
+            *((name, not self.is_image or getattr(self, name) % 4 == 0, "must be a multiple of 4 "
+               "(2-D sin-cos positions)") for name in ("width", "decoder_width")),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -127,8 +120,7 @@ class Config:
         """Rebuild from a checkpoint's plain dict, refusing keys this version does not know."""
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
-            raise ValueError(f"unknown config fields {unknown}; the checkpoint comes from "
-                             "another version")
+            raise ValueError(f"unknown config fields {unknown}: a checkpoint of another version")
         return cls(**d)
 
     @classmethod
@@ -142,8 +134,7 @@ def _trunk(depth, width, heads=0):
     return dict(depth=depth, width=width, heads=heads)
 
 
-# Head dim 64 unless stated. Table 1: depth sweeps at (roughly) constant compute.
-# Table 2: each original configuration beside its Bamboo counterpart.
+# Head dim 64 unless stated. Table 1: depth sweeps at about constant compute; Table 2: Bamboo's.
 PRESETS = {
     "base-12x768": _trunk(12, 768),    # ViT-B / BERT-B / MAE-B: Table 1 and 2 "original Base"
     "base-24x512": _trunk(24, 512), "base-48x384": _trunk(48, 384), "base-96x256": _trunk(96, 256),
@@ -154,8 +145,7 @@ PRESETS = {
     "bamboo-b": _trunk(48, 384),          # Table 2 Bamboo-B = base-48x384
     "bamboo-l": _trunk(48, 768),          # Table 2 Bamboo-L = large-48x768
     "bamboo-h": _trunk(64, 896),          # Table 2 Bamboo-H: 14 heads of 64
-    # The paper's ImageNet setting: 224 px in 16 px patches (196 tokens), MAE's 8 x 512 decoder
-    # and its loss on normalised pixels.
+    # The paper's ImageNet setting: 224 px in 16 px patches (196 tokens), MAE's decoder and loss.
     "bamboo-b-224": dict(depth=48, width=384, image_size=224, patch_size=16, decoder_depth=8,
                          decoder_width=512, decoder_heads=16, norm_pix_loss=True),
     # Laptop sizes (not from the paper). CIFAR: 32x32 images, patch 4 -> 64 tokens.
@@ -295,12 +285,10 @@ def take_tokens(x, ids):
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits h @ W^T, a few rows at a time, gradients included.
-    Next-token logits over GPT-2's 50,257 ids are a step's largest tensors (batch 32 x 128 tokens:
-    0.8 GB in fp32, and as much again for log-softmax and each gradient). Here each chunk of rows
-    makes its logits, its loss and, when training, straight away its gradient (softmax minus
-    one-hot); only dL/dh and dL/dW are kept for backward. h (N, D), weight (V, D), targets (N,),
-    -100 where ignored."""
+    """Mean cross-entropy of the logits h @ W^T, a chunk of rows at a time: GPT-2's 50,257-id
+    logits are a step's largest tensors. Each chunk makes its logits, its loss and, training, at
+    once its gradient (softmax minus one-hot), so only dL/dh and dL/dW outlive it.
+    h (N, D), weight (V, D), targets (N,), -100 where ignored."""
 
     @staticmethod
     def forward(ctx, h, weight, targets):
@@ -370,27 +358,18 @@ class Bamboo(nn.Module):
             order (targets[targets != -100] lines up with them); 80/10/10 masking done here;
             or pass corrupted x with y = targets (-100 where ignored), as mask_tokens makes them
       next: x tokens (B, T) -> out = the logits of what follows x (B, 1, vocab), as nanoGPT's,
-            loss predicting x[:, 1:] (a window of seq_len + 1 ends in a token that is only a
-            target: out then predicts it); or pass y (B, T) as targets, nanoGPT-style.
-            Every position's logits: model.token_logits(h) of next_token_features
+            loss predicting x[:, 1:] (a window of seq_len + 1 ends in a target-only token) or
+            y (B, T) if given; every position's logits: token_logits(h) of next_token_features
     """
 
     def __init__(self, config, explicit_attention=False):
-        """explicit_attention: attention as matmul-softmax-matmul instead of the fused kernel, the
-        same math (fast.use_explicit_attention says where it is faster); not part of the config."""
+        """explicit_attention: matmul-softmax-matmul, not the fused kernel (not in the config)."""
         super().__init__()
         self.config = c = config
-        self.explicit_attention = explicit_attention
         self.mask_id = c.vocab_size  # [MASK] sits just beyond the vocabulary
-        # Each part is initialised as soon as it is built, in data-flow order, so that nothing built
-        # later shifts its random draws: with one seed the stem and every block are bit-identical
-        # whatever the objective, head or pooling, and the arms of a comparison (cls against mae,
-        # next against mlm) start from the same weights. vo_param changes the blocks, not the stem.
-        self.build_stem(c)
-        self.build_blocks(c)
-        self.build_head(c)
-
-    def build_stem(self, c):
+        # Each part is initialised as it is built, in data-flow order: with one seed the stem and
+        # every block are bit-identical whatever the objective, head or pooling, so the arms of a
+        # comparison (cls against mae, next against mlm) start from the same weights.
         if c.is_image:
             self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # a stride-p conv
             self.register_buffer("pos_embed", sincos_2d(c.width, c.image_size // c.patch_size),
@@ -402,18 +381,13 @@ class Bamboo(nn.Module):
             init_stack(self.tok_embed)
             nn.init.normal_(self.pos_embed, std=0.02)
         self.embed_drop = nn.Dropout(c.dropout)
-
-    def build_blocks(self, c):
         rates = [c.drop_path * i / max(1, c.depth - 1) for i in range(c.depth)]  # grows linearly
         self.blocks = nn.ModuleList(Block(c.width, c.heads, c.mlp_ratio, c.dropout, rate,
                                           c.objective == "next", c.neutreno, c.vo_param,
-                                          self.explicit_attention) for rate in rates)
+                                          explicit_attention) for rate in rates)
         init_stack(self.blocks, residual_depth=c.depth)
-
-    def build_head(self, c):
-        self.cls_token = None
-        if c.is_image and c.pool == "cls":
-            self.cls_token = nn.Parameter(nn.init.normal_(torch.empty(1, 1, c.width), std=0.02))
+        self.cls_token = (nn.Parameter(nn.init.normal_(torch.empty(1, 1, c.width), std=0.02))
+                          if c.is_image and c.pool == "cls" else None)
         if c.objective == "cls":  # MAE's fine-tuning head: pool, a fresh LayerNorm, a classifier
             self.fc_norm = nn.LayerNorm(c.width)
             self.head = nn.Linear(c.width, c.num_classes)
@@ -429,7 +403,7 @@ class Bamboo(nn.Module):
                                  persistent=False)
             self.decoder_blocks = nn.ModuleList(
                 Block(c.decoder_width, c.decoder_heads, c.mlp_ratio,
-                      explicit_attention=self.explicit_attention) for _ in range(c.decoder_depth))
+                      explicit_attention=explicit_attention) for _ in range(c.decoder_depth))
             self.decoder_norm = nn.LayerNorm(c.decoder_width)
             self.decoder_pred = nn.Linear(c.decoder_width, c.patch_size ** 2 * c.channels)
             nn.init.normal_(self.mask_token, std=0.02)
@@ -445,9 +419,8 @@ class Bamboo(nn.Module):
 
     def embed(self, x, mask_ratio=0.0, noise=None):
         """Stem: images -> patch tokens + 2-D positions (+ CLS), tokens -> embeddings + positions.
-        With mask_ratio > 0 (images only) the patches are MAE-masked before they are embedded and
-        before the CLS token is prepended. Returns (h, mask, ids_restore), mask and ids_restore
-        None unmasked."""
+        mask_ratio > 0 (images) MAE-masks the patches before they are embedded and CLS prepended.
+        Returns (h, mask, ids_restore), mask and ids_restore None unmasked."""
         c = self.config
         if c.is_image:
             if x.dim() != 4 or x.shape[1:] != (c.channels, c.image_size, c.image_size):
@@ -464,9 +437,6 @@ class Bamboo(nn.Module):
             if self.cls_token is not None:
                 h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
         else:
-            if x.dim() != 2 or x.dtype != torch.long or x.shape[1] > c.seq_len:
-                raise ValueError(f"expected tokens (B, T<={c.seq_len}) of dtype long, got "
-                                 f"{tuple(x.shape)} {x.dtype}")
             h, mask, ids_restore = self.tok_embed(x) + self.pos_embed[:, : x.shape[1]], None, None
         return self.embed_drop(h), mask, ids_restore
 
@@ -490,10 +460,9 @@ class Bamboo(nn.Module):
         return h, hiddens, attns
 
     def hidden_states(self, x, need_weights=False, mask_ratio=0.0, noise=None):
-        """depth+1 tensors (B, T, width): the stem's output, then every block's output. All tokens,
-        no masking, no corruption, whatever the objective; mask_ratio > 0 (images) keeps only the
-        visible patches, as MAE training sees them. With need_weights=True returns (hiddens, attns)
-        where attns holds depth tensors (B, nh, T, T)."""
+        """depth+1 tensors (B, T, width): the stem's output, then every block's; all tokens, none
+        corrupted, whatever the objective (mask_ratio > 0, images: MAE's visible patches only).
+        need_weights=True: (hiddens, attns), attns depth tensors (B, nh, T, T)."""
         h, _, _ = self.embed(x, mask_ratio, noise)
         _, hiddens, attns = self.run_blocks(h, collect=True, need_weights=need_weights)
         return (hiddens, attns) if need_weights else hiddens
@@ -585,9 +554,8 @@ class Bamboo(nn.Module):
             h, _, _ = self.run_blocks(self.embed(tokens)[0])
             chosen = y != -100
             h, targets = h[chosen], y[chosen]
-        # The vocabulary projection only where the loss looks: 15% of the positions, the same loss.
+        # Logits only where the loss looks (15% of the positions); sum / count: no NaN for none.
         logits = self.token_logits(self.mlm_transform(self.ln_f(h))) + self.mlm_bias  # (N, vocab)
-        # A sum over chosen positions / their count: no NaN when given targets choose none.
         return logits, F.cross_entropy(logits, targets, reduction="sum") / max(1, len(targets))
 
     def next_token_features(self, tokens, y=None):
@@ -610,9 +578,8 @@ class Bamboo(nn.Module):
         return self.token_logits(h[:, -1:]), self.next_token_loss(h, targets)
 
     def next_token_loss(self, h, targets):
-        """Mean cross-entropy of the logits of the features h (B, T' >= T, D) over targets (B, T),
-        positions past the targets left out. No logits come back: ChunkedCrossEntropy never holds
-        them all (token_logits(h) makes them)."""
+        """Mean cross-entropy of the logits of h (B, T' >= T, D) over targets (B, T), positions past
+        them left out; no logits come back (ChunkedCrossEntropy never holds them all)."""
         h, weight = h[:, :targets.shape[1]], self.output_embedding()
         if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradients made
             h, weight = h.detach(), weight.detach()
@@ -623,9 +590,8 @@ class Bamboo(nn.Module):
 
     @torch.no_grad()
     def generate(self, tokens, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Continue tokens (B, T) by max_new_tokens sampled ids, as nanoGPT's generate: each new id
-        from softmax(logits / temperature), over the top_k most likely ids if top_k is given; the
-        context is cropped to the last seq_len tokens. A next-token model only."""
+        """Continue tokens (B, T) by max_new_tokens ids, as nanoGPT's generate: each sampled from
+        softmax(logits / temperature), the top_k likeliest if given, of the last seq_len tokens."""
         if self.config.objective != "next":
             raise ValueError(f"generate needs a next-token model, not {self.config.objective}")
         for _ in range(max_new_tokens):
@@ -641,9 +607,8 @@ class Bamboo(nn.Module):
     # ---- optimisation ----
 
     def configure_optimizer(self, lr, weight_decay, beta2, layer_decay=1.0):
-        """AdamW (0.9, beta2), as nanoGPT and MAE: matrices decay, everything else does not; each
-        group carries lr_scale = layer_decay^(depth + 1 - layer), the layer-wise decay of MAE's and
-        BEiT's fine-tuning (the trainer multiplies the step's rate by it)."""
+        """AdamW (0.9, beta2), as nanoGPT and MAE: only matrices decay; each group's lr_scale is
+        layer_decay^(depth + 1 - layer), MAE's and BEiT's layer-wise decay (train.py applies it)."""
         depth, groups = self.config.depth, {}
         no_decay = ("pos_embed", "cls_token", "mask_token", "vo.psi", "vo.basis")
         for name, p in self.named_parameters():
@@ -664,10 +629,9 @@ class Bamboo(nn.Module):
         return sum(p.numel() for p in (self.blocks if trunk_only else self).parameters())
 
     def load_encoder(self, state_dict):
-        """Load a pretrained trunk (e.g. MAE) for fine-tuning: the stem and every block, each tensor
-        whose name and shape match, except the pretraining heads (decoder_*, mask_token, mlm_*) and
-        the classifier (fc_norm, head). A classifier has no ln_f, so the encoder's final norm is
-        skipped too, as MAE's fine-tuning does. Returns (loaded names, skipped names)."""
+        """Load a pretrained trunk (e.g. MAE) to fine-tune: each tensor whose name and shape match
+        but the heads (decoder_*, mask_token, mlm_*, fc_norm, head) and ln_f, which a classifier
+        lacks (MAE's fine-tuning drops it too). Returns (loaded names, skipped names)."""
         own = self.state_dict()
         heads = ("decoder_", "mask_token", "mlm_", "head.", "fc_norm.")
         loaded = [name for name, tensor in state_dict.items()

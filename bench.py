@@ -2,8 +2,7 @@
 
 Specs are OBJECTIVE:PRESET[,key=value,...], timed round-robin in one process so that every ratio
 comes from one machine state (the fastest round counts, as with timeit). --against adds timm's ViT,
-Hugging Face GPT-2 and BERT and vit-pytorch's MAE of the same shape; --compile, --dtype and
---attention take comma lists to compare.
+Hugging Face GPT-2 and BERT and vit-pytorch's MAE of the same shape (bench.py -h: every flag).
 
 Run: python bench.py cls:base-12x768 cls:bamboo-b --batch_size 8
      python bench.py cls:cifar-small --dtype float32,bfloat16 --compile off,blocks
@@ -29,8 +28,7 @@ WARM_S = 2.0  # untimed steps for at least this long before the rounds (results/
 def parse_spec(spec):
     objective, sep, rest = spec.partition(":")
     if not sep:
-        raise ValueError(f"bad spec {spec!r}; write "
-                         f"OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b")
+        raise ValueError(f"bad spec {spec!r}; write OBJECTIVE:PRESET, e.g. cls:bamboo-b,depth=6")
     config = config_from_spec(rest, objective=objective)
     if config.objective != objective:  # a row is labelled by its prefix
         raise ValueError(f"spec {spec!r} says objective {config.objective} after its prefix "
@@ -193,16 +191,13 @@ def build_runners(args, device):
     return entries, runners, {dtype: fast.peak_tflops(device, dtype) for dtype in dtypes}
 
 
-def peak_memory(device, runners):
-    """Per runner, peak MiB of one step: CUDA's max allocated; None where torch counts none."""
+def peak_memory(device, runner):
+    """Peak MiB of one step: CUDA's max allocated; None where torch counts none."""
     if device.type != "cuda":
-        return [None] * len(runners)
-    memory = []
-    for runner in runners:
-        torch.cuda.reset_peak_memory_stats(device)
-        runner.step()
-        memory.append(torch.cuda.max_memory_allocated(device) / 2 ** 20)
-    return memory
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.step()
+    return torch.cuda.max_memory_allocated(device) / 2 ** 20
 
 
 def print_table(args, device, entries, runners, step_ms, memory, peaks):
@@ -215,15 +210,12 @@ def print_table(args, device, entries, runners, step_ms, memory, peaks):
     header = (f"{'config':<34} {'impl':<22} {'dtype':<8} {'cmp':<6} {'attn':<8} {'params':>8} "
               f"{'step ms':>9} {'samples/s':>10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU %':>6} "
               f"{'peak MiB':>9} {'1st s':>6} {'vs first':>8}")
-    print(header)
-    print("-" * len(header))
+    print(header, "-" * len(header), sep="\n")
     rows = []
     for i, ((spec, dtype, *_), runner, mem) in enumerate(zip(entries, runners, memory)):
-        c = runner.config
-        step = step_ms[i] / 1000
+        c, step, peak = runner.config, step_ms[i] / 1000, peaks[dtype]
         tokens = c.num_patches() if c.is_image else c.seq_len
         tflops = training_flops(c) * args.batch_size / step / 1e12
-        peak = peaks[dtype]
         params = sum(p.numel() for p in runner.model.parameters()) / 1e6
         rows.append({"spec": spec, "impl": runner.name, "dtype": str(dtype).replace("torch.", ""),
                      "compiled": runner.compiled, "attention": runner.attention,
@@ -253,12 +245,11 @@ def run(args):
     entries, runners, peaks = build_runners(args, device)
     step_ms = fastest_ms({i: runner.step for i, runner in enumerate(runners)}, args.rounds,
                          args.steps, device_sync(device))
-    rows = print_table(args, device, entries, runners, step_ms,
-                       peak_memory(device, runners), peaks)
+    memory = [peak_memory(device, runner) for runner in runners]
+    rows = print_table(args, device, entries, runners, step_ms, memory, peaks)
     if args.profile:
-        for (spec, dtype, *_), runner in zip(entries, runners):
-            profile_step(runner, f"{spec} ({runner.name}, {str(dtype).replace('torch.', '')})",
-                         args.profile)
+        for row, runner in zip(rows, runners):
+            profile_step(runner, f"{row['spec']} ({row['impl']}, {row['dtype']})", args.profile)
     if args.json:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else fast.cpu_model()
         report = {"device": name or device.type, "torch": torch.__version__,
@@ -282,26 +273,21 @@ def profile_step(runner, title, rows):
 
 def build_parser():
     p = argparse.ArgumentParser(description="Benchmark training steps of bamboo configs.",
-                                allow_abbrev=False)
+                                allow_abbrev=False, epilog="--dtype (autocast), --compile "
+                                "(operations/fast.py), --attention: a comma list compares each")
     add = p.add_argument
     add("specs", nargs="+", help="OBJECTIVE:PRESET[,key=value,...], e.g. cls:bamboo-b,neutreno=0.6")
     add("--batch_size", type=int, default=8, help="samples per step (default: 8)")
     add("--steps", type=int, default=2, help="timed steps per round (default: 2)")
     add("--rounds", type=int, default=5, help="round-robin rounds; the fastest counts (default: 5)")
-    add("--warmup", type=int, default=2, help="untimed steps first, the first timed apart "
-        "(default: 2)")
+    add("--warmup", type=int, default=2, help="untimed steps, the first timed apart (default: 2)")
     add("--device", default="auto", help="auto picks cuda, then mps, then cpu (default: auto)")
-    add("--dtype", default="auto", help="autocast dtype, or a comma list to compare: auto, "
-        "float32, bfloat16, float16 (default: auto)")
-    add("--compile", default="auto", help="auto, off, model, blocks or graphs (see "
-        "operations/fast.py), or a comma list to compare (default: auto)")
-    add("--attention", default="auto", help="auto (operations/fast.py's choice), sdpa or explicit "
-        "(matmul-softmax-matmul), or a comma list to compare (default: auto)")
+    add("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    add("--compile", default="auto", help="auto, off, model, blocks or graphs (default: auto)")
+    add("--attention", default="auto", help="auto, sdpa or explicit (default: auto)")
     add("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    add("--against", action="store_true",
-        help="also time timm / Hugging Face / vit-pytorch equivalents, each at its best")
-    add("--profile", type=int, default=0, metavar="N",
-        help="print the N slowest operators of one step (default: 0, none)")
+    add("--against", action="store_true", help="also time timm / HF / vit-pytorch equivalents")
+    add("--profile", type=int, default=0, metavar="N", help="N slowest operators (default: 0)")
     add("--json", default="", help="also write the table's rows here, with the device's name")
     return p
 

@@ -6,9 +6,8 @@ Images (mae, cls): `cifar10`, `cifar100` (torchvision, downloaded to --data_dir)
   ImageData    the whole split on the training device as one uint8 tensor, whole batches augmented
                there (random crop with 4-pixel padding, a horizontal flip): CIFAR-sized data. A
                folder is listed, decoded once and kept in --cache_dir by operations/files.py.
-  ImageStream  (operations/streaming.py) a folder too large for that (ImageNet at 224: 190 GB
-               decoded) read as training goes by DataLoader workers, with MAE's augmentation;
-               streaming.open_images chooses between the two.
+  ImageStream  (operations/streaming.py) a folder too large for that (ImageNet) read by DataLoader
+               workers as training goes, with MAE's augmentation; streaming.open_images chooses.
 Both draw a global batch from the run's generator, so DDP ranks agree on it and a resumed run goes
 on exactly; each rank then reads only its slice (`shard`).
 
@@ -52,8 +51,7 @@ def _load_split(name, data_dir, split, image_size, listed, limit=0, cache_dir=No
 
 def resize(images, size):
     """uint8 images (N, C, H, W) resized to (size, size), bicubic with antialiasing, as uint8."""
-    resized = torch.nn.functional.interpolate(images.float(), size=size, mode="bicubic",
-                                              antialias=True)
+    resized = torch.nn.functional.interpolate(images.float(), size, mode="bicubic", antialias=True)
     return resized.round().clamp(0, 255).to(torch.uint8)
 
 
@@ -70,10 +68,9 @@ class ImageData:
 
     def __init__(self, name, data_dir, device, image_size=32, train=True, train_samples=0,
                  listing=None, cache_dir=None, statistics=None):
-        """Both splits decoded once to uint8 and put on `device`. train=False: the test split only
-        (the probe needs nothing else); train_samples > 0: a fixed random subset of the training
-        split; listing: a folder's (list_folder's), made here unless given; cache_dir keeps the
-        decoded splits; statistics: a trained model's (mean, std), from its checkpoint."""
+        """Both splits decoded once to uint8 on `device`; train=False: the test split only;
+        train_samples > 0: a fixed random training subset; listing: list_folder's (else made here);
+        cache_dir keeps the decoded splits; statistics: a checkpoint's (mean, std)."""
         listed, classes = ((listing or files.list_folder(data_dir, train, train_samples))
                            if name == "folder" else (None, None))
         self.test_x, self.test_y, test_classes = _load_split(name, data_dir, "test", image_size,
@@ -91,7 +88,6 @@ class ImageData:
         self.num_classes = len(self.classes)
         self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
         self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
-        # a trained model's statistics, else the training pixels' (the test split's without one)
         self.mean, self.std = ([s.to(device) for s in statistics] if statistics else
                                normalisation(self.train_x if train else self.test_x))
         self.image_size, self.channels = self.train_x.shape[-1], self.train_x.shape[1]
@@ -131,9 +127,8 @@ def shard(draws, rank, world, grad_accum, k):
 
 
 def normalisation(images):
-    """(mean, std) per channel of a fixed random 10,000 images (a folder lists them class by class).
-    A channel that barely varies (a colour the dataset does not use, one image) is only centred:
-    dividing by ~0 would make every input non-finite. 1/255 is one grey level."""
+    """(mean, std) per channel of a fixed random 10,000 images (a folder lists them class by class);
+    a channel that varies by under one grey level (1/255) is only centred, never divided by ~0."""
     mean, std = channel_statistics(images[files.fixed_subset(len(images), 10000)])
     return mean, torch.where(std > 1 / 255, std, torch.ones_like(std))
 
@@ -146,9 +141,8 @@ def first_samples(data, n):
 
 
 def channel_statistics(images, one_pass_bytes=2 ** 30):
-    """Per-channel mean and std (1, C, 1, 1) of uint8 images in [0, 1] units. In one float32 pass
-    where that takes under 1 GB (CIFAR: 123 MB); larger images (ImageNet-sized, or CIFAR upsampled
-    for a pretrained model) in float64 sums over chunks, which need no copy of them all."""
+    """Per-channel mean and std (1, C, 1, 1) of uint8 images in [0, 1] units: in one float32 pass
+    under one_pass_bytes, else in float64 sums over chunks, which need no float copy of them all."""
     if images.numel() * 4 < one_pass_bytes:
         flat = images.float().div(255).transpose(0, 1).flatten(1)  # (C, N * H * W)
         return flat.mean(1).view(1, -1, 1, 1), flat.std(1).view(1, -1, 1, 1)
@@ -166,10 +160,9 @@ def random_crop_flip(x, offsets, flips, pad=4):
     """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where
     flips (B,): one gather on x's device for the whole batch."""
     B, C, H, W = x.shape
-    offsets, flips = offsets.to(x.device), flips.to(x.device)[:, None]
     rows = torch.arange(H, device=x.device) + offsets[:, :1]  # (B, H) rows of the padded image
     cols = torch.arange(W, device=x.device).expand(B, W)
-    cols = torch.where(flips, W - 1 - cols, cols) + offsets[:, 1:]  # (B, W)
+    cols = torch.where(flips[:, None], W - 1 - cols, cols) + offsets[:, 1:]  # (B, W)
     padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
     b = torch.arange(B, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
@@ -185,9 +178,8 @@ def get_tokenizer(name):
     if name.startswith("hf:"):
         return hub.HuggingFaceTokenizer(name[3:])
     if name == "bytes":
-        return tiktoken.Encoding("bytes", pat_str=r"[\s\S]",
-                                 mergeable_ranks={bytes([i]): i for i in range(256)},
-                                 special_tokens={})
+        return tiktoken.Encoding("bytes", pat_str=r"[\s\S]", special_tokens={},
+                                 mergeable_ranks={bytes([i]): i for i in range(256)})
     try:
         return tiktoken.get_encoding(name)
     except ValueError:
@@ -221,8 +213,7 @@ class TextData:
                 raise files.DataError(f"text file {path} {what}; put the text there, or point "
                                       f"--data_dir and {flag} elsewhere")
             if os.path.getsize(path) == 0:
-                raise files.DataError(f"text file {path} is empty; give {flag} a file with text "
-                                      "in it")
+                raise files.DataError(f"{path} is empty; give {flag} a file with text in it")
             tokens.append(files.tokenize_cached(path, self.tokenizer, cache_dir))
         self.train, self.val = tokens if train else (tokens[0][:0], tokens[0])
         self.fingerprint = zlib.crc32(self.val, zlib.crc32(self.train)) if train else None

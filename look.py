@@ -18,7 +18,6 @@ from operations import runlog
 from operations.checkpoint import data_settings, model_from_checkpoint
 from operations.cli import check_output_path, one_line_errors
 from operations.figures import least_visible_range, save_figure, subplots
-from operations.files import read_text
 from operations.streaming import held_out
 
 
@@ -34,21 +33,12 @@ def load(path, objective=None):
 def sample(args):
     """Continue the prompt num_samples times, printing each continuation as it is generated."""
     model, train_cfg, _ = load(args.checkpoint, "next")
-    trained_with = train_cfg.get("tokenizer", "gpt2")
-    tokenizer = get_tokenizer(args.tokenizer or trained_with)
-    if tokenizer.n_vocab != model.config.vocab_size:  # it could not encode or decode every id
-        raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.n_vocab} ids, the model "
-                         f"knows {model.config.vocab_size}; drop --tokenizer to use the one it was "
-                         f"trained with ({trained_with})")
-    try:  # text that is not UTF-8: one line (DataError)
-        prompt = read_text(args.prompt_file) if args.prompt_file else args.prompt
-    except OSError as e:
-        raise ValueError(f"cannot read --prompt_file {args.prompt_file} ({e.strerror})") from None
-    ids = tokenizer.encode_ordinary(prompt) or [tokenizer.encode_ordinary("\n")[0]]
+    tokenizer = get_tokenizer(train_cfg.get("tokenizer", "gpt2"))
+    ids = tokenizer.encode_ordinary(args.prompt) or [tokenizer.encode_ordinary("\n")[0]]
     generator = torch.Generator().manual_seed(args.seed)
     for _ in range(args.num_samples):
         tokens, shown = torch.tensor([ids]), ""
-        print(prompt, end="", flush=True)
+        print(args.prompt, end="", flush=True)
         for _ in range(args.max_new_tokens):  # a token at a time, printed as it comes
             tokens = model.generate(tokens, 1, args.temperature, args.top_k or None, generator)
             text = tokenizer.decode(tokens[0, len(ids):].tolist())
@@ -81,7 +71,7 @@ def reconstruct(args):
     """A grid of held-out images, one per row, in the four columns of mae_columns."""
     model, train_cfg, step = load(args.checkpoint, "mae")
     c = model.config
-    data = held_out(model.config, train_cfg, args.dataset, args.data_dir)
+    data = held_out(c, train_cfg, args.dataset, args.data_dir)
     *columns, hidden = mae_columns(model, first_samples(data, args.samples), args.seed)
     pixels = [(x * data.std + data.mean).clamp(0, 1) for x in columns]  # back to [0, 1]
     pixels[1] = pixels[1].masked_fill(hidden, 0.85)  # hidden patches in light grey, as MAE shows
@@ -129,8 +119,7 @@ def attention(args):
         fig = attention_over_image(image, maps, c.image_size // c.patch_size)
     else:
         fig = attention_over_tokens([data.tokenizer.decode([i]) for i in x[0].tolist()], maps)
-    kind = "image" if c.is_image else "text window"
-    fig.suptitle(f"Attention, held-out {kind} {args.index}", fontsize=11)
+    fig.suptitle(f"Attention, held-out {'image' if c.is_image else 'text window'} {args.index}")
     save_figure(fig, args.out)
 
 
@@ -243,8 +232,7 @@ def smoothing(args):
         logged = read_log(out_dir)[1]
         evals = [r for r in logged if r.get("layers")]  # null: non-finite states
         if not logged:
-            raise ValueError(f"{out_dir}/log.jsonl has no evaluation yet (one comes every "
-                             "--eval_interval steps, and at the end or a stop); look once it has")
+            raise ValueError(f"{out_dir} has no evaluation yet (every --eval_interval steps)")
         if not evals:
             raise ValueError(f"{out_dir}: its evaluations logged no per-layer metrics (trained "
                              "with --probe_samples 0, or non-finite states); train with N > 0")
@@ -284,12 +272,10 @@ def build_parser():
     s = commands.add_parser("sample", help="continue a prompt with a next-token model")
     s.add_argument("checkpoint")
     s.add_argument("--prompt", default="\n", help="text to continue (default: a new line)")
-    s.add_argument("--prompt_file", default="", help="read the prompt from this UTF-8 file")
     s.add_argument("--num_samples", type=int, default=3, help="continuations (default: 3)")
     s.add_argument("--max_new_tokens", type=int, default=100, help="tokens each (default: 100)")
     s.add_argument("--temperature", type=float, default=0.8, help=">0; lower: surer (default: 0.8)")
     s.add_argument("--top_k", type=int, default=200, help="the k likeliest; 0: all (default: 200)")
-    s.add_argument("--tokenizer", default="", help="an encoding, or bytes (default: the run's)")
     s.add_argument("--seed", type=int, default=1337, help="(default: 1337)")
     for name, what in (("reconstruct", "MAE reconstructions of held-out images as one grid"),
                        ("attention", "attention maps of chosen layers and heads")):
@@ -314,16 +300,13 @@ def build_parser():
     m.add_argument("--metric", default="abs_cos_centered", choices=(*TOKEN_METRICS, "attn_entropy"),
                    help="(default: abs_cos_centered)")
     m.add_argument("--out", default="smoothing.png", help="PNG (default: smoothing.png)")
-    for command in commands.choices.values():
-        command.add_argument("--threads", type=int, default=0,
-                             help="CPU threads; busy CPU: try 1 (default: 0, one per core)")
     return p
 
 
 def check_args(args):
     """One line for the first bad argument, before any model is loaded."""
     for name, least in (("num_samples", 1), ("max_new_tokens", 1), ("samples", 1), ("top_k", 0),
-                        ("index", 0), ("threads", 0)):
+                        ("index", 0)):
         if getattr(args, name, least) < least:
             raise ValueError(f"--{name} must be at least {least}")
     if not 0 < getattr(args, "temperature", 1) < math.inf:
@@ -338,8 +321,6 @@ def main(argv=None):
                 "curves": curves, "smoothing": smoothing}
     with one_line_errors() as outcome:
         check_args(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
         commands[args.command](args)
         if getattr(args, "out", ""):
             print(f"wrote {args.out}")

@@ -29,16 +29,14 @@ def attention_probabilities(q, k, causal=False):
     """softmax(q k^T / sqrt(d)) (B, nh, T, T) of q and k (B, nh, T, hs), causal if asked."""
     scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, nh, T, T); scaling q: cheaper
     if causal:
-        T = q.size(-2)
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        future = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores.softmax(dim=-1)
 
 
 def explicit_attention(q, k, v, causal=False, dropout_p=0.0):
-    """softmax(q k^T / sqrt(d)) v with the probabilities returned, for the probe: the math of
-    F.scaled_dot_product_attention, materialising the (B, nh, T, T) matrix, which the probe needs
-    and which pays off only for short sequences."""
+    """softmax(q k^T / sqrt(d)) v and the (B, nh, T, T) probabilities: the math of
+    F.scaled_dot_product_attention, materialised (the probe needs it; short sequences gain)."""
     probs = attention_probabilities(q, k, causal)
     return F.dropout(probs, dropout_p) @ v, probs
 
@@ -53,19 +51,15 @@ class EigenValueOutput(nn.Module):
     Choices where the paper leaves details open:
       * the split: W_V,h = Q_h (orthonormal, values keep their norm) and W_O,h = diag(l_h) Q_h^T,
         so the eigenvalues sit in the output projection, next to where NeuTRENO adds its term;
-      * Q_h is the Q of a QR decomposition of a learned (D, hs) matrix, as in the paper;
-      * LayerNorm's gain multiplies H from the left, and a negative gain can flip an eigenvalue's
-        sign; the attention LayerNorm of these blocks therefore has no learned gain (Block);
-      * clipping psi^2 into [1e-4, 1] keeps the sharpening eigenvalues in [-1, 0) (a gain beyond
-        1 per layer would blow the residual stream up); the gradient of psi is zero once clipped.
+      * the clip: a gain beyond 1 per layer would blow the residual stream up (psi's gradient is
+        zero once clipped); Block drops the LayerNorm gain, whose sign could flip l.
     """
 
     def __init__(self, width, heads, mode):
         super().__init__()
         self.mode = mode
         self.basis = nn.Parameter(torch.randn(heads, width, width // heads))  # fed to the QR
-        # |l| in 0.09..0.49
-        self.psi = nn.Parameter(torch.empty(heads, width // heads).uniform_(0.3, 0.7))
+        self.psi = nn.Parameter(torch.empty(heads, width // heads).uniform_(0.3, 0.7))  # |l| < 0.5
         self.bias = nn.Parameter(torch.zeros(width))
 
     def eigenvalues(self):
@@ -76,10 +70,9 @@ class EigenValueOutput(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention; NeuTRENO when `neutreno` > 0 and `v0` is given.
 
-    W_Q, W_K, W_V are one learned Linear (qkv) and W_O another (proj). EigenAttention below
-    builds W_V and W_O from eigenvalues instead; both hand forward() their weights through
-    projections(), so there is one path through it. explicit: softmax attention as plain
-    matmul-softmax-matmul even without need_weights (operations/fast.py chooses it where it pays).
+    W_Q, W_K, W_V are one Linear (qkv), W_O another (proj); EigenAttention builds W_V and W_O from
+    eigenvalues instead, both reaching forward() through projections(). explicit: attention as
+    matmul-softmax-matmul even without need_weights (operations/fast.py picks it where it pays).
 
     forward(x, v0=None, need_weights=False) -> (y, v, probs)
       y:     (B, T, C) the block's attention output, after W_O
@@ -105,10 +98,8 @@ class Attention(nn.Module):
     def forward(self, x, v0=None, need_weights=False):
         B, T, C = x.shape
         w_qkv, b_qkv, w_o, b_o = self.projections()
-        q, k, v = (
-            t.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-            for t in F.linear(x, w_qkv, b_qkv).split(C, dim=2)
-        )
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
+                   for t in F.linear(x, w_qkv, b_qkv).split(C, dim=2))
         dropout_p = self.dropout if self.training else 0.0
         if need_weights or self.explicit:
             y, probs = explicit_attention(q, k, v, self.causal, dropout_p)
@@ -119,8 +110,7 @@ class Attention(nn.Module):
         if v0 is not None and self.neutreno:
             y = y + self.neutreno * (v0 - v)  # the fidelity term, per head, before W_O
         out = F.linear(y.transpose(1, 2).reshape(B, T, C), w_o, b_o)  # heads merged, then W_O
-        # A block returns v only where NeuTRENO reads it: a compiled block would otherwise take a
-        # zero gradient for it in every backward.
+        # v only where NeuTRENO reads it: compiled, an unread output would take a zero gradient
         return self.proj_drop(out), v if v0 is None and self.neutreno else None, probs
 
     def weights(self):
@@ -133,9 +123,8 @@ class Attention(nn.Module):
 
 
 class EigenAttention(Attention):
-    """Attention whose per-head W_V W_O is smooth or sharpen by construction (EigenValueOutput):
-    W_V,h = Q_h and W_O,h = diag(l_h) Q_h^T, laid out as the rows and columns of the W_qkv and
-    W_O that Attention.forward applies: the same forward, other weights."""
+    """Attention whose per-head W_V W_O smooths or sharpens by construction: EigenValueOutput's Q_h
+    and diag(l_h) Q_h^T laid out as the W_qkv and W_O that Attention.forward applies."""
 
     def __init__(self, width, heads, mode, **kwargs):
         self.mode = mode  # read by build_projections, which Attention.__init__ calls

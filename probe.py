@@ -10,12 +10,10 @@ Token metrics, on each layer's hidden states h (T tokens of width D, hbar their 
   hc_dc             Wang et al.'s Fourier view: ||HC[h]||_F / ||DC[h]||_F
                     = ||h - hbar||_F / (sqrt(T) ||hbar||)
   erank             Roy & Vetterli: exp(entropy of the normalised singular values of h)
-  update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the
-                    residual stream
+  update            ||h_l - h_(l-1)||_F / ||h_(l-1)||_F: how much block l still changes the stream
   attn_entropy      entropy of each query's attention distribution in nats, mean over heads and
-                    queries (uniform attention over T keys gives log T, causal attention the mean
-                    of log(i + 1): each model's ceiling is reported; entropy collapse drives it
-                    towards 0)
+                    queries; collapse drives it towards 0, and each model's ceiling is reported
+                    (uniform attention: log T over T keys, causal the mean of log(i + 1))
   attn_sim          NeuTRENO G.2: cosine between successive layers' attention maps
 Weight metrics, per block:
   vo_dominant   Dovonon et al.: sign of the real part of the dominant eigenvalue of each head's
@@ -27,13 +25,11 @@ Collapsed tokens: a token (raw for cos, centred for abs_cos_centered) shorter th
 sample's RMS token norm is rounding noise; every pair it is in counts as cosine 1, so tokens that
 have become identical read as fully smoothed, never as "diverse".
 
-Every checkpoint sees the same fixed, un-augmented samples (the first N of the held-out split, in
-order, normalised as its training saw them): two runs give identical numbers, and the ones its run
-logged at each evaluation. A checkpoint can be a fresh model: init:bamboo-b,neutreno=0.6 (seed 0).
+Every checkpoint sees the first N held-out samples, in order, un-augmented and normalised as its
+training saw them: two runs give identical numbers, and the ones its run logged at evaluations.
 
-Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen \
-       --dataset folder \
-       --data_dir ../shared/data/cifar10-jpeg --samples 64 --json p.json --plot p.png
+Run: python probe.py init:cifar-deep,vo_param=smooth init:cifar-deep,vo_param=sharpen --samples 64 \
+       --dataset folder --data_dir ../shared/data/cifar10-jpeg --json p.json --plot p.png
 """
 import argparse
 import json
@@ -70,8 +66,7 @@ def mean_pairwise_cos(h, scale, absolute=False):
 
 def singular_values(h):
     """The singular values (B, min(T, D)) of tokens h (B, T, D), ascending: square roots of the
-    eigenvalues of the smaller Gram matrix, several times faster than a batched SVD. Squaring costs
-    precision only in the smallest (a zero comes out near 1e-8 of the largest), not in erank."""
+    eigenvalues of the smaller Gram matrix, faster than an SVD and as precise for erank."""
     gram = h @ h.transpose(1, 2) if h.shape[1] <= h.shape[2] else h.transpose(1, 2) @ h
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
 
@@ -119,9 +114,8 @@ def attention_similarity(before, after):
 
 
 def layer_metrics_per_sample(hiddens, attns):
-    """Every token and layer metric for depth + 1 hidden states and depth attention maps: one dict
-    per layer (0 = the stem's output) of (B,) tensors; a layer metric is missing where it is
-    undefined (update and attn_entropy at layer 0, attn_sim before layer 2)."""
+    """Every metric for depth + 1 hidden states and depth attention maps: a dict of (B,) tensors
+    per layer (0: the stem's output), without update, attn_entropy at 0 and attn_sim before 2."""
     layers = []
     for i, h in enumerate(hiddens):
         metrics = token_metrics_per_sample(h)
@@ -321,8 +315,7 @@ def run(args):
         torch.set_num_threads(args.threads)
     labels = args.labels.split(",") if args.labels else list(args.checkpoints)
     if len(labels) != len(args.checkpoints) or len(set(labels)) != len(labels):
-        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct names, one per "
-                         "checkpoint")
+        raise ValueError(f"--labels needs {len(args.checkpoints)} distinct names, one each")
     report = {"labels": labels, "layers": [], "samples": args.samples, "depth": {}, "source": {},
               "metrics": {}, "absent": {}, "attn_entropy_ceiling": {}}
     reference, raw, sample_sets = None, {}, {}
@@ -330,8 +323,7 @@ def run(args):
         print(f"probing {label} ({i} of {len(labels)}) ...", flush=True)
         model, train_cfg = load_model(spec, args.dataset or "cifar10")
         model.to(fast.pick_device(args.device, 0))
-        # decode or tokenize each dataset once for every model that sees it alike
-        key = samples_key(model, train_cfg)
+        key = samples_key(model, train_cfg)  # each dataset decoded once for the models alike
         if key not in sample_sets:
             sample_sets[key] = load_samples(args, model, train_cfg)
         raw[label] = probe_model(model, sample_sets[key], args.batch_size, args.mask)
@@ -359,13 +351,10 @@ def run(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="Measure over-smoothing layer by layer.",
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Measure over-smoothing per layer.", allow_abbrev=False)
     add = p.add_argument
-    add("checkpoints", nargs="+",
-        help="checkpoint paths, or init:PRESET[,key=value,...] for a fresh model")
-    add("--labels", default="",
-        help="comma-separated names for the checkpoints (default: their paths)")
+    add("checkpoints", nargs="+", help="checkpoints; init:PRESET[,key=value,...]: a fresh model")
+    add("--labels", default="", help="comma-separated names for the checkpoints (default: paths)")
     add("--dataset", default="", choices=("",) + IMAGE_DATASETS + TEXT_DATASETS,
         help="data to probe with (default: each checkpoint's own training data)")
     add("--data_dir", default="", help="where the dataset lives (default: the checkpoint's)")
@@ -373,12 +362,10 @@ def build_parser():
         help="text: tiktoken encoding, bytes or hf:NAME (default: the checkpoint's or model's)")
     add("--val_file", default="",
         help="--dataset text: held-out file in data_dir (default: the checkpoint's, or val.txt)")
-    add("--samples", type=int, default=256,
-        help="held-out samples, the first N in order (default: 256)")
+    add("--samples", type=int, default=256, help="the first N held-out samples (default: 256)")
     add("--batch_size", type=int, default=32, help="samples per forward pass (default: 32)")
     add("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (default: cpu)")
-    add("--threads", type=int, default=0,
-        help="CPU threads; busy CPU: try 1 (default: 0, one per core)")
+    add("--threads", type=int, default=0, help="CPU threads; busy CPU: try 1 (default: 0, all)")
     add("--mask", action="store_true", help="probe MAE's visible patches only, as in pre-training")
     add("--relative", action="store_true", help="plot against relative depth (layer / depth)")
     add("--json", default="", help="write the numbers here")

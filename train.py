@@ -2,8 +2,7 @@
 
 nanoGPT's train.py with Bamboo's protocol: AdamW with decay and no-decay groups, warmup and cosine
 in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (--init_from). Read
-it top to bottom: the settings (defaults, recipes, peak rate and warmup, which setting wins), the
-learning rate, then train(): a run's state as its locals, set-up then the loop. The step's path:
+top to bottom: the settings, the learning rate, then train(): set-up, then the loop. The path:
 
   main -> train -> load_data (-> streaming.open_images: data.ImageData, or a stream)
        -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
@@ -77,18 +76,14 @@ class TrainConfig:
     init_from: str = ""              # fine-tune: load a pretrained trunk (e.g. MAE) from this file
     time_limit: float = 0.0          # end within this long of starting, evaluated as fits (0: none)
     eval_only: bool = False          # evaluate the weights as set up (--resume, --init_from), once
-    wandb_project: str = ""          # also log to Weights & Biases under this project (pip install)
 
 
-# The training recipes of the laptop presets, as nanoGPT's config files hold theirs: what a quick
-# run needs to learn on a 2-core CPU (the README gives each one's measured outcome).
+# The laptop presets' training recipes, as nanoGPT's config files: what learns on a 2-core CPU.
 RECIPES = {
     "cifar-small": dict(batch_size=128, max_iters=3600, lr=2e-3, warmup=200, eval_interval=400),
     "cifar-deep": dict(batch_size=128, max_iters=1500, lr=2e-3, warmup=100, eval_interval=500),
-    "wikitext-small": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
-                           eval_samples=1024),
-    "wikitext-deep": dict(batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100,
-                          eval_samples=1024),
+    **dict.fromkeys(("wikitext-small", "wikitext-deep"), dict(
+        batch_size=16, max_iters=400, lr=2e-3, warmup=40, eval_interval=100, eval_samples=1024)),
 }
 
 
@@ -103,12 +98,11 @@ def schedule_defaults(cfg, depth):
 
 
 # What --resume may change: length and learning rate (the peak itself: --base_lr made it once),
-# where the data lives, logging. The settings of one invocation (machine, time limit) are never
-# taken from the checkpoint: given, or default.
+# where the data lives, logging; one invocation's (machine, time limit) are never the checkpoint's.
 RESUMABLE = ("max_iters", "lr", "min_lr", "warmup", "grad_clip", "eval_interval", "eval_samples",
              "probe_samples", "log_interval", "data_dir", "cache_dir")
 PER_INVOCATION = ("out_dir", "device", "threads", "compile", "time_limit", "resume", "overwrite",
-                  "eval_only", "wandb_project", "memory_gb", "workers")
+                  "eval_only", "memory_gb", "workers")
 # What --eval_only --init_from takes from the checkpoint: its data and batches (masks), as drawn
 HELD_OUT = ("dataset", "data_dir", "tokenizer", "train_file", "val_file", "cache_dir",
             "eval_samples", "stream", "train_samples", "seed", "batch_size")
@@ -118,10 +112,9 @@ TRUNK_SHAPE = ("depth", "width", "heads", "mlp_ratio", "patch_size", "image_size
 
 
 def resolve_settings(args):
-    """(training settings, resumed checkpoint, pretrained checkpoint, model settings, where each
-    setting came from), checked before any work. Precedence, lowest first: defaults < the preset
-    and its recipe < a resumed run's saved settings < the --init_from trunk's shape (under
-    --eval_only, its whole model and its data) < flags."""
+    """(cfg, resumed and pretrained checkpoints, model settings, where each came from), checked
+    before any work. Precedence, lowest first: defaults < preset and recipe < a resumed run < the
+    --init_from trunk's shape (--eval_only: its whole model and data) < flags."""
     checks.check_invocation(args)
     resumed = pretrained = None
     given = {**cli.flags_given(args, TrainConfig), **cli.flags_given(args, Config)}
@@ -242,7 +235,6 @@ def train(args, started=None):
                     if dtype != torch.float32 else nullcontext())
         micro_batch = cfg.batch_size // (world * cfg.grad_accum)  # samples per forward, this rank
         eval_batch = cfg.batch_size  # however the batch is split: the same evaluation masks
-        # the held-out samples probed at every evaluation (probe.py's)
         probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
         if master and cfg.overwrite:  # only now that every check has passed
             out_dir.remove_old_run(cfg.out_dir)
@@ -437,17 +429,13 @@ def load_data(cfg, settings, device, rank=0, world=1, saved=None):
 @torch.no_grad()
 def evaluate(model, data, samples, batch_size, device, seed=0, per_sample=None, until=None):
     """The metric each objective is judged by, on the first `samples` held-out samples (0: all),
-    with masks fixed by the seed. A classifier appends each held-out image's correctness (bool, in
-    order) to per_sample if a list is given, so that paired tests between runs can be recomputed
-    from files. Sums stay on the device. Past the wall clock `until` (--time_limit), no more
-    batches: the metrics are then of the first eval_samples, which they name."""
-    objective = model.config.objective
-    was_training = model.training
+    masks fixed by the seed; per_sample (a list) gets each image's correctness, in order. Past the
+    wall clock `until` no more batches: the metrics then name the eval_samples they are of."""
+    objective, was_training = model.config.objective, model.training
     model.eval()
     loss_sum, count, correct = (torch.zeros((), dtype=torch.float64, device=device)
                                 for _ in range(3))
-    # Compiled blocks run eagerly here: the last batch may be smaller, and no-grad graphs of other
-    # shapes would be compiled and captured for a pass that runs once per eval_interval steps.
+    # Eager here: a smaller last batch would compile (and capture) graphs for a rare no-grad pass.
     with torch.random.fork_rng([] if device.type == "cpu" else [device], device_type=device.type), \
             torch.compiler.set_stance("force_eager"):
         torch.manual_seed(seed)  # the same masks every evaluation (training RNG untouched)

@@ -144,8 +144,7 @@ class Foreign(nn.Module):
         self.train(model.training)  # as the library's model is
 
     def normalize(self, pixels):
-        """Images in [0, 1] normalised as the model expects (timm's data configuration, the Hugging
-        Face processor's mean and std)."""
+        """Images in [0, 1] normalised by the model's own mean and std (timm's, the processor's)."""
         mean, std = (torch.tensor(s, dtype=torch.float32).view(1, -1, 1, 1)
                      for s in self.statistics)
         return (pixels - mean) / std
@@ -185,8 +184,7 @@ class Foreign(nn.Module):
         return hiddens, [self.attention(block.layout, h) for block, h in zip(self.blocks, inputs)]
 
     def attention(self, layout, h):
-        """softmax(q k^T / sqrt(hs)) of one block for its input h (B, T, D); causal where the model
-        is."""
+        """softmax(q k^T / sqrt(hs)) of a block's input h (B, T, D); causal where the model is."""
         a = layout["norm"](h) if layout["norm"] is not None else h
         B, T, D = a.shape
         q, k = (F.linear(a, *layout[n]).view(B, T, self.heads, -1).transpose(1, 2) for n in "qk")

@@ -2,8 +2,7 @@
 random state, so that a resume repeats the uninterrupted run exactly), written atomically and
 loaded with torch.load(weights_only=True).
 
-Run: python -c "from operations import checkpoint;
-     print(checkpoint.model_from_checkpoint('out/ckpt.pt')[0].config)"
+Run: python -c "from operations import checkpoint; print(checkpoint.load('out/ckpt.pt')['step'])"
 """
 import hashlib
 import os
@@ -48,21 +47,18 @@ def atomic_write(path, write):
         raise
 
 
-def weights_hash(model, trunk_only=False):
+def weights_hash(model):
     """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
     names and bytes in name order: two runs that start from the same trunk (cls and MAE arms of one
-    seed) show it in their checkpoints and logs. trunk_only: the trunk's alone (cheaper)."""
+    seed) show it in their checkpoints and logs."""
     trunk, everything = hashlib.sha256(), hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        if trunk_only and not name.startswith(TRUNK):
-            continue
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         data = name.encode() + raw.numpy().tobytes()
         everything.update(data)
         if name.startswith(TRUNK):
             trunk.update(data)
-    return {"trunk": trunk.hexdigest()} if trunk_only else {"trunk": trunk.hexdigest(),
-                                                            "model": everything.hexdigest()}
+    return {"trunk": trunk.hexdigest(), "model": everything.hexdigest()}
 
 
 def random_states(generator, device, world=1):
@@ -111,10 +107,7 @@ def load(path):
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
                               "use another checkpoint or train again") from None
-    weights = ckpt.get("model") if isinstance(ckpt, dict) else None
-    tensors = isinstance(weights, dict) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
-    if not (tensors and isinstance(ckpt.get("config"), dict)):
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict) and "model" in ckpt):
         raise CheckpointError(f"{path} is not a bamboo checkpoint (no config dict and tensor "
                               "weights inside)")
     if "window" not in ckpt:  # every checkpoint since 2026-11-27 has it (None for images)
@@ -124,27 +117,20 @@ def load(path):
 
 
 def data_settings(ckpt):
-    """What held-out data needs to be seen as the checkpoint's training saw it: its settings and
-    its pixel statistics."""
+    """The checkpoint's training settings and pixel statistics: its held-out data as it saw it."""
     return {**ckpt.get("train", {}), "statistics": ckpt.get("statistics")}
 
 
-def model_from_checkpoint(path, **options):
-    """(the exact model a checkpoint holds, the checkpoint); options go to Bamboo()."""
+def model_from_checkpoint(path):
+    """(the exact model a checkpoint holds, the checkpoint)."""
     ckpt = load(path)
-    try:
-        model = Bamboo(Config.from_dict(ckpt["config"]), **options)
-        model.load_state_dict(ckpt["model"])
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: its weights do not fit its config "
-                              f"({str(e).splitlines()[0][:160]}); "
-                              "it is damaged, train again") from None
+    model = Bamboo(Config.from_dict(ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
     return model, ckpt
 
 
 def load_states(ckpt, path, model, optimizer, scaler):
-    """Put the checkpoint's weights, optimizer and scaler state back, or one line; (its step, its
-    best evaluation)."""
+    """(step, best evaluation), the weights, optimizer and scaler state put back; or one line."""
     if "optimizer" not in ckpt:  # best.pt, or an export of it: weights only
         raise CheckpointError(f"{path} holds weights only (as best.pt does), not a run to resume; "
                               "fine-tune or score it with --init_from")

@@ -18,8 +18,7 @@ from operations.streaming import ImageStream
 
 
 def check_invocation(args):
-    """What no setting can fix: torch too old, --overwrite with --resume, --eval_only or a file it
-    would remove."""
+    """What no setting fixes: torch < 2.6; --overwrite with --resume, --eval_only or --init_from."""
     if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
         raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
                             "this code runs on; pip install -r requirements.txt")
@@ -71,13 +70,6 @@ def check_settings(cfg):
     for name, ok, why in checks:
         if not ok:
             raise TrainingError(f"--{name} {getattr(cfg, name)!r} {why}")
-    if cfg.wandb_project:
-        try:
-            import wandb  # noqa: F401 (there before any work, or one line)
-        except ImportError:
-            raise TrainingError("--wandb_project needs the wandb package: pip install wandb "
-                                "(WANDB_MODE=offline logs without network), or drop the flag") \
-                from None
 
 
 def check_vocab_size(asked, tokenizer_ids):
@@ -103,7 +95,7 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
     path = os.path.join(getattr(args, "out_dir", train_config.out_dir), "ckpt.pt")
     ckpt = checkpoint.load(path)
     saved = ckpt.get("train")
-    if not isinstance(saved, dict) or set(saved) - {f.name for f in fields(train_config)}:
+    if not isinstance(saved, dict):  # a field since removed (wandb_project) is left unread
         raise checkpoint.CheckpointError(f"{path} has no training state this version can resume; "
                                          "fine-tune from it with --init_from instead")
     now = flags_given(args, train_config)
@@ -119,8 +111,7 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
             raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
                                 f"{name}={before!r}, not {value!r}; "
                                 f"--resume may change only {may}; drop --{name}{hint}")
-    # fields added since: defaults
-    settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}
+    settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}  # or default
     settings.update({name: getattr(train_config, name) for name in per_invocation})
     settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
     return train_config(**settings), ckpt
@@ -163,8 +154,7 @@ def load_whole(model, state, path):
         first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line),
                      str(e).splitlines()[0])
         raise TrainingError(f"--init_from {path} does not fit this data ({first[:160]}); score it "
-                            "on the data it was trained on (drop --dataset and --data_dir)") \
-            from None
+                            "on the data it was trained on (drop --dataset, --data_dir)") from None
 
 
 def check_trunk_loaded(model, path, loaded, skipped):
@@ -184,7 +174,7 @@ def check_trunk_loaded(model, path, loaded, skipped):
 # What only training reads: given with --eval_only, it does nothing
 TRAINING_ONLY = ("max_iters", "lr", "min_lr", "warmup", "weight_decay", "beta2", "grad_clip",
                  "layer_decay", "grad_accum", "eval_interval", "log_interval", "probe_samples",
-                 "time_limit", "wandb_project", "compile")
+                 "time_limit", "compile")
 
 
 def where_flags_apply(cfg, config, streamed, given):

@@ -96,8 +96,7 @@ def config_from_spec(spec, **defaults):
 
 
 def check_output_path(flag, path):
-    """Raise ValueError where path, given with flag, cannot be written as a file: run before any
-    computation."""
+    """Raise ValueError where path, given with flag, cannot be written as a file: call it first."""
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or "

@@ -2,8 +2,7 @@
 it (explicit attention on CPUs in bf16; the compiled or CUDA-graphed module of for_training).
 Measurements: results/bench/README.md (CPU) and results/gpu/README.md (GPU).
 
-Run: python -c "import torch, bamboo; from operations import fast; print(fast.for_training(
-     bamboo.Bamboo(bamboo.Config(objective='next')), torch.device('cpu'), torch.bfloat16))"
+Run: python bench.py next:cifar-tiny --compile off,model,blocks --dtype bfloat16   (for_training)
 """
 import os
 import platform
@@ -37,12 +36,10 @@ def pick_device(name, local_rank=0):
     except RuntimeError:
         raise ValueError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or "
                          "mps") from None
-    available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                 "mps": torch.backends.mps.is_available()}
-    if not available.get(device.type, False):
-        raise ValueError(f"--device {name}: no {device.type} device here; use --device auto or cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices here")
+    count = {"cpu": 1, "cuda": torch.cuda.device_count(),
+             "mps": int(torch.backends.mps.is_available())}.get(device.type, 0)
+    if device.type != "cpu" and (device.index or 0) >= count:
+        raise ValueError(f"--device {name}: {count or 'no'} {device.type} devices here; use auto")
     return device
 
 
@@ -202,13 +199,9 @@ class CompiledNextToken(nn.Module):
 
 
 class CUDAGraphed(nn.Module):
-    """module's forward and backward captured as CUDA graphs on the first call, then replayed: one
-    replay launches the whole step's kernels at once (a deep, narrow model spends an eager step
-    launching small ones). Random draws come from the CUDA generator, whose offset advances at
-    every replay. Every call must have the first call's shapes, and a replay overwrites the last
-    outputs. Only the loss is differentiated: a graphed output that requires grad would get a
-    gradient of its size, zeros, in every backward. The optimizer and clipping stay outside.
-    """
+    """module's forward and backward captured as CUDA graphs on the first call, then replayed, each
+    replay launching a whole step's kernels at once; random draws advance with every replay. Calls
+    keep the first call's shapes; the optimizer and clipping stay outside (LossOnly: the loss)."""
 
     def __init__(self, module):
         super().__init__()
@@ -233,7 +226,8 @@ class CUDAGraphed(nn.Module):
 
 class LossOnly(nn.Module):
     """module called with the non-None arguments of a template call (make_graphed_callables takes
-    tensors only), returning the loss; out is kept, detached, in self.out."""
+    tensors only), returning only the loss (a graphed output with grad would get zeros in every
+    backward); out is kept, detached, in self.out, which a replay overwrites."""
 
     def __init__(self, module, template):
         super().__init__()

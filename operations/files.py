@@ -82,8 +82,7 @@ def list_folder(data_dir, train=True, train_samples=0):
 
 
 def _image_files(root):
-    """torchvision's ImageFolder listing of root: ([(path, class index)], class names), classes and
-    files sorted by name."""
+    """torchvision's ImageFolder listing of root, sorted: ([(path, class index)], class names)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
     try:
@@ -216,23 +215,21 @@ def _fetch(url, timeout=30):
 
 def download_wikitext(name, data_dir):
     """Fetch WikiText into data_dir/<folder>/{train,valid,test}.txt unless train.txt and valid.txt
-    are there. The archive is read whole before any split is written, and a split that is there
-    stays."""
+    are there; the archive is read whole before any split is written, and no split is replaced."""
     url, folder = WIKITEXT[name]
     target = os.path.join(data_dir, folder)
-    if all(os.path.exists(os.path.join(target, f"{s}.txt")) for s in ("train", "valid")):
+    paths = {s: os.path.join(target, f"{s}.txt") for s in ("train", "valid", "test")}
+    if os.path.exists(paths["train"]) and os.path.exists(paths["valid"]):
         return target
     try:
         archive = zipfile.ZipFile(io.BytesIO(_fetch(url)))
-        texts = {s: archive.read(f"{folder}/wiki.{s}.raw") for s in ("train", "valid", "test")}
+        texts = {s: archive.read(f"{folder}/wiki.{s}.raw") for s in paths}
     except Exception as e:  # network and HTTP errors, a damaged archive
         raise DataError(f"could not download {name} from {url} ({type(e).__name__}: {e}); put "
-                        f"{os.path.join(target, 'train.txt')} and "
-                        f"{os.path.join(target, 'valid.txt')} there by hand (WikiText's "
-                        "wiki.train.raw and wiki.valid.raw), or use --dataset text --data_dir DIR "
-                        "with your own files") from None
+                        f"WikiText's wiki.train.raw and wiki.valid.raw at {paths['train']} and "
+                        f"{paths['valid']}, or use --dataset text --data_dir DIR") from None
     os.makedirs(target, exist_ok=True)
     for split, text in texts.items():
-        if not os.path.exists(os.path.join(target, f"{split}.txt")):
-            atomic_write(os.path.join(target, f"{split}.txt"), lambda f: f.write(text))
+        if not os.path.exists(paths[split]):
+            atomic_write(paths[split], lambda f: f.write(text))
     return target

@@ -28,13 +28,16 @@ def load(spec):
             model = timm_model(name, pretrained, settings)
             cfg = model.pretrained_cfg
             return Foreign(model.eval(), spec, statistics=(cfg["mean"], cfg["std"]))
-        model = hf_model(name, pretrained, settings)
-        statistics = hf_image_statistics(name) if pretrained and is_image(model.config) else None
+        model, statistics = hf_model(name, pretrained, settings), None
+        if pretrained and is_image(model.config):  # the mean and std it was trained with
+            from transformers import AutoImageProcessor
+
+            processor = AutoImageProcessor.from_pretrained(name)
+            statistics = processor.image_mean, processor.image_std
         return Foreign(model.eval(), spec, statistics, hf_tokenizer(model.config, name, pretrained))
     except pickle.UnpicklingError:  # torch.load(weights_only=True) refused it: no code ran
         raise ValueError(f"{spec}: its weights are a pickle with more than tensors, which is not "
-                         "loaded (it could run code); use safetensors or plain tensor weights") \
-            from None
+                         "loaded (it could run code); use safetensors or tensor weights") from None
     except RuntimeError as e:  # timm's checkpoint_path: a refused pickle, or another model's
         if "checkpoint_path" not in settings:
             raise
@@ -109,14 +112,6 @@ def hf_model(name, pretrained, settings):
     return transformers.AutoModel.from_config(config)
 
 
-def hf_image_statistics(name):
-    """The mean and std a pretrained Hugging Face image model was trained with (its processor)."""
-    import transformers
-
-    processor = transformers.AutoImageProcessor.from_pretrained(name)
-    return processor.image_mean, processor.image_std
-
-
 def hf_tokenizer(config, name, pretrained):
     """The --tokenizer a Hugging Face text model reads: tiktoken's r50k_base for GPT-2 (its BPE in
     one cached file), the hub's tokenizer (hf:NAME) for other pretrained models; none for random
@@ -143,10 +138,9 @@ class HuggingFaceTokenizer:
         try:
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:  # offline, unknown name, no tokenizer files
-            raise DataError(f"could not load the Hugging Face tokenizer {name!r} "
-                            f"({str(e).splitlines()[0][:120]}); it needs the network once "
-                            "(then the cache), or pass --tokenizer bytes or a tiktoken "
-                            "encoding") from None
+            raise DataError(f"could not load the Hugging Face tokenizer {name!r} ("
+                            f"{str(e).splitlines()[0][:120]}); it needs the network once (then the "
+                            "cache), or pass --tokenizer bytes or a tiktoken encoding") from None
         self.name = "hf-" + "".join(c if c.isalnum() or c in "-." else "_" for c in name)
         self.n_vocab = len(self.tokenizer)
 

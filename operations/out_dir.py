@@ -4,8 +4,8 @@ unless --resume or --overwrite, and left as found if the run wrote nothing.
 Run: python train.py --out_dir out (twice at once: the second stops in one line)
 """
 import errno
+import glob
 import os
-import re
 from contextlib import contextmanager, suppress
 
 from operations.cli import RUN_FILES, TrainingError
@@ -25,22 +25,18 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); "
-                            f"choose another --out_dir") from None
+        raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); choose another")
     if not os.access(out, os.W_OK | os.X_OK):
-        raise TrainingError(f"--out_dir {out} is not writable; choose another --out_dir or "
-                            f"fix its permissions")
+        raise TrainingError(f"--out_dir {out} is not writable; choose another or fix it")
     lock = lock_out_dir(out)
     try:
         linked = [n for n in RUN_FILES if os.path.islink(os.path.join(out, n))]
         if linked:  # never read, appended to or removed through a link out of out_dir
             raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
                                 "own files in --out_dir; remove the link")
-        names = "|".join(re.escape(f".{f}.") for f in RUN_FILES)
-        ours = re.compile(f"(?:{names})[a-z0-9_]{{8}}\\.tmp")
-        for name in os.listdir(out):  # atomic_write's temporary names (mkstemp's), only
-            if ours.fullmatch(name):
-                os.remove(os.path.join(out, name))
+        for name in RUN_FILES:  # atomic_write's temporary files (mkstemp's names), only
+            for tmp in glob.glob(os.path.join(glob.escape(out), f".{name}.{'?' * 8}.tmp")):
+                os.remove(tmp)
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
             raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "

@@ -74,12 +74,11 @@ class Clock:
     def limit_note(self):
         """Said at the start when --time_limit cannot hold even the final evaluation: why, and what
         to change; or ''."""
-        cfg = self.cfg
         if not self.short_of_time():
             return ""
         left = max(0.0, self.time_left())
-        return (f"note: --time_limit {cfg.time_limit:g} s leaves {left:.0f} s, too little for an "
-                f"evaluation (about {self.evaluation_s():.0f} s: "
+        return (f"note: --time_limit {self.cfg.time_limit:g} s leaves {left:.0f} s, too little "
+                f"for an evaluation (about {self.evaluation_s():.0f} s: "
                 f"{self.held_out_batches} held-out batches of {self.batch_s:.2f} s, "
                 f"{self.overhead_s:.1f} s besides, the probe {self.probe_s:.1f} s): the run will "
                 "stop at its first chance and score the held-out samples that fit, without the "
@@ -168,8 +167,7 @@ def held_out_batches(data, eval_samples, batch_size):
 
 def evaluation_progress(batches, total):
     """The evaluation's batches as they go: a bar on a terminal, or in a log file a line at most
-    every 30 s with the time left, so that a long evaluation (a stop's, --eval_only's) is never
-    silent."""
+    every 30 s with the time left; a long evaluation (a stop's, --eval_only's) is never silent."""
     from tqdm import tqdm
 
     if int(os.environ.get("RANK", 0)) != 0:  # rank 0 speaks for the run

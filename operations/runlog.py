@@ -1,6 +1,5 @@
-"""A run's record: log.jsonl (one JSON line per logged step and per evaluation, line-buffered),
-also sent to Weights & Biases if asked; what made the run; the one reader of the log, for a resume
-and for look.py.
+"""A run's record: log.jsonl (one JSON line per logged step and per evaluation, line-buffered);
+what made the run; the one reader of the log, for a resume and for look.py.
 
 Run: python -c "from operations import runlog; print(runlog.read_log('out/log.jsonl')[-1])"
 """
@@ -14,7 +13,6 @@ import numpy as np
 import torch
 
 from operations import checkpoint, fast
-from operations.cli import TrainingError
 
 
 def selection_metric(objective):
@@ -26,58 +24,21 @@ def selection_metric(objective):
 @contextmanager
 def log_file(path, cfg, master, made_by, from_step):
     """log.jsonl, line-buffered (`tail -f` follows the run), opened afresh unless resumed; each
-    invocation's first record says what made it. Also to Weights & Biases with --wandb_project.
-    None on other ranks."""
+    invocation's first record says what made it. None on other ranks."""
     if not master:
         yield None
         return
-    run = None
-    if cfg.wandb_project:  # before the log: a failure leaves none
-        import wandb
-
-        run = wandb_call("init", wandb.init, project=cfg.wandb_project, config=vars(cfg),
-                         name=os.path.basename(os.path.abspath(cfg.out_dir)))
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     flags |= os.O_APPEND if cfg.resume else os.O_TRUNC
     with os.fdopen(os.open(path, flags, 0o644), "a" if cfg.resume else "w", buffering=1) as log:
         log.write(json.dumps({"run": made_by, "from_step": from_step}) + "\n")
-        yield LogAlsoToWandb(log, run) if run else log
-        if run:
-            wandb_call("finish", run.finish)
-
-
-def wandb_call(what, call, *args, **kwargs):
-    """A call into wandb; its failure (not logged in, offline, a service gone) is the common one
-    line, and the run's last checkpoint stays for --resume."""
-    try:
-        return call(*args, **kwargs)
-    except Exception as e:  # wandb's own error classes
-        raise TrainingError(f"--wandb_project: wandb.{what} failed ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); what was logged "
-                            "is in log.jsonl; run `wandb login`, set WANDB_MODE=offline, or drop "
-                            "the flag") from None
-
-
-class LogAlsoToWandb:
-    """log.jsonl whose step and evaluation records also go to Weights & Biases, as nanoGPT's
-    wandb_log does: the numbers only (per-layer metrics stay in the file)."""
-
-    def __init__(self, log, run):
-        self.log, self.wandb = log, run
-
-    def write(self, line):
-        self.log.write(line)
-        record = json.loads(line)
-        numbers = {k: v for k, v in record.items() if k != "step"
-                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if "step" in record and numbers:
-            wandb_call("log", self.wandb.log, numbers, step=record["step"])
+        yield log
 
 
 def record_evaluation(log, bar, record, model, init_hash):
     """Log and print the evaluation record with the trunk's hashes."""
     hashes = {"init_trunk_sha256": init_hash["trunk"],  # the seed's initial trunk
-              "trunk_sha256": checkpoint.weights_hash(model, trunk_only=True)["trunk"]}
+              "trunk_sha256": checkpoint.weights_hash(model)["trunk"]}
     if "loaded_trunk" in init_hash:  # --init_from: the pretrained trunk training started from
         hashes["loaded_trunk_sha256"] = init_hash["loaded_trunk"]
     log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")

@@ -2,8 +2,7 @@
 training goes by DataLoader workers in MAE's views; and the choice, for a run or a probe, between
 them and data.ImageData (open_images, held_out).
 
-Run: python -c "from operations import files, streaming;
-     print(streaming.ImageStream(files.list_folder('DIR'), 'cpu', 224).num_train())"
+Run: python train.py --dataset folder --data_dir DIR --stream on   (ImageStream)
 """
 import itertools
 import os
@@ -70,9 +69,7 @@ class ImageStream:
                 item = next(self.batches)
             except WORKERS_GONE:
                 self.batches = None
-        x, y, index = checked(item if item is not None else self.replay.decode(draws))
-        if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
-            raise RuntimeError("the streamed micro-batch is not the one sampled")
+        x, y = checked(item if item is not None else self.replay.decode(draws))
         return self.model_input(x), to_device(y, self.device)
 
     def eval_batches(self, batch_size, limit=None):
@@ -140,9 +137,8 @@ def leave_stopping_to_the_main_process(worker_id):
 
 class StreamReplay(torch.utils.data.IterableDataset):
     """One rank's micro-batches in the loop's order: each worker replays the run's generator from
-    `state` (where the first sample() found it, a resumed run's restored one) and worker w of W
-    decodes micro-batches w, w + W, ..., which the DataLoader returns in turn. The draws decide
-    every pixel, so any worker count gives the same batches."""
+    `state` (as the first sample() found it, restored on a resume); worker w of W decodes micro-
+    batches w, w + W, ..., returned in turn; the draws decide every pixel, whatever the workers."""
 
     def __init__(self, files, size, crop_scale, state, n, shard, statistics=None):
         # two numpy arrays, not a list of 1.28M tuples: each worker's reference counting would
@@ -169,7 +165,7 @@ class StreamReplay(torch.utils.data.IterableDataset):
                       for i, seed in zip(part["index"].tolist(), part["seed"].tolist())]
         except DataError as e:
             return str(e)
-        return as_input(pixels, self.statistics), self.labels[part["index"]], part["index"]
+        return as_input(pixels, self.statistics), self.labels[part["index"]]
 
 
 class StreamEval(torch.utils.data.Dataset):
