@@ -367,9 +367,9 @@ class Bamboo(nn.Module):
         super().__init__()
         self.config = c = config
         self.mask_id = c.vocab_size  # [MASK] sits just beyond the vocabulary
-        # Each part is initialised as it is built, in data-flow order: with one seed the stem and
-        # every block are bit-identical whatever the objective, head or pooling, so the arms of a
-        # comparison (cls against mae, next against mlm) start from the same weights.
+        # Each part is initialised as it is built, in data-flow order, so nothing built later
+        # shifts its draws: with one seed the stem and blocks are bit-identical whatever the
+        # objective, head or pooling, and compared arms (cls, mae) start from the same weights.
         if c.is_image:
             self.patch_embed = nn.Linear(c.patch_size ** 2 * c.channels, c.width)  # a stride-p conv
             self.register_buffer("pos_embed", sincos_2d(c.width, c.image_size // c.patch_size),

@@ -158,7 +158,7 @@ def channel_statistics(images, one_pass_bytes=2 ** 30):
 
 def random_crop_flip(x, offsets, flips, pad=4):
     """Crop a zero-padded (B, C, H, W) batch back to (H, W) at offsets (B, 2), flipping where
-    flips (B,): one gather on x's device for the whole batch."""
+    flips (B,), both on x's device: one gather for the whole batch."""
     B, C, H, W = x.shape
     rows = torch.arange(H, device=x.device) + offsets[:, :1]  # (B, H) rows of the padded image
     cols = torch.arange(W, device=x.device).expand(B, W)

@@ -232,7 +232,8 @@ def smoothing(args):
         logged = read_log(out_dir)[1]
         evals = [r for r in logged if r.get("layers")]  # null: non-finite states
         if not logged:
-            raise ValueError(f"{out_dir} has no evaluation yet (every --eval_interval steps)")
+            raise ValueError(f"{out_dir} has no evaluation yet (one comes every --eval_interval "
+                             "steps, and at the end or a stop); look once it has")
         if not evals:
             raise ValueError(f"{out_dir}: its evaluations logged no per-layer metrics (trained "
                              "with --probe_samples 0, or non-finite states); train with N > 0")

@@ -2053,7 +2053,7 @@ def test_a_start_removes_what_a_killed_run_left_and_no_file_of_the_users(trained
     trained("cls", tmp_path)
     left = [".ckpt.pt.k1l2m3n4.tmp", ".log.jsonl.a1b2c3d_.tmp", ".eval_correct.npy.b2c3d4e5.tmp"]
     mine = {".lock": "mine", ".notes.x.tmp": "x", "ckpt.pt.tmp": "x", ".ckpt.pt.mine.tmp": "mine",
-            ".log.jsonl.draft.tmp": "mine"}  # not atomic_write's names
+            ".log.jsonl.draft.tmp": "mine", ".ckpt.pt.MyDraft1.tmp": "mine"}  # not atomic_write's
     for name in left:
         (tmp_path / name).write_bytes(b"x" * 100)
     for name, text in mine.items():
@@ -2897,7 +2897,7 @@ def test_probe_mask_sees_only_visible_patches(capsys, tiny_data, tmp_path):
     assert visible.shape[1] == 4  # round(16 * 0.25) patches
 
 
-def test_probe_bench_and_look_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
+def test_probe_and_bench_run_on_the_device_and_threads_they_are_given(capsys, tiny_data):
     try:
         code, out = probe_cli(capsys, "init:cifar-tiny,image_size=16", "--dataset", "folder",
                               "--data_dir", tiny_data / "images", "--samples", "2", "--device",

@@ -5,9 +5,9 @@ in a visible get_lr, MAE pre-training, then fine-tuning with layer-wise decay (-
 top to bottom: the settings, the learning rate, then train(): set-up, then the loop. The path:
 
   main -> train -> load_data (-> streaming.open_images: data.ImageData, or a stream)
-       -> Bamboo, Bamboo.configure_optimizer (bamboo.py)
+       -> Bamboo, Bamboo.configure_optimizer (bamboo.py), fast.for_training (the module that runs)
        -> the loop: get_lr, data.sample, shard, data.train_batch (data.py), module(x, y) (the
-          model's own forward and loss, compiled or not), scaler.step(optimizer)
+          model's forward and loss, compiled as for_training chose), scaler.step(optimizer)
 
 What surrounds a run (the out_dir's lock, signals, progress, one-line errors), the checkpoint files
 and the speedups are in operations/, called by module name where they happen.

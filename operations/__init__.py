@@ -12,7 +12,7 @@ it is used. Imports point one way, down this list (test_all.py checks it):
   streaming   image folders streamed from disk, and the choice between that and data.ImageData
   checks      a run's settings checked before any work, and what a resume must find unchanged
   out_dir     one run at a time in an out_dir, and never another run's files
-  runlog      log.jsonl, Weights & Biases, and the one reader of the log
+  runlog      log.jsonl, what made the run, and the one reader of the log
   progress    progress, the time limit, signals, a non-finite loss, the resume hint
   (probe.py)
   export      a trained model out to timm or Hugging Face

@@ -18,13 +18,12 @@ from operations.streaming import ImageStream
 
 
 def check_invocation(args):
-    """What no setting fixes: torch < 2.6; --overwrite with --resume, --eval_only or --init_from."""
+    """What no setting fixes: torch < 2.6; --overwrite with --resume, --eval_only or its init."""
     if not hasattr(torch.compiler, "set_stance"):  # evaluate() needs it; check before any work
         raise TrainingError(f"torch {torch.__version__} is older than 2.6, the oldest release "
                             "this code runs on; pip install -r requirements.txt")
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
-        raise TrainingError("--resume continues the run in --out_dir and --overwrite "
-                            "replaces it; choose one")
+        raise TrainingError("--resume continues the run, --overwrite replaces it: choose one")
     if getattr(args, "eval_only", False) and getattr(args, "overwrite", False):
         raise TrainingError("--eval_only saves nothing, so it replaces nothing; drop --overwrite")
     init, out = getattr(args, "init_from", ""), getattr(args, "out_dir", "out")
@@ -118,9 +117,8 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
 
 
 def check_same_data(resumed, data, data_dir, eval_samples, master=True):
-    """A resumed run must see the data it was trained on: a folder's files with the same labels
-    (renamed or reordered class folders would permute the labels, added or removed files change
-    the data order), CIFAR's pixels, the same text. Another --eval_samples is said."""
+    """A resumed run must see the data it was trained on: a folder's files and labels (the data
+    order), CIFAR's pixels, the same text. Another --eval_samples is said."""
     if "fingerprint" not in resumed:  # written before 2026-11-28: it kept no data fingerprint
         raise TrainingError(f"--resume: this checkpoint predates the data check of this version; "
                             f"resume it with commit {checkpoint.LAST_TO_READ_OLD}, or fine-tune or "

@@ -18,9 +18,8 @@ PEAK_BF16_TFLOPS = {"A100": 312, "H100": 989, "H200": 989}  # dense, per GPU
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_MODES = ("auto", "off", "model", "blocks", "graphs")
 ATTENTION_CHOICES = ("auto", "sdpa", "explicit")
-# --compile auto on a CPU, per dtype and objective: the compilation that paid most over its quick
-# recipe, and the fewest steps from which its saving wins back the first step's compilation
-# (measured on a 2-core EPYC: results/bench/README.md, "Compilation on a CPU"); the rest eager
+# --compile auto on a CPU, per dtype and objective: what paid most, and from how many steps its
+# saving wins back the first step's compilation (results/bench/README.md, on a CPU); else eager
 CPU_COMPILE = {torch.bfloat16: {"cls": ("blocks", 400), "next": ("model", 200)},
                torch.float32: {"cls": ("blocks", 400)}}
 
@@ -39,7 +38,7 @@ def pick_device(name, local_rank=0):
     count = {"cpu": 1, "cuda": torch.cuda.device_count(),
              "mps": int(torch.backends.mps.is_available())}.get(device.type, 0)
     if device.type != "cpu" and (device.index or 0) >= count:
-        raise ValueError(f"--device {name}: {count or 'no'} {device.type} devices here; use auto")
+        raise ValueError(f"--device {name}: {count or 'no'} {device.type} device(s) here; use cpu")
     return device
 
 

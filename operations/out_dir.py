@@ -27,7 +27,7 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
     except OSError as e:
         raise TrainingError(f"cannot create --out_dir {out} ({e.strerror}); choose another")
     if not os.access(out, os.W_OK | os.X_OK):
-        raise TrainingError(f"--out_dir {out} is not writable; choose another or fix it")
+        raise TrainingError(f"--out_dir {out} is not writable: fix its permissions or use another")
     lock = lock_out_dir(out)
     try:
         linked = [n for n in RUN_FILES if os.path.islink(os.path.join(out, n))]
@@ -35,7 +35,7 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
             raise TrainingError(f"{os.path.join(out, linked[0])} is a link; a run writes only its "
                                 "own files in --out_dir; remove the link")
         for name in RUN_FILES:  # atomic_write's temporary files (mkstemp's names), only
-            for tmp in glob.glob(os.path.join(glob.escape(out), f".{name}.{'?' * 8}.tmp")):
+            for tmp in glob.glob(os.path.join(glob.escape(out), f".{name}.{'[a-z0-9_]' * 8}.tmp")):
                 os.remove(tmp)
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:

@@ -35,8 +35,7 @@ class Clock:
         self.steps_per_check = steps_per_check  # DDP ranks agree to stop every log_interval steps
         self.step_times = []  # seconds per step, evaluations left out
         self.eval_s = self.save_s = None  # seconds the last evaluation and checkpoint took
-        # an evaluation's parts as timed at the start (train.time_evaluation): its fixed cost
-        # besides the batches, a held-out batch, the probe
+        # an evaluation's parts, timed at the start (train.time_evaluation): fixed, a batch, probe
         self.overhead_s = self.batch_s = self.probe_s = 0.0
         self.said = 0.0  # wall clock of the last progress line in a log file
 

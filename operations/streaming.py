@@ -19,8 +19,7 @@ from operations.files import DataError, as_batch, list_folder, listing_fingerpri
 
 # ImageNet's channel statistics, by which MAE and timm normalise: a stream is never read whole
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-# What torch's DataLoader raises when its workers are gone: its own error, or the broken connection
-# to a dead worker that had yet to hand over a batch's shared memory
+# What torch's DataLoader raises when its workers are gone: its own error, or a dead worker's pipe
 WORKERS_GONE = (RuntimeError, OSError, EOFError)
 
 
@@ -69,7 +68,9 @@ class ImageStream:
                 item = next(self.batches)
             except WORKERS_GONE:
                 self.batches = None
-        x, y = checked(item if item is not None else self.replay.decode(draws))
+        x, y, index = checked(item if item is not None else self.replay.decode(draws))
+        if not torch.equal(index, draws["index"]):  # sample() and train_batch() out of step
+            raise RuntimeError("the streamed micro-batch is not the one sampled")
         return self.model_input(x), to_device(y, self.device)
 
     def eval_batches(self, batch_size, limit=None):
@@ -165,7 +166,7 @@ class StreamReplay(torch.utils.data.IterableDataset):
                       for i, seed in zip(part["index"].tolist(), part["seed"].tolist())]
         except DataError as e:
             return str(e)
-        return as_input(pixels, self.statistics), self.labels[part["index"]]
+        return as_input(pixels, self.statistics), self.labels[part["index"]], part["index"]
 
 
 class StreamEval(torch.utils.data.Dataset):
