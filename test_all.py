@@ -1508,8 +1508,12 @@ def test_get_lr_warms_up_then_decays_and_a_preset_carries_its_recipe_that_flags_
     assert (cfg.lr, cfg.warmup, cfg.max_iters, cfg.batch_size) == (2e-3, 200, 3600, 128)
     cfg = settings("--preset", "cifar-small", "--lr", "1e-3")
     assert cfg.lr == 1e-3 and cfg.max_iters == 3600
-    cfg = settings("--depth", "48")
+    cfg = settings("--objective", "mae", "--depth", "48", "--width", "384")
     assert cfg.lr == 3e-4 * 128 / 256 and cfg.warmup == 480  # no preset: the scaled defaults
+    said = re.search(r"= ([\d.e-]+) over (\d+) warmup steps, so ([\d.e-]+) at the first step",
+                     " ".join(open(os.path.join(REPO, "README.md")).read().split()))
+    assert said and [float(v) for v in said.groups()] == pytest.approx([cfg.lr, cfg.warmup,
+                                                                        train.get_lr(0, cfg)], 0.01)
 
 
 def test_the_defaults_keep_a_full_depth_trunk_finite_and_learning(tiny_data, tmp_path):
