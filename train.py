@@ -203,7 +203,7 @@ def train(args, started=None):
         elif pretrained is not None:  # --init_from: the pretrained stem and blocks, whole
             loaded, skipped = model.load_encoder(pretrained["model"])
             say(checks.check_trunk_loaded(model, cfg.init_from, loaded, skipped))
-            init_hash["loaded_trunk"] = checkpoint.weights_hash(model)["trunk"]
+            init_hash["loaded_trunk"] = checkpoint.weights_hash(model, trunk_only=True)["trunk"]
 
         # the optimizer and the data order, then a resumed run's state over all of it
         optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, cfg.beta2, cfg.layer_decay)

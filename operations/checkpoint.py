@@ -47,18 +47,18 @@ def atomic_write(path, write):
         raise
 
 
-def weights_hash(model):
+def weights_hash(model, trunk_only=False):
     """{"trunk": sha256 of the stem's and blocks' tensors, "model": of every tensor}, each over the
     names and bytes in name order: two runs that start from the same trunk (cls and MAE arms of one
-    seed) show it in their checkpoints and logs."""
-    trunk, everything = hashlib.sha256(), hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    seed) show it in their checkpoints and logs. trunk_only: the trunk's alone (no head copied)."""
+    trunk, everything, state = hashlib.sha256(), hashlib.sha256(), model.state_dict()
+    for name in sorted(n for n in state if not trunk_only or n.startswith(TRUNK)):
+        raw = state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         data = name.encode() + raw.numpy().tobytes()
         everything.update(data)
         if name.startswith(TRUNK):
             trunk.update(data)
-    return {"trunk": trunk.hexdigest(), "model": everything.hexdigest()}
+    return {"trunk": trunk.hexdigest(), **({} if trunk_only else {"model": everything.hexdigest()})}
 
 
 def random_states(generator, device, world=1):

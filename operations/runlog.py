@@ -38,7 +38,7 @@ def log_file(path, cfg, master, made_by, from_step):
 def record_evaluation(log, bar, record, model, init_hash):
     """Log and print the evaluation record with the trunk's hashes."""
     hashes = {"init_trunk_sha256": init_hash["trunk"],  # the seed's initial trunk
-              "trunk_sha256": checkpoint.weights_hash(model)["trunk"]}
+              "trunk_sha256": checkpoint.weights_hash(model, trunk_only=True)["trunk"]}
     if "loaded_trunk" in init_hash:  # --init_from: the pretrained trunk training started from
         hashes["loaded_trunk_sha256"] = init_hash["loaded_trunk"]
     log.write(json.dumps({"eval": True, **record, **hashes}) + "\n")
