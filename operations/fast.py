@@ -132,10 +132,11 @@ def compile_plan(asked, device, config, ddp, steps=0, dtype=torch.bfloat16):
     why where it differs."""
     if asked == "auto" and device.type == "cpu":
         mode, least = CPU_COMPILE.get(dtype, {}).get(config.objective, ("off", 0))
+        says = f"auto: compiling {config.objective} on a CPU"
         if mode != "off" and steps >= least and not ddp:
-            return mode, f"auto: on a CPU, compiling {config.objective} pays from {least} steps"
-        why = f"from {least} steps, without DDP" if least else "not measured to pay for it"
-        return "off", f"auto compiles on a CPU where it pays ({why}); --compile forces it"
+            return mode, f"{says} pays from {least} steps"
+        why = f"pays from {least} steps, without DDP" if least else "is not measured to pay"
+        return "off", f"{says} {why}; --compile {mode if least else 'model'} forces it"
     if asked == "auto":
         if device.type != "cuda":
             return "off", f"auto compiles on CUDA and CPUs only; on {device.type} pass --compile"
