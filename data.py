@@ -189,7 +189,7 @@ def get_tokenizer(name):
         gpt2 = " (or --tokenizer r50k_base: GPT-2's ranks in one file)" if name == "gpt2" else ""
         raise files.DataError(f"could not load tiktoken encoding {name!r} ({type(e).__name__}); "
                               "without network set TIKTOKEN_CACHE_DIR to a folder holding its BPE "
-                              f"file{gpt2}, or use --tokenizer bytes") from None
+                              f"file{gpt2}") from None
 
 
 class TextData:

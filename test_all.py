@@ -1881,6 +1881,9 @@ def test_resume_continues_exactly(tiny_data, tmp_path):
     assert train_losses(parts) == train_losses(whole) and len(train_losses(whole)) == 8
     final = [r for r in parts if r.get("eval")][-1]
     assert final["val_loss"] == [r for r in whole if r.get("eval")][-1]["val_loss"]
+    assert "raises the learning rate" not in out  # the same schedule, resumed at step 1
+    code, out, _ = run_train("--resume", "--max_iters", "16", out_dir=tmp_path / "parts")
+    assert code == 0 and "raises the learning rate at step 8 from 0.00068 to 0.0061" in out, out
 
 
 def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
@@ -2111,7 +2114,7 @@ def test_ctrl_c_and_sigterm_save_a_checkpoint_and_exit(tiny_data, tmp_path):
     flags = image_flags(tiny_data, "cls", "--max_iters", "100000", "--eval_interval", "100000")
     proc, out = stopped_run(flags, tmp_path, lambda proc: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130 and "interrupted at step" in out and "Traceback" not in out, out
-    assert "stop requested: finishing this step, then saving a checkpoint" in out
+    assert "stop requested: finishing this step, then evaluating and saving" in out
     assert any(line.startswith("interrupted at step") for line in out.splitlines())
     assert "stopped: top1" in out  # the summary line, on a stop too
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] >= 1
@@ -2173,7 +2176,7 @@ def test_a_time_limit_keeps_time_for_the_final_evaluation_and_the_progress_line_
     clock.cfg, clock.said = train.TrainConfig(max_iters=1000), 0.0
     clock.batch_s = clock.probe_s = 0.0  # no time limit: nothing timed at the start
     clock.show_progress(bar, 10, 2.5, 1e-3)
-    assert capsys.readouterr().out.endswith("about 16.5 min left\n")
+    assert capsys.readouterr().out.endswith("16.5 min left (steps only: no evaluation timed yet)\n")
     clock.said, clock.eval_s = 0.0, 6.0  # once an evaluation is timed, the 5 left count too
     clock.show_progress(bar, 10, 2.5, 1e-3)
     assert capsys.readouterr().out.endswith("about 17.0 min left\n")
@@ -2330,6 +2333,11 @@ def log_linked_outside(c):
     (c.run / "log.jsonl").symlink_to(c.tmp / "outside.txt")
 
 
+def killed_before_a_checkpoint(c):
+    c.run.mkdir(parents=True, exist_ok=True)
+    (c.run / "log.jsonl").write_text('{"run": {}, "from_step": 0}\n')
+
+
 def fine_tuned_from_mae(c):
     train_run(c.data, "cls", c.run, 1, "--init_from", c.trained("mae", c.tmp / "mae"))
 
@@ -2465,6 +2473,8 @@ TRAIN_REFUSALS = [
     # a run's out_dir is never replaced unless told, nor by a mistyped --overwrite
     ("cls", ["@cls", "--max_iters", "2", "--eval_interval", "2"],
      ("holds another run", "--overwrite", "--resume")),
+    (killed_before_a_checkpoint, ["@cls", "--max_iters", "1"],
+     ("(log.jsonl); it saved no checkpoint to resume; choose another --out_dir", "--overwrite")),
     ("cls", ["@cls", "--data_dir", "{tmp}/nosuch", "--overwrite"], "nosuch"),
     ("cls", ["@next", "--tokenizer", "nosuch_bpe", "--overwrite"], "nosuch_bpe"),
     (log_linked_outside, RESUME,
@@ -2997,6 +3007,7 @@ PROBE_REFUSALS = [  # (set-up, argv, what the one line says), as table_row reads
     ("next", ["{run}/ckpt.pt", *IMAGES], "a text model (next) cannot be run on --dataset folder; "
                                          "use"),
     (None, ["{tmp}/missing.pt"], "no checkpoint at"),
+    (None, ["{tmp}"], "{tmp} is a folder; pass a checkpoint in it, e.g. {tmp}/ckpt.pt"),
     (lambda c: (c.tmp / "corrupt.pt").write_bytes(b"not a checkpoint"), ["{tmp}/corrupt.pt"],
      "corrupt or truncated"),
     (None, ["init:bamboo-zz"], "unknown preset"),
@@ -3656,6 +3667,7 @@ def test_tokenizers_are_read_where_they_can_be_loaded_and_offline_the_fix_that_w
     with pytest.raises(files.DataError) as e:
         get_tokenizer("cl100k_base")
     assert "TIKTOKEN_CACHE_DIR" in str(e.value) and "r50k_base" not in str(e.value)
+    assert "bytes" not in str(e.value)  # another vocabulary: no fix for a trained model
 
 
 # ==================================================================================================

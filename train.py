@@ -220,6 +220,7 @@ def train(args, started=None):
             if master and not cfg.eval_only:  # the log's records after the checkpoint, dropped
                 runlog.forget_unsaved_steps(log_path, step)
             say(f"resumed from {ckpt_path} at step {step}")
+            say(checks.schedule_note(resumed["train"], cfg, step, get_lr))  # a longer cosine
 
         # what the step calls: the model, or the same forward and loss compiled (fast.for_training)
         module, compile_mode = model, "off"  # --eval_only: evaluation runs eagerly

@@ -99,6 +99,9 @@ def save(path, state):
 
 def load(path):
     """A checkpoint dict written by train.py, loaded without running any code (weights_only)."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder; pass a checkpoint in it, e.g. "
+                              f"{os.path.join(path, 'ckpt.pt')}")
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}; check the path (train.py writes "
                               "OUT_DIR/ckpt.pt)")

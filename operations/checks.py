@@ -6,7 +6,7 @@ Run: python train.py --help (every flag), or any run's first lines (its settings
 import math
 import os
 import textwrap
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -15,6 +15,8 @@ from data import IMAGE_DATASETS
 from operations import checkpoint, fast
 from operations.cli import RUN_FILES, TrainingError, flags_given
 from operations.streaming import ImageStream
+
+SCHEDULE = ("max_iters", "lr", "min_lr", "warmup")  # what get_lr reads
 
 
 def check_invocation(args):
@@ -131,6 +133,19 @@ def check_same_data(resumed, data, data_dir, eval_samples, master=True):
     if master and before != eval_samples:
         print(f"note: --eval_samples {eval_samples} (the run evaluated {before} before): 'best' "
               "now compares evaluations on different held-out sets", flush=True)
+
+
+def schedule_note(saved, cfg, step, get_lr):
+    """A line when a resumed run's new schedule (a longer --max_iters re-times the cosine) raises
+    the learning rate over what the run's own schedule gives at this step; else ''."""
+    old = replace(cfg, **{k: saved[k] for k in SCHEDULE if k in saved})
+    was = get_lr(min(step, old.max_iters - 1), old)  # past its end: the rate of its last step
+    now = get_lr(step, cfg)
+    if now <= 1.5 * was:
+        return ""
+    return (f"note: the new schedule raises the learning rate at step {step} from {was:.2g} to "
+            f"{now:.2g} (the cosine now ends at step {cfg.max_iters}); to go on at {was:.2g}, pass "
+            f"--lr {was:.2g} --min_lr {was:.2g}")
 
 
 def check_scored_as_trained(path, ckpt, settings):

@@ -39,9 +39,10 @@ def out_dir_claimed(out, resume, overwrite, writes=True):
                 os.remove(tmp)
         taken = [n for n in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out, n))]
         if taken and not resume and not overwrite:
-            raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); "
-                                "continue it with --resume, choose another --out_dir, or pass "
-                                "--overwrite to replace it")
+            go_on = ("continue it with --resume, " if "ckpt.pt" in taken
+                     else "it saved no checkpoint to resume; ")
+            raise TrainingError(f"--out_dir {out} holds another run ({', '.join(taken)}); {go_on}"
+                                "choose another --out_dir, or pass --overwrite to replace it")
         yield
     finally:
         release_out_dir(out, lock, created)

@@ -112,7 +112,8 @@ class Clock:
         steps = cfg.max_iters - step
         evals = math.ceil(steps / cfg.eval_interval)  # the last step evaluates too
         whole = steps * step_s + evals * self.evaluation_s()
-        left, where = whole, ""
+        timed = cfg.time_limit or self.eval_s is not None  # else the evaluations count as 0 s
+        left, where = whole, "" if timed else " (steps only: no evaluation timed yet)"
         if cfg.time_limit:
             # the steps that fit, each with its share of the evaluations between (may be huge)
             fit = max(0.0, self.limit_left()) / (step_s + self.evaluation_s() / cfg.eval_interval)
@@ -226,7 +227,7 @@ def stop_signals(ddp=False, master=True):
         stop.reason = "interrupted"
         when = "the next step that logs the loss" if ddp else "this step"
         if master:
-            print(f"\nstop requested: finishing {when}, then saving a checkpoint (Ctrl-C again "
+            print(f"\nstop requested: finishing {when}, then evaluating and saving (Ctrl-C again "
                   "stops at once, without saving)", file=sys.stderr, flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
