@@ -347,6 +347,7 @@ def run(args):
         checkpoint.atomic_write(args.json, lambda f: f.write(json.dumps(report, indent=1).encode()))
     if args.plot:
         figures.save_figure(probe_figure(report, args.relative), args.plot)
+    print("".join(f"wrote {path}\n" for path in (args.json, args.plot) if path), end="")
     return report
 
 

@@ -1367,7 +1367,7 @@ def test_ddp_ranks_stream_their_slices_and_match_one_process(mixed_jpegs, tmp_pa
     flags = ["--objective", "cls", "--dataset", "folder", "--data_dir", mixed_jpegs, *STREAM_FLAGS,
              "--max_iters", "3", "--eval_interval", "3", "--grad_accum", "2", "--workers", "1"]
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
-    assert code == 0 and "2 x 2 x 2" in out, out
+    assert code == 0 and "= 2 process(es) x 2 accumulated x 2" in out, out
     code, out, single = run_train(*flags, out_dir=tmp_path / "one")
     assert code == 0, out
     a, b = train_losses(ddp), train_losses(single)
@@ -1645,7 +1645,7 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tiny_data, tmp_path)
     flags = image_flags(tiny_data, "cls", "--max_iters", "4", "--eval_interval", "4",
                         "--batch_size", "8", "--dtype", "float32", "--grad_accum", "2")
     code, out, ddp = run_torchrun(*flags, out_dir=tmp_path / "ddp")
-    assert code == 0 and "2 x 2 x 2" in out, out
+    assert code == 0 and "= 2 process(es) x 2 accumulated x 2" in out, out
     code, out, single = run_train(*flags, out_dir=tmp_path / "one")
     assert code == 0, out
     a, b = train_losses(ddp), train_losses(single)
@@ -2520,14 +2520,18 @@ def test_each_mistake_is_one_line_that_changes_no_file(capsys, tmp_path, table_r
 
 
 def test_flags_are_never_matched_by_a_prefix(capsys, tmp_path):
-    for parse, argv in ((train.build_parser().parse_args, ["--max_iter", "5"]),
+    train_parse = train.build_parser().parse_args
+    for parse, argv in ((train_parse, ["--max_iter", "5"]),
                         (probe.build_parser().parse_args, ["x.pt", "--sample", "4"]),
                         (bench.build_parser().parse_args, ["cls:cifar-tiny", "--batch", "4"]),
                         (look.build_parser().parse_args, ["curves", "run", "--ou", "c.png"]),
                         (export.main, ["x.pt", "--out", "a.safetensors", "--ou", "b"])):
         with pytest.raises(SystemExit):
             parse(argv)
-        assert "unrecognized arguments" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "unrecognized arguments" in err
+        if parse == train_parse:  # one line, not usage's thirty
+            assert err.count("\n") == 1 and err.endswith("--help lists every flag)\n"), err
 
 
 def test_a_log_that_cannot_be_written_is_one_line_and_the_checkpoint_resumes(capsys, tiny_data,
@@ -2852,7 +2856,7 @@ def test_probe_writes_json_and_png_and_repeats_exactly(capsys, tiny_data, traine
             "--samples", "8", "--batch_size", "3"]
     code, out = probe_cli(capsys, *argv, "--json", tmp_path / "a.json", "--plot",
                           tmp_path / "a.png")
-    assert code == 0, out.err
+    assert code == 0 and out.out.endswith(f"wrote {tmp_path}/a.json\nwrote {tmp_path}/a.png\n")
     code, _ = probe_cli(capsys, *argv, "--json", tmp_path / "b.json", "--relative", "--plot",
                         tmp_path / "b.png")
     assert code == 0 and (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()

@@ -239,10 +239,10 @@ def train(args, started=None):
         probe_x = first_samples(data, cfg.probe_samples) if master and cfg.probe_samples else None
         if master and cfg.overwrite:  # only now that every check has passed
             out_dir.remove_old_run(cfg.out_dir)
-        say(f"{config.objective} {config.depth}x{config.width} ({config.heads} heads), "
+        say(f"{config.objective} {config.depth}x{config.width}, heads {config.heads}, "
             f"{model.num_params() / 1e6:.2f}M params, {training_flops(config) / 1e9:.3f} "
             f"GFLOPs/sample, {device} {str(dtype).replace('torch.', '')}, batch {cfg.batch_size} "
-            f"= {world} x {cfg.grad_accum} x {micro_batch}"
+            f"= {world} process(es) x {cfg.grad_accum} accumulated x {micro_batch}"
             + ("" if cfg.eval_only else f", peak lr {cfg.lr:.3g}, warmup {cfg.warmup} steps"))
         say("\n".join(checks.settings_lines(cfg, config, data, sources, device)))
 

@@ -41,6 +41,8 @@ def parser_of(groups, choices, epilog=""):
             else:
                 kwargs.update(type=type(f.default), choices=choices.get(f.name))
             group.add_argument(f"--{f.name}", **kwargs)
+    parser.error = lambda message: parser.exit(2, f"error: {message} (python {parser.prog} --help "
+                                                   "lists every flag)\n")  # not usage's 30 lines
     return parser
 
 

@@ -144,7 +144,7 @@ class Clock:
         if peak:
             flops = training_flops(model.config) * cfg.batch_size / step_s
             line += f", MFU {flops / (peak * 1e12) * 100:.1f}%"
-        line += f"; first step {self.step_times[0]:.1f} s (compilation, capture)"
+        line += f"; first step {self.step_times[0]:.1f} s"
         if self.eval_s is not None:
             line += f", last evaluation {self.eval_s:.1f} s"
         return line
