@@ -2483,6 +2483,8 @@ TRAIN_REFUSALS = [
     (fine_tuned_from_mae, [*RESUME, "--init_from", "{tmp}/other.pt"],
      ("--init_from counts only when a run starts", "mae/ckpt.pt")),
     ("cls", ["--resume", "--batch_size", "8"], ("batch_size=16, not 8", "--max_iters")),
+    ("cls", ["--resume", "--batch_size", "8", "--depth", "3"],  # every one in the same line
+     ("has batch_size=16, not 8, depth=2, not 3; --resume", "; drop --batch_size --depth")),
     ("cls", ["--resume", "--base_lr", "1e-3"],
      "base_lr=0.0003, not 0.001; --resume may change only --max_iters --lr "),
     ("mae", ["--resume", "--objective", "cls"], ("objective='mae'", "--init_from")),

@@ -104,14 +104,17 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
         raise TrainingError(f"--resume continues from {path}; --init_from counts only when a run "
                             f"starts (this one started from {saved.get('init_from') or 'scratch'})"
                             "; drop --init_from")
-    for name, value in {**now, **flags_given(args, model_config)}.items():
-        before = saved.get(name, ckpt["config"].get(name))
-        if name not in resumable + per_invocation and value != before:
-            hint = " or fine-tune from it with --init_from" if name == "objective" else ""
-            may = " ".join("--" + n for n in resumable)
-            raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has "
-                                f"{name}={before!r}, not {value!r}; "
-                                f"--resume may change only {may}; drop --{name}{hint}")
+    changed = {name: (saved.get(name, ckpt["config"].get(name)), value)  # every one, at once
+               for name, value in {**now, **flags_given(args, model_config)}.items()
+               if name not in resumable + per_invocation}
+    changed = {name: pair for name, pair in changed.items() if pair[0] != pair[1]}
+    if changed:
+        hint = " or fine-tune from it with --init_from" if "objective" in changed else ""
+        has = ", ".join(f"{name}={before!r}, not {value!r}" for name, (before, value)
+                        in changed.items())
+        raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has {has}; --resume "
+                            f"may change only {' '.join('--' + n for n in resumable)}; drop "
+                            f"{' '.join('--' + n for n in changed)}{hint}")
     settings = {f.name: saved.get(f.name, f.default) for f in fields(train_config)}  # or default
     settings.update({name: getattr(train_config, name) for name in per_invocation})
     settings.update({k: v for k, v in now.items() if k in resumable + per_invocation})
