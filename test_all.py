@@ -30,6 +30,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from contextlib import chdir, nullcontext, redirect_stderr, redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -1903,6 +1904,19 @@ def test_ddp_resume_is_exact_on_every_rank(tiny_data, tmp_path):
     assert len(train_losses(whole)) == 4
 
 
+def test_a_resume_says_only_when_a_longer_cosine_raises_the_rate_over_where_it_stopped():
+    saved = dict(max_iters=16, lr=1e-3, min_lr=1e-4, warmup=2)
+    cfg = train.TrainConfig(**saved)
+    for step, now in ((8, cfg), (8, replace(cfg, lr=1e-2)), (1, replace(cfg, max_iters=32)),
+                      (8, replace(cfg, max_iters=12)), (16, replace(cfg, max_iters=32,
+                                                                    eval_only=True))):
+        assert checks.schedule_note(saved, now, step, train.get_lr) == "", (step, now)
+    note = checks.schedule_note(saved, replace(cfg, max_iters=32), 16, train.get_lr)
+    assert note == ("note: the new schedule raises the learning rate at step 16 from 0.00011 to "
+                    "0.0006 (the cosine now ends at step 32); to go on at 0.00011, pass --lr "
+                    "0.00011 --min_lr 0.00011"), note
+
+
 def test_resume_takes_new_iterations_the_data_location_and_this_invocations_threads(
         tiny_data, trained, tmp_path):
     """A log of whole records that lost its last newline resumes; a resume on another held-out set
@@ -3187,12 +3201,14 @@ NEXT_MODE, PAYS = fast.CPU_COMPILE[torch.bfloat16]["next"]
 
 
 @pytest.mark.parametrize("asked,device,options,ddp,expected,why", [
-    ("auto", "cpu", {"objective": "mae", "steps": 10 ** 6}, False, "off", "not measured to pay"),
+    ("auto", "cpu", {"objective": "mae", "steps": 10 ** 6}, False, "off",
+     "compiling mae on a CPU is not known to pay; --compile model forces it"),
     ("auto", "cpu", {"objective": "next", "steps": PAYS}, False, NEXT_MODE, f"from {PAYS} steps"),
-    ("auto", "cpu", {"objective": "next", "steps": PAYS - 1}, False, "off", f"from {PAYS} steps"),
+    ("auto", "cpu", {"objective": "next", "steps": PAYS - 1}, False, "off",
+     f"from {PAYS} steps, without DDP; --compile {NEXT_MODE} forces it"),
     ("auto", "cpu", {"objective": "next", "steps": PAYS}, True, "off", "without DDP"),
     ("auto", "cpu", {"objective": "next", "steps": 10 ** 6, "dtype": torch.float32}, False, "off",
-     "not measured to pay"),  # float32: 1.02x, paid back after about 1,000 steps
+     "not known to pay"),  # float32: 1.02x, paid back after about 1,000 steps
     ("auto", "meta", {}, False, "off", "auto compiles on CUDA and CPUs only"),
     ("auto", "cuda", {}, False, "graphs", ""),
     ("graphs", "cpu", {}, False, "blocks", "CUDA graphs need a CUDA device"),

@@ -141,6 +141,8 @@ def check_same_data(resumed, data, data_dir, eval_samples, master=True):
 def schedule_note(saved, cfg, step, get_lr):
     """A line when a resumed run's new schedule (a longer --max_iters re-times the cosine) raises
     the learning rate over what the run's own schedule gives at this step; else ''."""
+    if cfg.eval_only or saved.get("max_iters", cfg.max_iters) == cfg.max_iters:
+        return ""
     old = replace(cfg, **{k: saved[k] for k in SCHEDULE if k in saved})
     was = get_lr(min(step, old.max_iters - 1), old)  # past its end: the rate of its last step
     now = get_lr(step, cfg)

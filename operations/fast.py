@@ -135,7 +135,7 @@ def compile_plan(asked, device, config, ddp, steps=0, dtype=torch.bfloat16):
         says = f"auto: compiling {config.objective} on a CPU"
         if mode != "off" and steps >= least and not ddp:
             return mode, f"{says} pays from {least} steps"
-        why = f"pays from {least} steps, without DDP" if least else "is not measured to pay"
+        why = f"pays from {least} steps, without DDP" if least else "is not known to pay"
         return "off", f"{says} {why}; --compile {mode if least else 'model'} forces it"
     if asked == "auto":
         if device.type != "cuda":
