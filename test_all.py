@@ -1048,6 +1048,8 @@ def test_a_decoded_folder_is_cached_and_a_changed_folder_decoded_again(tiny_data
     real_decode = files._decode
     monkeypatch.setattr(files, "_decode", lambda *a: decodes.append(a) or real_decode(*a))
     cached = ImageData("folder", str(folder), "cpu", 16, cache_dir=str(cache))
+    (tmp_path / "link").symlink_to(folder)  # the same files through a link: the same cache
+    ImageData("folder", str(tmp_path / "link"), "cpu", 16, cache_dir=str(cache))
     assert decodes == []  # loaded, not decoded
     for got in (first, cached):
         assert torch.equal(got.train_x, decoded.train_x) and torch.equal(got.test_x, decoded.test_x)

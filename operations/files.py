@@ -111,7 +111,7 @@ def listing_fingerprint(samples):
 
 def decode_folder(files, size, cache_dir=None):
     """A folder split's images as one (N, 3, size, size) uint8 tensor, decoded once: with a
-    cache_dir, later runs load the saved array, keyed by every file's path, size and times, the
+    cache_dir, later runs load the saved array, keyed by every file's identity, size and times, the
     image size and DECODING, so that a changed folder (or decoder) is decoded again."""
     cache = cache_dir and os.path.join(cache_dir, folder_key(files, size))
     if cache and os.path.exists(cache):
@@ -141,10 +141,10 @@ DECODING = "RGB, bicubic resize, uint8 (N, 3, H, W)"  # change it when _decode c
 
 
 def file_stamp(path):
-    """A file's path, size and times, as a cache key sees it: ctime too, which no edit can set
-    back (an edit that keeps size and mtime still changes the key)."""
+    """A file as a cache key sees it: which file (device, inode: the same through any link), its
+    size and times, ctime too, which no edit can set back (nor keep, keeping size and mtime)."""
     s = os.stat(path)
-    return f"{os.path.abspath(path)}|{s.st_size}|{s.st_mtime_ns}|{s.st_ctime_ns}"
+    return f"{s.st_dev}|{s.st_ino}|{s.st_size}|{s.st_mtime_ns}|{s.st_ctime_ns}"
 
 
 def folder_key(files, size):
