@@ -1805,7 +1805,8 @@ def test_a_run_prints_each_setting_with_where_it_came_from(tiny_data, tmp_path):
     assert any(line.startswith("from flags:") and "max_iters=1" in line for line in lines)
     code, out, _ = run_train("--resume", "--max_iters", "2", out_dir=tmp_path)
     assert code == 0 and "from the resumed run: " in out, out
-    assert "from flags: max_iters=2" in out and "every other setting: its default" in out
+    assert "from flags: max_iters=2" in out
+    assert "every other setting: its default, where this run reads it (train.py --help)" in out
     assert "cifar-small: batch_size=128, max_iters=3600" in train.build_parser().format_help()
     looks = look.build_parser()._subparsers._group_actions[0].choices.values()
     for parser in (probe.build_parser(), bench.build_parser(), *looks):  # every default said

@@ -273,4 +273,4 @@ def settings_block(values, sources, width=100):
     lines = [line for source, items in groups.items() for line in textwrap.wrap(
         " ".join(items), width, initial_indent=f"from {source}: ", subsequent_indent="    ",
         break_long_words=False, break_on_hyphens=False)]
-    return lines + ["every other setting: its default (python train.py --help), or not read here"]
+    return lines + ["every other setting: its default, where this run reads it (train.py --help)"]
