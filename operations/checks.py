@@ -104,14 +104,13 @@ def resumed_settings(args, train_config, model_config, resumable, per_invocation
         raise TrainingError(f"--resume continues from {path}; --init_from counts only when a run "
                             f"starts (this one started from {saved.get('init_from') or 'scratch'})"
                             "; drop --init_from")
-    changed = {name: (saved.get(name, ckpt["config"].get(name)), value)  # every one, at once
-               for name, value in {**now, **flags_given(args, model_config)}.items()
-               if name not in resumable + per_invocation}
-    changed = {name: pair for name, pair in changed.items() if pair[0] != pair[1]}
+    given = {**now, **flags_given(args, model_config)}
+    before = {name: saved.get(name, ckpt["config"].get(name)) for name in given}
+    changed = [name for name, value in given.items()  # every one, in one line
+               if name not in resumable + per_invocation and value != before[name]]
     if changed:
         hint = " or fine-tune from it with --init_from" if "objective" in changed else ""
-        has = ", ".join(f"{name}={before!r}, not {value!r}" for name, (before, value)
-                        in changed.items())
+        has = ", ".join(f"{name}={before[name]!r}, not {given[name]!r}" for name in changed)
         raise TrainingError(f"--resume: the run in {os.path.dirname(path)} has {has}; --resume "
                             f"may change only {' '.join('--' + n for n in resumable)}; drop "
                             f"{' '.join('--' + n for n in changed)}{hint}")

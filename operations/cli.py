@@ -25,11 +25,18 @@ class TrainingError(ValueError):
     """The run cannot go on; the message is one line and says what to do."""
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose mistakes are one line naming --help, not the usage's thirty lines above."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (python {self.prog} --help lists every flag)\n")
+
+
 def parser_of(groups, choices, epilog=""):
     """Every field of each (dataclass, title) as a flag. Flags not given stay unset, so that a
     preset, a pretrained trunk or a resumed checkpoint can fill them."""
-    parser = argparse.ArgumentParser(description="Train bamboo models.", allow_abbrev=False,
-                                     formatter_class=argparse.RawTextHelpFormatter, epilog=epilog)
+    parser = OneLineErrors(description="Train bamboo models.", allow_abbrev=False,
+                           formatter_class=argparse.RawTextHelpFormatter, epilog=epilog)
     for cls, title in groups:  # each flag's help: the comment after its field in cls
         group = parser.add_argument_group(title)
         comments = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
@@ -41,8 +48,6 @@ def parser_of(groups, choices, epilog=""):
             else:
                 kwargs.update(type=type(f.default), choices=choices.get(f.name))
             group.add_argument(f"--{f.name}", **kwargs)
-    parser.error = lambda message: parser.exit(2, f"error: {message} (python {parser.prog} --help "
-                                                   "lists every flag)\n")  # not usage's 30 lines
     return parser
 
 
